@@ -1,0 +1,9 @@
+"""Fused Triton kernels for BERT, forward and backward, each usable on its own.
+
+Importing this package imports triton. On a machine without CUDA the kernels run on CPU tensors in Triton's
+interpreter, which must be enabled with TRITON_INTERPRET=1 before triton is first imported.
+"""
+from .bias_gelu import LinearGeLU, bias_gelu
+from .layer_norm import LayerNorm, layer_norm
+
+__all__ = ["LayerNorm", "layer_norm", "LinearGeLU", "bias_gelu"]

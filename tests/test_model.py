@@ -313,3 +313,32 @@ def test_training_mode_with_dropout_runs_and_is_random():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(ids, mask, tt).seq_relationship_logits, model(ids, mask, tt).seq_relationship_logits)
+
+
+@pytest.mark.parametrize("cls", [bert.BertForPreTraining, bert.BertForQuestionAnswering])
+def test_triton_backend_matches_torch(cls):
+    """The same weights on both backends (dropout off): outputs and every parameter gradient agree."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    cfg = dict(TINY, hidden_act="gelu")
+    ref = cls(bert.BertConfig(**cfg, backend="torch")).eval()
+    tri = cls(bert.BertConfig(**cfg, backend="triton")).eval()
+    tri.load_state_dict(ref.state_dict())
+    assert tri.backend == "triton"
+    ids, mask, tt = random_batch(99, batch=3, seqlen=13, lengths=[13, 6, 1], seed=9)
+    if cls is bert.BertForPreTraining:
+        kw = dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 1]))
+        fields = ("seq_relationship_logits",)
+    else:
+        kw = dict(start_positions=torch.tensor([1, 2, 0]), end_positions=torch.tensor([3, 5, 0]))
+        fields = ("start_logits", "end_logits")
+    a, b = ref(ids, mask, tt, **kw), tri(ids, mask, tt, **kw)
+    assert rel_err(b.loss, a.loss) <= TOL
+    keep = mask.bool()
+    for f in fields:
+        x, y = getattr(a, f), getattr(b, f)
+        assert rel_err(y[keep] if y.dim() == 2 and f != "seq_relationship_logits" else y,
+                       x[keep] if x.dim() == 2 and f != "seq_relationship_logits" else x) <= TOL, f
+    a.loss.backward()
+    b.loss.backward()
+    check_grads(tri, ref)

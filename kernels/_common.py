@@ -1,0 +1,51 @@
+"""Launcher helpers shared by the kernels: input checks, seeds, grid sizes."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Read once, as triton does when the kernels are first decorated: CPU tensors only work in the interpreter.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(op: str, name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_device(op: str, **tensors) -> torch.device:
+    """All given tensors on one device, and one the kernels can run on."""
+    named = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in named.items()}
+    first_name, device = next(iter(devices.items()))
+    for name, d in devices.items():
+        if d != device:
+            raise ValueError(f"{op}: {name} is on {d} but {first_name} is on {device}")
+    if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
+        raise ValueError(f"{op}: tensors are on {device}; the Triton kernels need a CUDA device "
+                         "(or TRITON_INTERPRET=1 set before triton is imported, for CPU tensors)")
+    return device
+
+
+def new_seed() -> int:
+    """A Philox seed from torch's CPU generator: reproducible under torch.manual_seed, no device sync."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def reduction_programs(device: torch.device, n_tiles: int) -> int:
+    """How many programs share a cross-row reduction: a few per SM on a GPU, few in the interpreter."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    return max(1, min(n_tiles, target))
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [M, N] with unit stride along N (copies only when it must)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,173 @@
+"""Fused GeLU(x + bias): the bias of BERT's intermediate dense layer and its activation in one pass.
+
+With z = x + b, Phi the standard normal CDF and phi its density:
+    "none" (erf, BERT's `gelu`):   gelu(z) = z * Phi(z) = 0.5 z (1 + erf(z / sqrt 2))
+                                   gelu'(z) = Phi(z) + z * phi(z),  phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
+    "tanh" (`gelu_new`):           gelu(z) = 0.5 z (1 + tanh(u)),  u = sqrt(2/pi) (z + 0.044715 z^3)
+                                   gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 z^2)
+Backward: dx = dy * gelu'(x + b), db = sum_rows dx. The activation is not stored: the backward recomputes z from
+x and b, so the forward writes one tensor and the backward reads two. db is summed per program over a band of
+rows into a [programs, N] float32 buffer, then reduced once.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from ._common import as_rows, check_device, check_float, reduction_programs
+
+APPROXIMATIONS = ("none", "tanh")
+
+
+@triton.jit
+def _tanh_u2(z):
+    """2u for the tanh form, clamped to +-40 (tanh is +-1 in float32 long before) so exp never overflows.
+
+    The tanh form is evaluated through sigmoids: 1 + tanh(u) = 2 sigmoid(2u) and 1 - tanh^2(u) =
+    4 sigmoid(2u) sigmoid(-2u); the second sigmoid is computed, not taken as 1 - sigmoid(2u), to keep its
+    relative precision where sigmoid(2u) rounds to 1."""
+    u2 = 1.5957691216057308 * (z + 0.044715 * z * z * z)
+    return tl.minimum(tl.maximum(u2, -40.0), 40.0)
+
+
+@triton.jit
+def _gelu(z, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        return z * tl.sigmoid(_tanh_u2(z))
+    else:
+        return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_grad(z, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        u2 = _tanh_u2(z)
+        s, s_neg = tl.sigmoid(u2), tl.sigmoid(-u2)
+        return s + 2.0 * z * s * s_neg * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    X,      # [M, N] matmul output without bias
+    B,      # [N] bias
+    Y,      # [M, N] gelu(x + b), x's dtype
+    stride_x_m, stride_y_m, M, N,
+    APPROX_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    z = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64 * stride_y_m + cols[None, :], _gelu(z, APPROX_TANH).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    X, B,        # as in the forward
+    DY,          # [M, N] upstream gradient
+    DX,          # [M, N] gradient of x (and, summed over rows, of b)
+    DB_partial,  # [programs, N] float32 per-program column sums of dx
+    stride_x_m, stride_dy_m, stride_dx_m, M, N, rows_per_program,
+    APPROX_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        z = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32) + b[None, :]
+        dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz = tl.where(mask, dy * _gelu_grad(z, APPROX_TANH), 0.0)
+        tl.store(DX + rows64 * stride_dx_m + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
+        db += tl.sum(dz, axis=0)
+    tl.store(DB_partial + pid * N + cols, db, mask=col_ok)
+
+
+def _block_sizes(n: int) -> tuple[int, int]:
+    block_n = min(1024, triton.next_power_of_2(n))
+    return max(1, 4096 // block_n), block_n
+
+
+class BiasGeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        shape, n = x.shape, x.shape[-1]
+        x2 = as_rows(x)
+        m = x2.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        block_m, block_n = _block_sizes(n)
+        if m:
+            _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+                x2, bias, y, x2.stride(0), y.stride(0), m, n,
+                APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+        ctx.save_for_backward(x2, bias)
+        ctx.approximate, ctx.shape = approximate, shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, bias = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = as_rows(dy)
+        dx = torch.empty_like(x2)
+        block_m, block_n = _block_sizes(n)
+        programs = reduction_programs(x2.device, triton.cdiv(m, block_m))
+        rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m if m else 0
+        db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+        if m:
+            _bias_gelu_bwd_kernel[(programs, triton.cdiv(n, block_n))](
+                x2, bias, dy2, dx, db_partial, x2.stride(0), dy2.stride(0), dx.stride(0), m, n, rows_per_program,
+                APPROX_TANH=ctx.approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+        db = db_partial.sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.shape), db, None
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GeLU(x + bias) over the last dimension of x; `approximate` is "none" (erf) or "tanh"."""
+    op = "bias_gelu"
+    check_float(op, "x", x)
+    check_float(op, "bias", bias)
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    if x.dim() == 0 or tuple(bias.shape) != (x.shape[-1],):
+        raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected (N,) with N = x's last dimension "
+                         f"(x has shape {tuple(x.shape)})")
+    check_device(op, x=x, bias=bias)
+    return BiasGeluFunction.apply(x, bias, approximate)
+
+
+class LinearGeLU(nn.Linear):
+    """Drop-in for nn.Linear followed by GeLU (same `weight` and `bias`): the matmul runs without bias, then the
+    fused kernel adds the bias and applies GeLU in one pass."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, approximate: str = "none",
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        if approximate not in APPROXIMATIONS:
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x):
+        if self.bias is None:
+            return F.gelu(F.linear(x, self.weight), approximate=self.approximate)
+        return bias_gelu(F.linear(x, self.weight), self.bias, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, approximate={self.approximate!r}"
+
+

@@ -1,0 +1,242 @@
+"""Fused LayerNorm(dropout(x) + residual): BERT's "dense -> dropout -> add residual -> LayerNorm" in one pass.
+
+Forward, per row of N features (statistics in float32):
+    s    = dropout(x) + residual,  dropout(x) = x * keep / (1 - p),  keep ~ Bernoulli(1 - p) from Philox(seed, i)
+    mean = sum(s) / N,  var = sum((s - mean)^2) / N,  rstd = 1 / sqrt(var + eps)
+    xhat = (s - mean) * rstd,  y = xhat * w + b
+Only y, mean and rstd are written; the dropout mask is regenerated in the backward from (seed, element index).
+
+Backward, with g = dy * w:
+    ds         = rstd * (g - mean(g) - xhat * mean(g * xhat))        (means over the N features of the row)
+    dresidual  = ds,   dx = ds * keep / (1 - p)
+    dw = sum_rows dy * xhat,   db = sum_rows dy
+The backward recomputes s from x and residual (same traffic as storing it, less memory). dw and db are summed
+per program over a contiguous band of rows into a [programs, N] float32 buffer, then reduced once: no atomics,
+no contention.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from ._common import as_rows, check_device, check_float, new_seed, reduction_programs
+
+MAX_N = 16384
+
+
+@triton.jit
+def _dropout_keep(seed, offsets, p):
+    """Philox keep-mask shared by the forward, the backward and `dropout_mask`, so all three agree bit for bit."""
+    return tl.rand(seed, offsets) >= p
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,           # [M, N] input (the sublayer's output)
+    R,           # [M, N] residual (unused unless HAS_RESIDUAL)
+    W, B,        # [N] weight and bias (unused unless HAS_WEIGHT / HAS_BIAS)
+    Y,           # [M, N] output, x's dtype
+    Mean, Rstd,  # [M] float32 statistics for the backward
+    stride_x_m, stride_r_m, stride_y_m,
+    M, N, eps, p, seed,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)[:, None]
+    s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, rows64 * N + cols[None, :], p)
+        s = tl.where(keep, s / (1.0 - p), 0.0)
+    if HAS_RESIDUAL:
+        s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(s, axis=1) / N
+    diff = tl.where(mask, s - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / N + eps)
+    y = diff * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64 * stride_y_m + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=row_ok)
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X, R, W,              # as in the forward
+    DY,                   # [M, N] upstream gradient
+    DX, DR,               # [M, N] gradients of x and residual (DR unused unless HAS_RESIDUAL)
+    DW_partial, DB_partial,  # [programs, N] float32 per-program sums of dy * xhat and dy
+    Mean, Rstd,           # [M] float32
+    stride_x_m, stride_r_m, stride_dy_m, stride_dx_m, stride_dr_m,
+    M, N, p, seed, rows_per_program,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rows64 * N + cols[None, :], p)
+            s = tl.where(keep, s / (1.0 - p), 0.0)
+        if HAS_RESIDUAL:
+            s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = dy * w[None, :] if HAS_WEIGHT else dy
+        mean_g = tl.sum(g, axis=1) / N
+        mean_gx = tl.sum(g * xhat, axis=1) / N
+        ds = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
+        if HAS_RESIDUAL:
+            tl.store(DR + rows64 * stride_dr_m + cols[None, :], ds.to(DR.dtype.element_ty), mask=mask)
+        if HAS_DROPOUT:
+            ds = tl.where(keep, ds / (1.0 - p), 0.0)
+        tl.store(DX + rows64 * stride_dx_m + cols[None, :], ds.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(DW_partial + pid * N + cols, dw, mask=col_ok)
+    tl.store(DB_partial + pid * N + cols, db, mask=col_ok)
+
+
+@triton.jit
+def _dropout_mask_kernel(Out, M, N, p, seed, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Out + offs, _dropout_keep(seed, offs, p).to(tl.int8), mask=offs < M * N)
+
+
+def _block_sizes(n: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(16, 4096 // block_n))   # a few rows per program when rows are short
+    num_warps = min(16, max(4, block_m * block_n // 1024))
+    return block_m, block_n, num_warps
+
+
+def _check(x, weight, bias, residual, p):
+    op = "layer_norm"
+    check_float(op, "x", x)
+    n = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or not 1 <= n <= MAX_N:
+        raise ValueError(f"{op}: the normalised (last) dimension must have 1..{MAX_N} features, got shape {tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_float(op, name, t)
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected ({n},) to match x's last dimension")
+    if residual is not None:
+        check_float(op, "residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"{op}: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {p}")
+    check_device(op, x=x, weight=weight, bias=bias, residual=residual)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, p, seed):
+        shape, n = x.shape, x.shape[-1]
+        x2 = as_rows(x)
+        r2 = as_rows(residual) if residual is not None else None
+        m = x2.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        mean = torch.empty(m, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        block_m, block_n, num_warps = _block_sizes(n)
+        if m:
+            _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+                x2, r2, weight, bias, y, mean, rstd,
+                x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
+                m, n, eps, p, seed,
+                HAS_RESIDUAL=r2 is not None, HAS_DROPOUT=p > 0, HAS_WEIGHT=weight is not None,
+                HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        ctx.save_for_backward(x2, r2, weight, bias, mean, rstd)
+        ctx.p, ctx.seed, ctx.shape = p, seed, shape
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, r2, weight, bias, mean, rstd = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = as_rows(dy)
+        dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+        dr = torch.empty((m, n), dtype=ctx.residual_dtype, device=x2.device) if r2 is not None else None
+        block_m, block_n, num_warps = _block_sizes(n)
+        programs = reduction_programs(x2.device, triton.cdiv(m, block_m))
+        rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m if m else 0
+        dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+        db_partial = torch.zeros_like(dw_partial)
+        if m:
+            _layer_norm_bwd_kernel[(programs,)](
+                x2, r2, weight, dy2, dx, dr, dw_partial, db_partial, mean, rstd,
+                x2.stride(0), r2.stride(0) if r2 is not None else 0, dy2.stride(0), dx.stride(0),
+                dr.stride(0) if dr is not None else 0,
+                m, n, ctx.p, ctx.seed, rows_per_program,
+                HAS_RESIDUAL=r2 is not None, HAS_DROPOUT=ctx.p > 0, HAS_WEIGHT=weight is not None,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        dw = dw_partial.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        db = db_partial.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        dr = dr.view(ctx.shape) if dr is not None else None
+        return dx.view(ctx.shape), dw, db, dr, None, None, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5,
+               residual: torch.Tensor | None = None, dropout_p: float = 0.0, training: bool = True,
+               seed: int | None = None) -> torch.Tensor:
+    """LayerNorm(dropout(x) + residual) over the last dimension; returns a tensor of x's shape and dtype.
+
+    Dropout applies to x only (not the residual) and only when `training`; `seed` fixes its Philox stream
+    (default: drawn from torch's CPU generator, so torch.manual_seed makes runs repeatable).
+    """
+    p = float(dropout_p) if training else 0.0
+    _check(x, weight, bias, residual, p)
+    if p > 0 and seed is None:
+        seed = new_seed()
+    return LayerNormFunction.apply(x, weight, bias, residual, float(eps), p, int(seed or 0))
+
+
+def dropout_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
+    """The keep-mask (bool [n_rows, n_cols]) that `layer_norm` uses for this seed and p; for tests."""
+    out = torch.empty(n_rows * n_cols, dtype=torch.int8, device=device)
+    if out.numel():
+        _dropout_mask_kernel[(triton.cdiv(out.numel(), 1024),)](out, n_rows, n_cols, float(p), seed, BLOCK=1024)
+    return out.view(n_rows, n_cols).bool()
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in for nn.LayerNorm (same parameters and state_dict) running the fused kernel.
+
+    `forward(x, residual=None, dropout_p=0.0)` computes LayerNorm(dropout(x) + residual); with the defaults it
+    is exactly nn.LayerNorm over the last dimension. Dropout is active only in training mode.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"kernels.LayerNorm normalises over the last dimension only, got {self.normalized_shape}")
+
+    def forward(self, x, residual=None, dropout_p: float = 0.0):
+        return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=dropout_p,
+                          training=self.training)

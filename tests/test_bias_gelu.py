@@ -1,0 +1,92 @@
+"""kernels.bias_gelu against F.gelu(x + b) in float64: output and the gradients of x and bias."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_utils import DTYPES, check_against_reference
+
+kernels = pytest.importorskip("kernels")
+
+
+def run_case(shape, dtype, device, approximate):
+    g = torch.Generator().manual_seed(hash((shape, str(dtype), approximate)) % 2**31)
+    n = shape[-1]
+    x = (3 * torch.randn(shape, generator=g)).to(device)
+    b = torch.randn(n, generator=g).to(device)
+    dy = torch.randn(shape, generator=g).to(device)
+    x1, b1 = x.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+    y = kernels.bias_gelu(x1, b1, approximate)
+    assert y.dtype == dtype and y.shape == x.shape
+    dx, db = torch.autograd.grad(y, (x1, b1), dy.to(dtype))
+    x64, b64 = x.double().requires_grad_(), b.double().requires_grad_()
+    y64 = F.gelu(x64 + b64, approximate=approximate)
+    dx64, db64 = torch.autograd.grad(y64, (x64, b64), dy.double())
+    xs, bs = x.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+    ys = F.gelu(xs + bs, approximate=approximate)
+    dxs, dbs = torch.autograd.grad(ys, (xs, bs), dy.to(dtype))
+    check_against_reference("y", y, y64, ys, dtype)
+    check_against_reference("dx", dx, dx64, dxs, dtype)
+    check_against_reference("dbias", db, db64, dbs, dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("n", [1, 7, 1000, 1536, 3072])
+def test_float32_shapes(device, approximate, n):
+    run_case((19, n), torch.float32, device, approximate)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes(device, approximate, dtype):
+    run_case((3, 11, 1536), dtype, device, approximate)
+
+
+def test_one_row_leading_dims_and_empty(device):
+    run_case((1, 1, 5), torch.float32, device, "none")
+    x = torch.zeros(0, 16, device=device, requires_grad=True)
+    b = torch.zeros(16, device=device, requires_grad=True)
+    kernels.bias_gelu(x, b).sum().backward()
+    assert torch.equal(b.grad, torch.zeros(16, device=device))
+
+
+def test_non_contiguous_input(device):
+    x = torch.randn(64, 9, device=device).t()
+    b = torch.randn(64, device=device)
+    assert torch.allclose(kernels.bias_gelu(x, b), F.gelu(x + b), atol=1e-6)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_gelu_is_a_drop_in(device, approximate):
+    lin = torch.nn.Linear(24, 40).to(device)
+    ours = kernels.LinearGeLU(24, 40, approximate=approximate).to(device)
+    assert set(ours.state_dict()) == set(lin.state_dict())
+    ours.load_state_dict(lin.state_dict())
+    x = torch.randn(2, 5, 24, device=device)
+    ref = F.gelu(lin(x), approximate=approximate)
+    out = ours(x)
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.sum().backward()
+    ref_w = torch.autograd.grad(F.gelu(lin(x), approximate=approximate).sum(), lin.weight)[0]
+    assert torch.allclose(ours.weight.grad, ref_w, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda d: kernels.bias_gelu(torch.randn(3, 8, device=d), torch.randn(9, device=d)), ValueError,
+     r"bias has shape \(9,\)"),
+    (lambda d: kernels.bias_gelu(torch.ones(3, 8, dtype=torch.int32, device=d), torch.randn(8, device=d)),
+     TypeError, "x must be float32"),
+    (lambda d: kernels.bias_gelu(torch.randn(3, 8, device=d), torch.randn(8, device=d), "erf"), ValueError,
+     "approximate must be"),
+    (lambda d: kernels.bias_gelu(torch.randn(3, 8, device=d), torch.randn(8, device="meta")), ValueError,
+     "bias is on meta"),
+])
+def test_bad_inputs(device, call, err, match):
+    with pytest.raises(err, match=match):
+        call(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gpu_compiled(dtype, approximate):
+    run_case((8192, 3072), dtype, torch.device("cuda"), approximate)

@@ -1,0 +1,165 @@
+"""kernels.layer_norm against F.layer_norm in float64: outputs and every gradient, with and without residual."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_utils import DTYPES, binomial_ok, check_against_reference
+
+kernels = pytest.importorskip("kernels")
+from kernels.layer_norm import dropout_mask  # noqa: E402
+
+
+def reference(x, w, b, eps, residual=None, keep=None, p=0.0):
+    s = x * keep / (1 - p) if keep is not None else x
+    if residual is not None:
+        s = s + residual
+    return F.layer_norm(s, (x.shape[-1],), w, b, eps)
+
+
+def run_case(shape, dtype, device, with_residual, p=0.0, seed=0, affine=True, eps=1e-5):
+    g = torch.Generator().manual_seed(hash((shape, str(dtype), with_residual)) % 2**31)
+    n = shape[-1]
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(device)
+    r = torch.randn(shape, generator=g).to(device) if with_residual else None
+    w = (1 + 0.5 * torch.randn(n, generator=g)).to(device) if affine else None
+    b = (0.3 * torch.randn(n, generator=g)).to(device) if affine else None
+    dy = torch.randn(shape, generator=g).to(device)
+    leaves64 = [t.double().requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    keep = None
+    if p > 0:
+        keep = dropout_mask(seed, x.numel() // n, n, p, device).view(shape)
+
+    y = kernels.layer_norm(leaves[0], leaves[2], leaves[3], eps, residual=leaves[1], dropout_p=p, seed=seed)
+    assert y.dtype == dtype and y.shape == x.shape
+    inputs = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(y, inputs, dy.to(dtype))
+
+    y64 = reference(leaves64[0], leaves64[2], leaves64[3], eps, leaves64[1], keep, p)
+    inputs64 = [t for t in leaves64 if t is not None]
+    grads64 = torch.autograd.grad(y64, inputs64, dy.double())
+
+    # PyTorch's own error in the same dtype is the yardstick for half precision.
+    same = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    y_same = reference(same[0], same[2], same[3], eps, same[1], keep, p)
+    grads_same = torch.autograd.grad(y_same, [t for t in same if t is not None], dy.to(dtype))
+
+    check_against_reference("y", y, y64, y_same, dtype)
+    names = [nm for nm, t in zip(("dx", "dresidual", "dweight", "dbias"), leaves) if t is not None]
+    for nm, a, ref, same_g in zip(names, grads, grads64, grads_same):
+        check_against_reference(nm, a, ref, same_g, dtype)
+
+
+@pytest.mark.parametrize("n", [1, 7, 384, 768, 1000, 1024])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_float32_shapes(device, n, with_residual):
+    run_case((13, n), torch.float32, device, with_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_dtypes(device, dtype, with_residual):
+    run_case((2, 9, 384), dtype, device, with_residual)
+
+
+@pytest.mark.parametrize("n", [4097, 8192])
+def test_wide_rows(device, n):
+    run_case((3, n), torch.float32, device, with_residual=True)
+
+
+def test_one_row_and_no_affine(device):
+    run_case((1, 1, 33), torch.float32, device, with_residual=True)
+    run_case((5, 48), torch.float32, device, with_residual=False, affine=False)
+
+
+def test_large_eps_is_used(device):
+    run_case((4, 16), torch.float32, device, with_residual=False, eps=0.5)
+
+
+def test_empty_input(device):
+    x = torch.zeros(0, 64, device=device, requires_grad=True)
+    w, b = torch.ones(64, device=device, requires_grad=True), torch.zeros(64, device=device, requires_grad=True)
+    y = kernels.layer_norm(x, w, b)
+    y.sum().backward()
+    assert y.shape == (0, 64) and torch.equal(w.grad, torch.zeros(64, device=device))
+
+
+def test_non_contiguous_input(device):
+    base = torch.randn(48, 10, device=device)
+    x = base.t()  # [10, 48], row stride 1: not unit stride along the normalised dimension
+    w, b = torch.randn(48, device=device), torch.randn(48, device=device)
+    assert torch.allclose(kernels.layer_norm(x, w, b), F.layer_norm(x, (48,), w, b), atol=1e-5)
+    sliced = torch.randn(6, 100, device=device)[:, 10:74]  # strided rows, unit stride inside
+    w, b = torch.randn(64, device=device), torch.randn(64, device=device)
+    assert torch.allclose(kernels.layer_norm(sliced, w, b), F.layer_norm(sliced, (64,), w, b), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_against_reference_with_kernel_mask(device, dtype):
+    run_case((6, 200), dtype, device, with_residual=True, p=0.3, seed=1234)
+
+
+def test_dropout_keep_rate_and_determinism(device):
+    m, n, p = 64, 1000, 0.1
+    keep = dropout_mask(7, m, n, p, device)
+    assert binomial_ok(int(keep.sum()), m * n, 1 - p)
+    x, w, b = torch.randn(m, n, device=device), torch.ones(n, device=device), torch.zeros(n, device=device)
+    a = kernels.layer_norm(x, w, b, dropout_p=p, seed=7)
+    assert torch.equal(a, kernels.layer_norm(x, w, b, dropout_p=p, seed=7))
+    assert not torch.equal(a, kernels.layer_norm(x, w, b, dropout_p=p, seed=8))
+    # The kernel drops exactly the masked elements.
+    assert torch.allclose(a, F.layer_norm(x * keep / (1 - p), (n,), w, b), atol=1e-5)
+    # Seeds drawn from torch's generator follow torch.manual_seed.
+    torch.manual_seed(3)
+    c = kernels.layer_norm(x, w, b, dropout_p=p)
+    torch.manual_seed(3)
+    assert torch.equal(c, kernels.layer_norm(x, w, b, dropout_p=p))
+
+
+def test_p_zero_and_eval_equal_no_dropout(device):
+    x, r = torch.randn(8, 96, device=device), torch.randn(8, 96, device=device)
+    w, b = torch.randn(96, device=device), torch.randn(96, device=device)
+    plain = kernels.layer_norm(x, w, b, residual=r)
+    assert torch.equal(plain, kernels.layer_norm(x, w, b, residual=r, dropout_p=0.0, seed=1))
+    assert torch.equal(plain, kernels.layer_norm(x, w, b, residual=r, dropout_p=0.5, training=False))
+    ln = kernels.LayerNorm(96).to(device).eval()
+    ln.load_state_dict({"weight": w, "bias": b})
+    assert torch.equal(plain, ln(x, residual=r, dropout_p=0.5))
+
+
+def test_module_is_a_drop_in_for_nn_layernorm(device):
+    ref = torch.nn.LayerNorm(40, eps=1e-6).to(device)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ours = kernels.LayerNorm(40, eps=1e-6).to(device)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 5, 40, device=device)
+    assert torch.allclose(ours(x), ref(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda d: kernels.layer_norm(torch.randn(4, 8, device=d), torch.ones(7, device=d), None), ValueError,
+     r"weight has shape \(7,\), expected \(8,\)"),
+    (lambda d: kernels.layer_norm(torch.ones(4, 8, dtype=torch.int64, device=d), None, None), TypeError,
+     "x must be float32, float16 or bfloat16, got torch.int64"),
+    (lambda d: kernels.layer_norm(torch.randn(4, 8, device=d), torch.ones(8, device="meta"), None), ValueError,
+     "weight is on meta"),
+    (lambda d: kernels.layer_norm(torch.randn(4, 8, device=d), None, None, residual=torch.randn(4, 9, device=d)),
+     ValueError, "residual has shape"),
+    (lambda d: kernels.layer_norm(torch.randn(4, 8, device=d), None, None, dropout_p=1.0), ValueError,
+     r"dropout_p must be in \[0, 1\)"),
+    (lambda d: kernels.layer_norm(torch.randn(2, 20000, device=d), None, None), ValueError, "1..16384 features"),
+])
+def test_bad_inputs(device, call, err, match):
+    with pytest.raises(err, match=match):
+        call(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [768, 1024, 4096])
+def test_gpu_compiled(dtype, n):
+    run_case((4096, n), dtype, torch.device("cuda"), with_residual=True)
+    run_case((512, n), dtype, torch.device("cuda"), with_residual=True, p=0.1, seed=11)
