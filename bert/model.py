@@ -119,8 +119,10 @@ class BertSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def forward(self, x, u: Unpadded, backend):
-        shape = (x.shape[0], self.num_attention_heads, self.attention_head_size)
-        q, k, v = (proj(x).view(shape) for proj in (self.query, self.key, self.value))
+        # One matmul for q, k and v; the parameters stay three HF-named Linears.
+        projs = (self.query, self.key, self.value)
+        qkv = F.linear(x, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
+        q, k, v = qkv.view(x.shape[0], 3, self.num_attention_heads, self.attention_head_size).unbind(1)
         p = self.dropout.p if self.training else 0.0
         return ops.varlen_attention(q, k, v, u, dropout_p=p, backend=backend).reshape(x.shape)
 

@@ -6,6 +6,7 @@ Every function takes `backend` ("torch" or "triton", already resolved) and compu
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -57,10 +58,24 @@ def bias_gelu(x, bias, approximate="none", backend="torch"):
 
 
 # ---- attention over packed sequences ------------------------------------------------------------
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
     """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence."""
-    if backend == "triton" and _has_kernel("varlen_attention"):
-        return _kernels().varlen_attention(q, k, v, u.cu_seqlens, u.max_seqlen, dropout_p=dropout_p)
+    if backend == "triton" and q.shape[-1] not in _kernels().attention.HEAD_DIMS:
+        _warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
+                   "this model's attention runs in PyTorch")
+        backend = "torch"
+    if backend == "triton":
+        # cu_seqlens comes from bert.padding, so the value checks (a device sync) are skipped.
+        return _kernels().varlen_attention(q, k, v, u.cu_seqlens, u.max_seqlen, dropout_p=dropout_p, validate=False)
     return _torch_varlen_attention(q, k, v, u, dropout_p)
 
 

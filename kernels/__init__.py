@@ -3,7 +3,8 @@
 Importing this package imports triton. On a machine without CUDA the kernels run on CPU tensors in Triton's
 interpreter, which must be enabled with TRITON_INTERPRET=1 before triton is first imported.
 """
+from .attention import padded_attention, varlen_attention
 from .bias_gelu import LinearGeLU, bias_gelu
 from .layer_norm import LayerNorm, layer_norm
 
-__all__ = ["LayerNorm", "layer_norm", "LinearGeLU", "bias_gelu"]
+__all__ = ["LayerNorm", "layer_norm", "LinearGeLU", "bias_gelu", "varlen_attention", "padded_attention"]

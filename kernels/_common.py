@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Read once, as triton does when the kernels are first decorated: CPU tensors only work in the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -49,3 +51,25 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., N] -> [M, N] with unit stride along N (copies only when it must)."""
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def dropout_keep(seed, offsets, p):
+    """Philox keep-mask from (seed, element offset): a kernel's forward, its backward and its test helper call
+    this with the same offsets and so agree bit for bit, without ever storing the mask."""
+    return tl.rand(seed, offsets) >= p
+
+
+@triton.jit
+def _dropout_mask_kernel(Out, numel, p, seed, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Out + offs, dropout_keep(seed, offs, p).to(tl.int8), mask=offs < numel)
+
+
+def keep_mask(seed: int, numel: int, p: float, device) -> torch.Tensor:
+    """The flat bool keep-mask `dropout_keep` gives elements 0..numel-1; kernels index their elements so that
+    this, reshaped, is the mask they applied. For tests."""
+    out = torch.empty(numel, dtype=torch.int8, device=device)
+    if numel:
+        _dropout_mask_kernel[(triton.cdiv(numel, 1024),)](out, numel, float(p), seed, BLOCK=1024)
+    return out.bool()

@@ -21,15 +21,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._common import as_rows, check_device, check_float, new_seed, reduction_programs
+from ._common import as_rows, check_device, check_float, dropout_keep, keep_mask, new_seed, reduction_programs
 
 MAX_N = 16384
-
-
-@triton.jit
-def _dropout_keep(seed, offsets, p):
-    """Philox keep-mask shared by the forward, the backward and `dropout_mask`, so all three agree bit for bit."""
-    return tl.rand(seed, offsets) >= p
 
 
 @triton.jit
@@ -51,7 +45,7 @@ def _layer_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, rows64 * N + cols[None, :], p)
+        keep = dropout_keep(seed, rows64 * N + cols[None, :], p)
         s = tl.where(keep, s / (1.0 - p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -96,7 +90,7 @@ def _layer_norm_bwd_kernel(
         rows64 = rows.to(tl.int64)[:, None]
         s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rows64 * N + cols[None, :], p)
+            keep = dropout_keep(seed, rows64 * N + cols[None, :], p)
             s = tl.where(keep, s / (1.0 - p), 0.0)
         if HAS_RESIDUAL:
             s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -117,12 +111,6 @@ def _layer_norm_bwd_kernel(
         db += tl.sum(dy, axis=0)
     tl.store(DW_partial + pid * N + cols, dw, mask=col_ok)
     tl.store(DB_partial + pid * N + cols, db, mask=col_ok)
-
-
-@triton.jit
-def _dropout_mask_kernel(Out, M, N, p, seed, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Out + offs, _dropout_keep(seed, offs, p).to(tl.int8), mask=offs < M * N)
 
 
 def _block_sizes(n: int) -> tuple[int, int, int]:
@@ -217,11 +205,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 
 def dropout_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
-    """The keep-mask (bool [n_rows, n_cols]) that `layer_norm` uses for this seed and p; for tests."""
-    out = torch.empty(n_rows * n_cols, dtype=torch.int8, device=device)
-    if out.numel():
-        _dropout_mask_kernel[(triton.cdiv(out.numel(), 1024),)](out, n_rows, n_cols, float(p), seed, BLOCK=1024)
-    return out.view(n_rows, n_cols).bool()
+    """The keep-mask (bool [n_rows, n_cols]) that `layer_norm` applies for this seed and p; for tests."""
+    return keep_mask(seed, n_rows * n_cols, p, device).view(n_rows, n_cols)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -1,0 +1,366 @@
+"""Variable-length flash attention for BERT (bidirectional, no causal mask), forward and backward, with dropout.
+
+Sequences are packed as [total_tokens, heads, head_dim] and delimited by int32 `cu_seqlens` [batch + 1], as in
+FlashAttention's varlen API. Program (i, b, h) handles query block i of sequence b, head h, and returns at once
+when that block lies past the sequence's end, so no FLOP is spent on padding: the cost grows with the sum of
+squared real lengths.
+
+Forward (FlashAttention-2). Scores are kept in base 2: s = (q . k) * scale * log2(e). Over key blocks j:
+    m_new = max(m, rowmax(s_j)),   alpha = 2^(m - m_new),   p_j = 2^(s_j - m_new)
+    l     = l * alpha + rowsum(p_j)
+    acc   = acc * alpha + (p_j * keep_j) @ v_j               keep ~ Philox(seed, (h, query, key)) >= p_drop
+    out   = acc / l / (1 - p_drop),   lse = m + log2(l)     (lse saved, float32, for the backward)
+Dropout acts on the normalised probabilities P; since normalising divides a whole row by l, it can be applied
+to the unnormalised p_j and l left undropped.
+
+Backward. P = 2^(s - lse) is recomputed from the saved lse; no [seq, seq] matrix is stored. With
+D = keep / (1 - p_drop) and O = (P * D) V:
+    dV = (P * D)^T dO,   dP = (dO V^T) * D,   dS = P * (dP - delta),   delta = rowsum(dO * O)
+    dQ = dS K * scale,   dK = dS^T Q * scale
+(rowsum(dP * P) = rowsum(dO * O) holds with dropout too, which is why delta needs only O and dO.)
+One kernel walks the query blocks for each key block (dK, dV); another walks the key blocks for each query
+block (dQ): no atomics, deterministic results.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, dropout_keep, keep_mask, new_seed
+
+HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scores(q, kt, qk_scale, DOT_PRECISION: tl.constexpr):
+    return tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V,       # [T, H, D]
+    O,             # [T, H, D] output
+    LSE,           # [H, T] float32 log2-sum-exp2 of the scaled scores of each query row
+    CuSeqlens,     # [B + 1] int32
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
+    total_tokens, max_seqlen, qk_scale, p_drop, seed,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_start = tl.load(CuSeqlens + b)
+    seq_len = tl.load(CuSeqlens + b + 1) - seq_start
+    if start_m * BLOCK_M >= seq_len:
+        return
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_len
+    q_rows = (seq_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        n = start_n + offs_n
+        n_ok = n < seq_len
+        k_rows = (seq_start + n).to(tl.int64)
+        kt = tl.load(K + k_rows[None, :] * stride_k_t + h * stride_k_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        s = tl.where(n_ok[None, :], _scores(q, kt, qk_scale, DOT_PRECISION), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + n[None, :], p_drop)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(V + k_rows[:, None] * stride_v_t + h * stride_v_h + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    if HAS_DROPOUT:
+        out = out / (1.0 - p_drop)
+    tl.store(O + q_rows[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=m_ok[:, None])
+    tl.store(LSE + h * total_tokens + q_rows, m_i + tl.math.log2(l_i), mask=m_ok)
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    O, DO,          # [T, H, D]
+    Delta,          # [H, T] float32: rowsum(dO * O)
+    stride_o_t, stride_o_h, stride_do_t, stride_do_h, total_tokens,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < total_tokens
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = tl.load(O + rows64[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + rows64[:, None] * stride_do_t + h * stride_do_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(Delta + h * total_tokens + rows64, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=ok)
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V, DO,    # [T, H, D]
+    DK, DV,         # [T, H, D] outputs
+    LSE, Delta,     # [H, T] float32
+    CuSeqlens,      # [B + 1] int32
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
+    stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, seed,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_start = tl.load(CuSeqlens + b)
+    seq_len = tl.load(CuSeqlens + b + 1) - seq_start
+    if start_n * BLOCK_N >= seq_len:
+        return
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seq_len
+    k_rows = (seq_start + offs_n).to(tl.int64)
+    # K and V as [D, N]: the score tile is then q @ kt, and dP = dO @ vt.
+    kt = tl.load(K + k_rows[None, :] * stride_k_t + h * stride_k_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+    vt = tl.load(V + k_rows[None, :] * stride_v_t + h * stride_v_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for start_m in range(0, seq_len, BLOCK_M):
+        m = start_m + offs_m
+        m_ok = m < seq_len
+        q_rows = (seq_start + m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+        do = tl.load(DO + q_rows[:, None] * stride_do_t + h * stride_do_h + offs_d[None, :], mask=m_ok[:, None],
+                     other=0.0)
+        lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
+        delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
+        p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
+        p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + offs_n[None, :], p_drop)
+            p_dropped = tl.where(keep, p / (1.0 - p_drop), 0.0)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        else:
+            p_dropped = p
+        dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    dk *= softmax_scale
+    ptr_mask = n_ok[:, None]
+    tl.store(DK + k_rows[:, None] * stride_dk_t + h * stride_dk_h + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=ptr_mask)
+    tl.store(DV + k_rows[:, None] * stride_dv_t + h * stride_dv_h + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=ptr_mask)
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V, DO,    # [T, H, D]
+    DQ,             # [T, H, D] output
+    LSE, Delta,     # [H, T] float32
+    CuSeqlens,      # [B + 1] int32
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
+    stride_dq_t, stride_dq_h,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, seed,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_start = tl.load(CuSeqlens + b)
+    seq_len = tl.load(CuSeqlens + b + 1) - seq_start
+    if start_m * BLOCK_M >= seq_len:
+        return
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_len
+    q_rows = (seq_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + q_rows[:, None] * stride_do_t + h * stride_do_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        n = start_n + offs_n
+        n_ok = n < seq_len
+        k_rows = (seq_start + n).to(tl.int64)
+        kt = tl.load(K + k_rows[None, :] * stride_k_t + h * stride_k_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        vt = tl.load(V + k_rows[None, :] * stride_v_t + h * stride_v_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
+        p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + n[None, :], p_drop)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+    dq *= softmax_scale
+    tl.store(DQ + q_rows[:, None] * stride_dq_t + h * stride_dq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=m_ok[:, None])
+
+
+def _config(head_dim: int, backward: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter, so short test sequences
+    still span several blocks."""
+    if INTERPRET:
+        return 16, 16, 4, 1
+    if backward:
+        return (64, 64, 4, 2) if head_dim <= 64 else (64, 64, 8, 2)
+    return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 2)
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
+    op = "varlen_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be [total_tokens, heads, head_dim], "
+                             f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"{op}: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"{op}: head_dim {q.shape[2]} is not supported; use one of {HEAD_DIMS}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+            or cu_seqlens.numel() < 1:
+        raise TypeError(f"{op}: cu_seqlens must be a 1-D int32 tensor [batch + 1]")
+    if cu_seqlens.numel() - 1 > 65535:
+        raise ValueError(f"{op}: at most 65535 sequences per call, got {cu_seqlens.numel() - 1}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
+    check_device(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    if validate:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        first, last = cu_seqlens[0], cu_seqlens[-1]
+        longest = lens.max() if lens.numel() else first * 0
+        first, last, decreasing, longest = torch.stack([first, last, (lens < 0).sum(), longest]).tolist()
+        if first != 0:
+            raise ValueError(f"{op}: cu_seqlens must start at 0, starts at {first}")
+        if decreasing:
+            raise ValueError(f"{op}: cu_seqlens must be non-decreasing")
+        if last != q.shape[0]:
+            raise ValueError(f"{op}: cu_seqlens ends at {last} but there are {q.shape[0]} tokens (total_tokens)")
+        if longest > max_seqlen:
+            raise ValueError(f"{op}: max_seqlen={max_seqlen} but a sequence has {longest} tokens")
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+        total, heads, dim = q.shape
+        batch = cu_seqlens.numel() - 1
+        o = torch.empty_like(q)
+        lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+        block_m, block_n, warps, stages = _config(dim, backward=False)
+        if total and batch and max_seqlen:
+            _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
+                q, k, v, o, lse, cu_seqlens,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+                total, max_seqlen, softmax_scale * LOG2E, dropout_p, seed,
+                HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale, ctx.seed = max_seqlen, dropout_p, softmax_scale, seed
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        total, heads, dim = q.shape
+        batch = cu_seqlens.numel() - 1
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if not (total and batch and ctx.max_seqlen):
+            return dq, dk, dv, None, None, None, None, None
+        delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+        _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
+            o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
+        block_m, block_n, warps, stages = _config(dim, backward=True)
+        common = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
+        scalars = (total, ctx.max_seqlen, ctx.softmax_scale * LOG2E, ctx.softmax_scale, ctx.dropout_p, ctx.seed)
+        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                   do.stride(0), do.stride(1))
+        _attention_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, block_n), batch, heads)](
+            q, k, v, do, dk, dv, lse, delta, cu_seqlens, *strides,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **common)
+        _attention_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, block_m), batch, heads)](
+            q, k, v, do, dq, lse, delta, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scalars, **common)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _rows_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int | None = None,
+                     validate: bool = True) -> torch.Tensor:
+    """softmax(q k^T * scale) v within each packed sequence; returns a tensor of q's shape.
+
+    q, k, v: [total_tokens, heads, head_dim] (head_dim 16, 32, 64 or 128); cu_seqlens: int32 [batch + 1];
+    max_seqlen: the longest sequence. Dropout on the attention probabilities uses Philox with `seed` (default:
+    drawn from torch's CPU generator). `validate=False` skips the checks of cu_seqlens' values, which need a
+    device sync; pass it only for cu_seqlens built by trusted code (the model does).
+    """
+    _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if dropout_p > 0 and seed is None:
+        seed = new_seed()
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale, int(seed or 0))
+
+
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,
+                     dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int | None = None) -> torch.Tensor:
+    """Attention on [batch, heads, seq, head_dim] with a key-padding mask [batch, seq] (nonzero = keep).
+
+    The kept tokens are packed, run through `varlen_attention`, and scattered back; padded query rows are 0.
+    Any mask pattern works (right or left padding, holes): kept tokens attend to the kept tokens of their row.
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError("padded_attention: q, k, v must share the shape [batch, heads, seq, head_dim]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, heads, seqlen, dim = q.shape
+    if tuple(attention_mask.shape) != (batch, seqlen):
+        raise ValueError(f"padded_attention: attention_mask has shape {tuple(attention_mask.shape)}, "
+                         f"expected {(batch, seqlen)}")
+    check_device("padded_attention", q=q, attention_mask=attention_mask)
+    keep = attention_mask.reshape(-1) != 0
+    seqlens = (attention_mask != 0).sum(1, dtype=torch.int32)
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
+    idx = keep.nonzero().squeeze(1)
+    max_seqlen = int(seqlens.max()) if batch else 0
+
+    def pack(t):
+        return t.transpose(1, 2).reshape(batch * seqlen, heads, dim)[idx]
+
+    out = varlen_attention(pack(q), pack(k), pack(v), cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed,
+                           validate=False)
+    full = out.new_zeros(batch * seqlen, heads, dim).index_put((idx,), out)
+    return full.view(batch, seqlen, heads, dim).transpose(1, 2)
+
+
+def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int, dropout_p: float,
+                           seed: int) -> torch.Tensor:
+    """The keep-mask varlen_attention applies for this seed: bool [heads, total_tokens, max_seqlen], where entry
+    (h, t, j) belongs to query token t and the j-th key of t's sequence. For tests."""
+    total = int(cu_seqlens[-1])
+    return keep_mask(seed, heads * total * max_seqlen, dropout_p, cu_seqlens.device).view(heads, total, max_seqlen)

@@ -1,0 +1,167 @@
+"""kernels.varlen_attention / padded_attention against per-sequence softmax(QK^T * scale) V in float64."""
+import math
+
+import pytest
+import torch
+
+from kernel_utils import binomial_ok, check_against_reference
+
+kernels = pytest.importorskip("kernels")
+from kernels.attention import attention_dropout_mask  # noqa: E402
+
+
+def cu_of(lengths, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def reference(q, k, v, lengths, scale, keep=None, p=0.0):
+    """Plain per-sequence attention; `keep` [heads, total, max_len] applies dropout to the probabilities."""
+    outs, start = [], 0
+    for n in lengths:
+        qq, kk, vv = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+        probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
+        if keep is not None:
+            probs = probs * keep[:, start:start + n, :n] / (1 - p)
+        outs.append((probs @ vv).transpose(0, 1))
+        start += n
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def run_case(lengths, heads, dim, dtype, device, p=0.0, seed=0, scale=None):
+    g = torch.Generator().manual_seed(hash((tuple(lengths), heads, dim, str(dtype))) % 2**31)
+    total = sum(lengths)
+    q, k, v, do = (torch.randn(total, heads, dim, generator=g).to(device) for _ in range(4))
+    cu = cu_of(lengths, device)
+    max_len = max(lengths) if lengths else 0
+    sm = 1 / math.sqrt(dim) if scale is None else scale
+    keep = attention_dropout_mask(cu, heads, max_len, p, seed).to(torch.float64) if p > 0 else None
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = kernels.varlen_attention(*leaves, cu, max_len, dropout_p=p, softmax_scale=scale, seed=seed)
+    assert out.shape == q.shape and out.dtype == dtype
+    grads = torch.autograd.grad(out, leaves, do.to(dtype))
+    # The reference sees the same (rounded) inputs, so only the arithmetic differs.
+    leaves64 = [t.to(dtype).double().requires_grad_() for t in (q, k, v)]
+    out64 = reference(*leaves64, lengths, sm, keep, p)
+    grads64 = torch.autograd.grad(out64, leaves64, do.double())
+    same = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out_same = reference(*same, lengths, sm, keep.to(dtype) if keep is not None else None, p)
+    grads_same = torch.autograd.grad(out_same, same, do.to(dtype))
+    # Inputs are standard normal, so outputs and gradients are O(1): that is the floor of the error scale.
+    check_against_reference("out", out, out64, out_same, dtype, floor=1.0)
+    for name, a, r, s in zip(("dq", "dk", "dv"), grads, grads64, grads_same):
+        check_against_reference(name, a, r, s, dtype, floor=1.0)
+    return out, grads
+
+
+# Lengths include 0, 1 and non-multiples of the block size (16 in the interpreter, 64/128 compiled).
+LENGTHS = [37, 0, 1, 16, 50]
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+def test_float32_head_dims(device, dim):
+    run_case(LENGTHS, 2, dim, torch.float32, device)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_float16(device, dim, heads):
+    run_case(LENGTHS, heads, dim, torch.float16, device)
+
+
+def test_single_token_sequences_and_custom_scale(device):
+    run_case([1, 1, 1], 2, 32, torch.float32, device, scale=0.37)
+
+
+def test_padded_attention_equals_varlen(device):
+    torch.manual_seed(0)
+    batch, heads, seqlen, dim = 3, 2, 21, 32
+    lengths = [21, 5, 0]
+    mask = (torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]).to(device)
+    q, k, v = (torch.randn(batch, heads, seqlen, dim, device=device, requires_grad=True) for _ in range(3))
+    out = kernels.padded_attention(q, k, v, mask)
+    packed = [t.detach().transpose(1, 2)[mask.bool()].requires_grad_() for t in (q, k, v)]
+    ref = kernels.varlen_attention(*packed, cu_of(lengths, device), max(lengths))
+    assert torch.allclose(out.transpose(1, 2)[mask.bool()], ref, atol=1e-6)
+    # Padded query rows (and the whole all-padding row) are exactly 0, with zero gradient into them.
+    assert torch.equal(out.transpose(1, 2)[~mask.bool()], torch.zeros_like(out.transpose(1, 2)[~mask.bool()]))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+        assert torch.equal(t.grad.transpose(1, 2)[~mask.bool()], torch.zeros_like(t.grad.transpose(1, 2)[~mask.bool()]))
+
+
+def test_padded_attention_with_holes_in_the_mask(device):
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 1, 9, 16, device=device) for _ in range(3))
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0, 0], [1] * 9], device=device)
+    out = kernels.padded_attention(q, k, v, mask)
+    keep = mask[0].bool()
+    probs = torch.softmax(q[0, 0, keep] @ k[0, 0, keep].T / 4, -1)
+    assert torch.allclose(out[0, 0, keep], probs @ v[0, 0, keep], atol=1e-6)
+
+
+def test_empty_batch_and_zero_length_sequences(device):
+    q = torch.zeros(0, 2, 16, device=device, requires_grad=True)
+    out = kernels.varlen_attention(q, q, q, cu_of([0, 0], device), 0)
+    out.sum().backward()
+    assert out.shape == (0, 2, 16) and q.grad.shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dropout_against_reference_with_kernel_mask(device, dtype):
+    run_case([23, 0, 9], 2, 16, dtype, device, p=0.2, seed=99)
+
+
+def test_dropout_rate_determinism_and_p_zero(device):
+    lengths, heads, dim, p = [40, 24], 2, 16, 0.1
+    cu = cu_of(lengths, device)
+    keep = attention_dropout_mask(cu, heads, 40, p, 5)
+    used = sum(heads * n * n for n in lengths)
+    kept = sum(int(keep[:, s:s + n, :n].sum()) for s, n in zip([0, 40], lengths))
+    assert binomial_ok(kept, used, 1 - p)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(64, heads, dim, device=device) for _ in range(3))
+    a = kernels.varlen_attention(q, k, v, cu, 40, dropout_p=p, seed=5)
+    assert torch.equal(a, kernels.varlen_attention(q, k, v, cu, 40, dropout_p=p, seed=5))
+    assert not torch.equal(a, kernels.varlen_attention(q, k, v, cu, 40, dropout_p=p, seed=6))
+    plain = kernels.varlen_attention(q, k, v, cu, 40)
+    assert torch.equal(plain, kernels.varlen_attention(q, k, v, cu, 40, dropout_p=0.0, seed=5))
+    assert torch.allclose(plain, reference(q, k, v, lengths, 0.25), atol=1e-6)
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (lambda q, cu: dict(q=torch.randn(10, 2, 24), k=torch.randn(10, 2, 24), v=torch.randn(10, 2, 24)), ValueError,
+     "head_dim 24 is not supported"),
+    (lambda q, cu: dict(k=q[:, :1]), ValueError, "shapes differ"),
+    (lambda q, cu: dict(v=q.half()), TypeError, "dtypes differ"),
+    (lambda q, cu: dict(q=q.long(), k=q.long(), v=q.long()), TypeError, "must be float16"),
+    (lambda q, cu: dict(cu_seqlens=cu.long()), TypeError, "cu_seqlens must be a 1-D int32"),
+    (lambda q, cu: dict(cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (lambda q, cu: dict(cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError, "ends at 9"),
+    (lambda q, cu: dict(cu_seqlens=torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError, "start at 0"),
+    (lambda q, cu: dict(max_seqlen=3), ValueError, "max_seqlen=3 but a sequence has 6"),
+    (lambda q, cu: dict(k=q.to("meta")), ValueError, "k is on meta"),
+    (lambda q, cu: dict(dropout_p=-0.1), ValueError, "dropout_p"),
+])
+def test_bad_inputs(change, err, match):
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    kw = dict(q=q, k=q, v=q, cu_seqlens=cu, max_seqlen=6)
+    kw.update(change(q, cu))
+    with pytest.raises(err, match=match):
+        kernels.varlen_attention(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+def test_gpu_compiled(dtype, dim):
+    run_case([128, 0, 1, 77, 512, 300], 4, dim, dtype, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_dropout_and_long_sequences(dtype):
+    run_case([200, 63], 2, 64, dtype, torch.device("cuda"), p=0.1, seed=3)
+    run_case([8192, 1000], 1, 64, dtype, torch.device("cuda"))
