@@ -5,6 +5,7 @@ Every function takes `backend` ("torch" or "triton", already resolved) and compu
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import warnings
 from typing import NamedTuple
@@ -15,9 +16,14 @@ import torch.nn.functional as F
 from .padding import Unpadded, sequence_positions
 
 
+@functools.lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_backend(name: str) -> str:
     """'auto' -> 'triton' when CUDA and triton are available, else 'torch'."""
-    has_triton = importlib.util.find_spec("triton") is not None
+    has_triton = _has_triton()
     if name == "torch":
         return "torch"
     if name == "auto":
@@ -35,13 +41,9 @@ def _kernels():
     return kernels
 
 
-def _has_kernel(name: str) -> bool:
-    return hasattr(_kernels(), name)
-
-
 # ---- LayerNorm(dropout(x) + residual) ------------------------------------------------------------
 def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torch"):
-    if backend == "triton" and _has_kernel("layer_norm"):
+    if backend == "triton":
         return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
     if dropout_p > 0:
         x = F.dropout(x, dropout_p)
@@ -52,7 +54,7 @@ def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torc
 
 # ---- GeLU(x + bias) ------------------------------------------------------------------------------
 def bias_gelu(x, bias, approximate="none", backend="torch"):
-    if backend == "triton" and _has_kernel("bias_gelu"):
+    if backend == "triton":
         return _kernels().bias_gelu(x, bias, approximate=approximate)
     return F.gelu(x + bias, approximate=approximate)
 
@@ -108,7 +110,9 @@ class MLMLoss(NamedTuple):
 
 def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
     """hidden [rows, H] (already gathered at labelled positions), weight [V, H], bias [V], labels [rows]."""
-    if backend == "triton" and _has_kernel("masked_lm_loss"):
+    if backend == "triton":
+        # Under autocast the head's output is half precision while the tied weight is float32.
+        weight = weight.to(hidden.dtype)
         loss, correct = _kernels().masked_lm_loss(hidden, weight, bias, labels, return_correct=True)
         return MLMLoss(loss, correct, None)
     logits = F.linear(hidden, weight, bias)

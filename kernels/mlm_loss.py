@@ -1,0 +1,287 @@
+"""Masked-LM loss fused with the decoder: cross_entropy(hidden @ weight^T + bias, labels) without ever writing
+the [rows, vocab] logits to memory, forward or backward.
+
+Only labelled rows are computed: the launcher gathers the rows whose label is not ignore_index (in BERT
+pre-training about 15% of tokens), so ignored rows cost nothing.
+
+Forward, per block of rows, over vocabulary tiles j (logits z computed tile by tile, contraction over hidden in
+chunks, float32 accumulation; base-2 exponentials):
+    m_new = max(m, rowmax(z_j)),   l = l * 2^((m - m_new) log2 e) + rowsum(2^((z_j - m_new) log2 e))
+    lse   = m + ln(l),   loss_row = lse - z[label],   hit_row = (argmax_j z == label)
+Only lse (float32, [rows]) is kept for the backward.
+
+Backward, with g_row the upstream gradient of each row's loss (1/n for "mean"):
+    dz = (softmax(z) - onehot(label)) * g_row,   softmax(z) = exp(z - lse)
+    d hidden = dz @ weight,   d weight = dz^T @ hidden,   d bias = sum_rows dz
+Two kernels recompute the logit tiles they need: one owns a [rows, hidden-chunk] block of d hidden and walks the
+vocabulary; the other owns a [vocab-tile, hidden-chunk] block of d weight (and d bias) and walks the rows.
+Each output block has exactly one owner: no atomics, deterministic. The price is recomputation: a logit tile is
+rebuilt once per hidden chunk of the output, so the backward does about 2 * (H / BLOCK_HO + 1) logit-sized
+matmuls against 3 for a materialised-logits implementation; the saving is the [rows, vocab] memory and traffic.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, INTERPRET, check_device
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class MLMLossOutput(NamedTuple):
+    loss: torch.Tensor      # scalar for "mean"/"sum", [N] for "none"
+    correct: torch.Tensor   # int64 scalar: labelled rows whose top-1 logit is the label
+
+
+@triton.jit
+def _logit_tile(Hid, W, B, rows64, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """z[rows, vocab] = hidden[rows] @ weight[vocab]^T + bias[vocab] in float32; -inf outside the vocabulary."""
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    vocab64 = vocab.to(tl.int64)
+    for k in range(0, H, BLOCK_H):
+        cols = k + tl.arange(0, BLOCK_H)
+        col_ok = cols < H
+        h = tl.load(Hid + rows64[:, None] * stride_h_n + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        wt = tl.load(W + vocab64[None, :] * stride_w_v + cols[:, None], mask=v_ok[None, :] & col_ok[:, None],
+                     other=0.0)
+        acc = tl.dot(h, wt, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + vocab, mask=v_ok, other=0.0).to(tl.float32)[None, :]
+    return tl.where(v_ok[None, :], acc, float("-inf"))
+
+
+@triton.jit
+def _mlm_loss_fwd_kernel(
+    Hid,        # [N, H] labelled rows only
+    W,          # [V, H] decoder weight (tied word embeddings)
+    B,          # [V] decoder bias (unused unless HAS_BIAS)
+    Labels,     # [N] int64, all in [0, V)
+    Loss,       # [N] float32 per-row loss
+    Lse,        # [N] float32 log-sum-exp, for the backward
+    Hit,        # [N] int32, 1 where argmax == label
+    stride_h_n, stride_w_v, N, V, H,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    label = tl.load(Labels + rows, mask=row_ok, other=-1)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    best = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros((BLOCK_M,), dtype=tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        vocab = v0 + tl.arange(0, BLOCK_V)
+        v_ok = vocab < V
+        z = _logit_tile(Hid, W, B, rows64, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
+                        HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
+        tile_max = tl.max(z, axis=1)
+        m_new = tl.maximum(m, tile_max)
+        l = l * tl.math.exp2((m - m_new) * LOG2E) + tl.sum(tl.math.exp2((z - m_new[:, None]) * LOG2E), axis=1)
+        m = m_new
+        target += tl.sum(tl.where(vocab[None, :] == label[:, None], z, 0.0), axis=1)
+        # First index of the maximum, as torch.argmax: a later tile wins only if strictly larger.
+        tile_idx = tl.min(tl.where(z == tile_max[:, None], vocab[None, :], V), axis=1).to(tl.int64)
+        better = tile_max > best
+        best_idx = tl.where(better, tile_idx, best_idx)
+        best = tl.where(better, tile_max, best)
+    lse = m + tl.math.log2(l) * LN2
+    tl.store(Loss + rows, lse - target, mask=row_ok)
+    tl.store(Lse + rows, lse, mask=row_ok)
+    tl.store(Hit + rows, (best_idx == label).to(tl.int32), mask=row_ok)
+
+
+@triton.jit
+def _dlogit_tile(Hid, W, B, Labels, Lse, G, rows, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """dz = (softmax(z) - onehot(label)) * g for one tile, recomputed; zero outside rows and vocabulary."""
+    rows64 = rows.to(tl.int64)
+    z = _logit_tile(Hid, W, B, rows64, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
+                    HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
+    lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+    g = tl.load(G + rows, mask=row_ok, other=0.0)
+    label = tl.load(Labels + rows, mask=row_ok, other=-1)
+    prob = tl.math.exp2((z - lse[:, None]) * LOG2E)
+    dz = (prob - tl.where(vocab[None, :] == label[:, None], 1.0, 0.0)) * g[:, None]
+    return tl.where(row_ok[:, None] & v_ok[None, :], dz, 0.0)
+
+
+@triton.jit
+def _mlm_loss_bwd_dhidden_kernel(
+    Hid, W, B, Labels, Lse,   # as in the forward
+    G,                        # [N] float32 upstream gradient of each row's loss
+    DHid,                     # [N, H] output
+    stride_h_n, stride_w_v, stride_dh_n, N, V, H,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HO: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    out_cols = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
+    row_ok = rows < N
+    out_ok = out_cols < H
+    acc = tl.zeros((BLOCK_M, BLOCK_HO), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        vocab = v0 + tl.arange(0, BLOCK_V)
+        v_ok = vocab < V
+        dz = _dlogit_tile(Hid, W, B, Labels, Lse, G, rows, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
+                          HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
+        w = tl.load(W + vocab.to(tl.int64)[:, None] * stride_w_v + out_cols[None, :],
+                    mask=v_ok[:, None] & out_ok[None, :], other=0.0)
+        acc = tl.dot(dz.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
+    tl.store(DHid + rows.to(tl.int64)[:, None] * stride_dh_n + out_cols[None, :], acc.to(DHid.dtype.element_ty),
+             mask=row_ok[:, None] & out_ok[None, :])
+
+
+@triton.jit
+def _mlm_loss_bwd_dweight_kernel(
+    Hid, W, B, Labels, Lse, G,   # as in the d hidden kernel
+    DW,                          # [V, H] output
+    DB,                          # [V] float32 output (written by the programs of hidden chunk 0)
+    stride_h_n, stride_w_v, stride_dw_v, N, V, H,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HO: tl.constexpr,
+):
+    vocab = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    out_cols = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
+    v_ok = vocab < V
+    out_ok = out_cols < H
+    acc = tl.zeros((BLOCK_V, BLOCK_HO), dtype=tl.float32)
+    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for r0 in range(0, N, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < N
+        dz = _dlogit_tile(Hid, W, B, Labels, Lse, G, rows, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
+                          HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
+        h = tl.load(Hid + rows.to(tl.int64)[:, None] * stride_h_n + out_cols[None, :],
+                    mask=row_ok[:, None] & out_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(dz.to(h.dtype)), h, acc, input_precision=DOT_PRECISION)
+        db += tl.sum(dz, axis=0)
+    tl.store(DW + vocab.to(tl.int64)[:, None] * stride_dw_v + out_cols[None, :], acc.to(DW.dtype.element_ty),
+             mask=v_ok[:, None] & out_ok[None, :])
+    if tl.program_id(1) == 0:
+        tl.store(DB + vocab, db, mask=v_ok)
+
+
+def _config(h: int):
+    """(BLOCK_M, BLOCK_V, BLOCK_H, BLOCK_HO, num_warps)."""
+    if INTERPRET:  # the interpreter's cost is per tile: wide vocabulary tiles, small everything else
+        return 16, 128, 16, 32, 4
+    return 64, 128, 64, min(256, triton.next_power_of_2(h)), 8
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class MaskedLMLossFunction(torch.autograd.Function):
+    """Per-row losses of already-gathered labelled rows; the reduction happens outside, in autograd."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels):
+        n, h = hidden.shape
+        v = weight.shape[0]
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, hit = torch.empty_like(loss), torch.empty(n, dtype=torch.int32, device=hidden.device)
+        block_m, block_v, block_h, _, warps = _config(h)
+        if n:
+            _mlm_loss_fwd_kernel[(triton.cdiv(n, block_m),)](
+                hidden, weight, bias, labels, loss, lse, hit, hidden.stride(0), weight.stride(0), n, v, h,
+                HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(hidden.dtype),
+                BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=warps)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.mark_non_differentiable(hit)
+        return loss, hit
+
+    @staticmethod
+    def backward(ctx, dloss, _dhit):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        n, h = hidden.shape
+        v = weight.shape[0]
+        g = dloss.float().contiguous()
+        dhidden = torch.zeros_like(hidden)
+        dweight = torch.zeros_like(weight)
+        dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
+        block_m, block_v, block_h, block_ho, warps = _config(h)
+        common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(hidden.dtype), BLOCK_M=block_m,
+                      BLOCK_V=block_v, BLOCK_H=block_h, BLOCK_HO=block_ho, num_warps=warps)
+        if n and ctx.needs_input_grad[0]:
+            _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, block_m), triton.cdiv(h, block_ho))](
+                hidden, weight, bias, labels, lse, g, dhidden, hidden.stride(0), weight.stride(0),
+                dhidden.stride(0), n, v, h, **common)
+        if n and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, block_v), triton.cdiv(h, block_ho))](
+                hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
+                dweight.stride(0), n, v, h, **common)
+        return dhidden, dweight, dbias.to(bias.dtype) if bias is not None else None, None
+
+
+def _check(hidden, weight, bias, labels, reduction):
+    op = "masked_lm_loss"
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-D tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{op}: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{op}: hidden has {hidden.shape[1]} features but weight is {tuple(weight.shape)} [V, H]")
+    if bias is not None:
+        if bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: bias must be float32, float16 or bfloat16, got {bias.dtype}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"{op}: labels must be an integer tensor")
+    if tuple(labels.shape) != (hidden.shape[0],):
+        raise ValueError(f"{op}: labels has shape {tuple(labels.shape)}, expected ({hidden.shape[0]},)")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_device(op, hidden=hidden, weight=weight, bias=bias, labels=labels)
+
+
+def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   ignore_index: int = -100, reduction: str = "mean", return_correct: bool = False):
+    """cross_entropy(hidden @ weight^T + bias, labels) without materialising the logits.
+
+    hidden [N, H], weight [V, H], bias [V] or None, labels [N] (ignore_index rows contribute nothing).
+    Returns the loss ("mean" over labelled rows, 0 when there are none; "sum"; or "none": [N] with 0 at
+    ignored rows), or with return_correct=True an MLMLossOutput(loss, correct), `correct` counting labelled
+    rows whose top-1 logit is the label.
+    """
+    _check(hidden, weight, bias, labels, reduction)
+    vocab = weight.shape[0]
+    used = labels != ignore_index
+    rows = used.nonzero().squeeze(1)
+    picked = labels[rows]
+    if picked.numel():
+        lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
+                             f"got values in [{lo}, {hi}]")
+    h = hidden[rows]
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    per_row, hit = MaskedLMLossFunction.apply(h, w, bias, picked.to(torch.int64).contiguous())
+    if reduction == "mean":
+        loss = per_row.sum() / max(rows.numel(), 1)
+    elif reduction == "sum":
+        loss = per_row.sum()
+    else:
+        loss = per_row.new_zeros(labels.shape[0]).index_put((rows,), per_row)
+    if return_correct:
+        return MLMLossOutput(loss, hit.sum(dtype=torch.int64))
+    return loss
