@@ -6,7 +6,8 @@ setup(
     description="BERT pre-training and fine-tuning with fused Triton kernels, benchmarked against PyTorch",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=["bert", "kernels"],
+    packages=["bert", "kernels", "bench"],
+    entry_points={"console_scripts": ["bert-bench = bench.cli:main"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

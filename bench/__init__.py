@@ -1,0 +1,1 @@
+"""Benchmarks of this project against baseline PyTorch (`bert-bench`, `python -m bench`)."""

@@ -1,0 +1,226 @@
+"""`bert-bench` / `python -m bench`: this project against baseline PyTorch, end to end and kernel by kernel.
+
+With no arguments it runs a quick benchmark on a built-in default: synthetic batches whose lengths follow
+tokenised Wikipedia paragraphs (bench.lengths), BERT-base on a GPU or BERT-mini on a CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+
+import torch
+
+from . import e2e
+from .kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
+from .peaks import measure_peaks
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next(line.split(":", 1)[1] for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        name = f"cpu {name}"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="bert-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=["all", "e2e", "kernels"], default="all",
+                   help="what to run (default: all; the kernel suite needs a GPU, except the MLM-loss memory table)")
+    p.add_argument("--config", nargs="+", choices=["tiny", "mini", "base", "large"],
+                   help="model sizes for the end-to-end suite (default: base [quick] or base large [full] on a GPU, "
+                        "mini on a CPU)")
+    p.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths (default: 128 [quick] or 128 512 on a "
+                                                          "GPU, 128 on a CPU)")
+    p.add_argument("--batch", type=int, help="sequences per step (default: 256 at seq 128 and 64 at seq 512 on a GPU, "
+                                             "halved for large; 32 on a CPU)")
+    p.add_argument("--padding", default="wiki",
+                   help="'wiki' (lengths of tokenised Wikipedia paragraphs, the default) or a padding fraction in "
+                        "[0, 0.5]")
+    p.add_argument("--padding-sweep", action="store_true",
+                   help="also run ours and transformers eager at padding 0, 0.25 and 0.5 (always on in --full)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--variants", nargs="+", choices=list(e2e.VARIANTS), help="end-to-end implementations to run")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="full", action="store_false", help="few shapes and steps (default)")
+    mode.add_argument("--full", dest="full", action="store_true", help="all shapes, more steps")
+    p.set_defaults(full=False)
+    p.add_argument("--steps", type=int, help="timed steps per end-to-end run (default: 10 quick, 30 full)")
+    p.add_argument("--output-dir", help="where to write JSON, CSV and plots (default: bench/results/<device>/)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    return p.parse_args(argv)
+
+
+def default_variants(cuda: bool) -> list[str]:
+    names = ["hf-eager", "hf-compile", "ours-torch"]
+    if cuda:
+        names.append("ours-triton")
+    try:
+        import bert.hf  # noqa: F401  (the drop-in fused layers)
+
+        if cuda:
+            names.append("hf-fused")
+    except ImportError:
+        pass
+    return names
+
+
+def e2e_specs(args, cuda: bool):
+    configs = args.config or (["base", "large"] if cuda and args.full else ["base"] if cuda else ["mini"])
+    seq_lens = args.seq_len or ([128, 512] if cuda and args.full else [128])
+    for config in configs:
+        for seq_len in seq_lens:
+            batch = args.batch or ((256 if seq_len <= 128 else 64) // (2 if config == "large" else 1) if cuda else 32)
+            yield {"config": config, "seq_len": seq_len, "batch": batch, "padding": args.padding,
+                   "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "device": "cuda" if cuda else "cpu",
+                   "warmup": 3, "steps": args.steps or (30 if args.full else 10)}
+
+
+def markdown(rows, columns) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def add_speedups(rows):
+    for r in rows:
+        for ref in ("hf-eager", "hf-compile"):
+            base = next((b for b in rows if b["variant"] == ref and b.get("status") == "ok" and all(
+                b[k] == r[k] for k in ("config", "seq_len", "batch", "padding", "dtype"))), None)
+            if base and r.get("status") == "ok":
+                r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / base["tokens_per_s"]
+
+
+def plot(rows, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    main = [r for r in ok if r["padding"] == rows[0]["padding"] and "speedup_vs_hf-eager" in r]
+    if main:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['config']} s{r['seq_len']}\n{r['variant']}" for r in main]
+        ax.bar(range(len(main)), [r["speedup_vs_hf-eager"] for r in main], color="tab:blue")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(main)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("speedup over transformers eager (real tokens/s)")
+        ax.set_title("Pre-training step speedup")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "speedup.png"), dpi=120)
+        plt.close(fig)
+    sweep = [r for r in ok if r["padding"] != "wiki"]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in sorted({(r["variant"], r["config"], r["seq_len"]) for r in sweep}):
+            pts = sorted((float(r["padding"]), r["tokens_per_s"]) for r in sweep
+                         if (r["variant"], r["config"], r["seq_len"]) == key)
+            ax.plot([p for p, _ in pts], [t for _, t in pts], marker="o", label=f"{key[0]} ({key[1]}, s{key[2]})")
+        ax.set_xlabel("padding fraction")
+        ax.set_ylabel("real tokens / s")
+        ax.set_title("Throughput against padding")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "padding.png"), dpi=120)
+        plt.close(fig)
+
+
+def write_csv(path, rows):
+    if not rows:
+        return
+    cols = sorted({k for r in rows for k in r if k != "traceback"})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    out_dir = args.output_dir or os.path.join("bench", "results", device_name(device))
+    os.makedirs(out_dir, exist_ok=True)
+    command = "bert-bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {"device": torch.cuda.get_device_name(device) if cuda else device_name(device),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command.strip(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(f"# bert-bench on {meta['device']} ({meta['date']})\n")
+    meta["peaks"] = peaks = measure_peaks(device)
+    print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
+          f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
+    results = {"meta": meta, "e2e": [], "kernels": []}
+
+    if args.suite in ("all", "e2e"):
+        if not cuda:
+            print("CPU mode: this measures the algorithmic savings (unpadded encoder, MLM head on labelled tokens "
+                  "only), not Triton, which needs a GPU.\n")
+        variants = args.variants or default_variants(cuda)
+        specs = list(e2e_specs(args, cuda))
+        if args.padding_sweep or args.full:
+            specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
+        for spec in specs:
+            for variant in variants:
+                if spec["padding"] != args.padding and variant not in ("hf-eager", "ours-torch", "ours-triton"):
+                    continue
+                if variant in ("ours-triton", "hf-fused") and not cuda:
+                    continue
+                row = e2e.run_in_child(variant, spec)
+                tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
+                print(f"  {variant:12s} {spec['config']} s{spec['seq_len']} b{spec['batch']} "
+                      f"pad={spec['padding']}: {tail}", flush=True)
+                if row.get("status") == "ok":
+                    row["MFU"] = row["TFLOPs"] / peaks["matmul_TFLOPs"]
+                results["e2e"].append(row)
+        add_speedups(results["e2e"])
+        print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
+        print(markdown(results["e2e"], ["variant", "config", "seq_len", "batch", "padding", "dtype", "step_ms",
+                                        "tokens_per_s", "seqs_per_s", "MFU", "peak_mem_MB", "speedup_vs_hf-eager",
+                                        "speedup_vs_hf-compile", "status"]))
+        print("\nMFU: model FLOPs on real tokens (MLM head on labelled tokens) over the measured matmul peak; "
+              "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
+
+    if args.suite in ("all", "kernels"):
+        rows = mlm_loss_rows(peaks, not args.full, device)
+        if cuda:
+            for fn in (layer_norm_rows, bias_gelu_rows, attention_rows):
+                rows += fn(peaks, not args.full, device)
+        else:
+            print("The per-kernel timings need a GPU; on this CPU only the MLM-loss memory table runs.\n")
+        results["kernels"] = rows
+        print("## Kernels\n")
+        print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
+                              "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "status"]))
+
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    write_csv(os.path.join(out_dir, "e2e.csv"), results["e2e"])
+    write_csv(os.path.join(out_dir, "kernels.csv"), results["kernels"])
+    plot(results["e2e"], out_dir)
+    print(f"\nWrote {out_dir}/results.json, e2e.csv, kernels.csv and plots.")
+    return 0

@@ -1,0 +1,121 @@
+"""End-to-end pre-training step (forward, backward, AdamW) for several implementations on the same batches.
+
+Each variant runs in a fresh process, so compile caches, allocator state and peak-memory counters of one never
+leak into the next. FLOPs are counted on real tokens only (padding is not work), the MLM head on labelled
+positions only, so MFU is comparable across variants that skip different amounts of work.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import resource
+import time
+import traceback
+
+VARIANTS = {
+    "hf-eager": "transformers BertForPreTraining, eager (SDPA attention)",
+    "hf-compile": "the same under torch.compile",
+    "ours-torch": "this project, backend='torch' (unpadded, masked-only MLM)",
+    "ours-triton": "this project, backend='triton' (fused kernels)",
+    "hf-fused": "transformers model with bert.hf.fuse_hf_bert",
+}
+
+
+def step_flops(cfg, lengths, labelled: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward) on real tokens."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    tokens = sum(lengths)
+    dense = 2 * (4 * h * h + 2 * h * i) * layers * tokens
+    attention = 4 * h * layers * sum(n * n for n in lengths)
+    mlm_head = 2 * (h * h + h * cfg.vocab_size) * labelled
+    return 3 * (dense + attention + mlm_head)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _build(variant: str, cfg, device):
+    import torch
+
+    import bert
+
+    if variant.startswith("hf"):
+        import transformers
+
+        hf_cfg = transformers.BertConfig(**cfg.to_dict())
+        hf_cfg._attn_implementation = "sdpa"
+        model = transformers.BertForPreTraining(hf_cfg).to(device)
+        if variant == "hf-fused":
+            from bert.hf import fuse_hf_bert
+
+            fuse_hf_bert(model)
+        if variant == "hf-compile":
+            model = torch.compile(model)
+        return model
+    backend = "triton" if variant == "ours-triton" else "torch"
+    return bert.BertForPreTraining(cfg.replace(backend=backend)).to(device)
+
+
+def run_variant(variant: str, spec: dict) -> dict:
+    """Runs in a child process; returns one result row."""
+    import torch
+
+    import bert
+
+    from .batches import make_batch
+
+    row = {"variant": variant, **{k: spec[k] for k in ("config", "seq_len", "batch", "padding", "dtype")}}
+    try:
+        device = torch.device(spec["device"])
+        torch.manual_seed(0)
+        cfg = bert.BertConfig.preset(spec["config"], hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+        base_mem = _rss_mb() if device.type == "cpu" else 0.0
+        batches = [make_batch(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
+                   for s in range(4)]
+        model = _build(variant, cfg, device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if spec["dtype"] == "bfloat16" else torch.autocast(
+            device.type, enabled=False)
+
+        def step(b):
+            with amp:
+                out = model(**b.kwargs())
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        for i in range(spec["warmup"]):
+            step(batches[i % len(batches)])
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times, tokens, seqs, flops = [], 0, 0, 0.0
+        for i in range(spec["steps"]):
+            b = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            step(b)
+            sync()
+            times.append(time.perf_counter() - t0)
+            lengths = b.attention_mask.sum(1).tolist()
+            tokens += sum(lengths)
+            seqs += len(lengths)
+            flops += step_flops(cfg, lengths, b.labelled)
+        total = sum(times)
+        peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mem)
+        row.update(status="ok", step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
+                   seqs_per_s=seqs / total, TFLOPs=flops / total / 1e12,
+                   padding_share=1 - tokens / (seqs * spec["seq_len"]), peak_mem_MB=peak)
+    except Exception as e:  # a variant that cannot run is reported, not fatal to the others
+        row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        row["traceback"] = traceback.format_exc(limit=3)
+    return row
+
+
+def run_in_child(variant: str, spec: dict) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(run_variant, variant, spec).result()
