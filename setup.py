@@ -7,7 +7,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=["bert", "kernels", "bench"],
-    entry_points={"console_scripts": ["bert-bench = bench.cli:main"]},
+    entry_points={"console_scripts": [
+        "bert-bench = bench.cli:main",
+        "bert-pretrain = bert.pretrain:main",
+    ]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

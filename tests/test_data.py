@@ -1,0 +1,177 @@
+"""Pre-training data: documents, NSP instances, dynamic 80/10/10 masking, length bucketing."""
+import json
+
+import pytest
+import torch
+
+from bert.data import (BucketBatchSampler, MLMCollator, SpecialIds, create_instances, iter_documents, micro_batch,
+                       split_sentences, tokenize_corpus)
+from bert.tokenizer import train_tokenizer
+from corpus_utils import topic_documents, write_corpus
+from kernel_utils import binomial_ok
+
+SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
+
+
+def id_documents(n_docs=30, sentences=20, length=10):
+    """Sentence s of document d is `length` copies of a unique id, so every token names its sentence."""
+    return [[[1000 * (d + 1) + s] * length for s in range(sentences)] for d in range(n_docs)]
+
+
+def test_sentence_splitting():
+    assert split_sentences("It rained. Then it stopped! Did it? Yes 3 times.") == \
+        ["It rained.", "Then it stopped!", "Did it?", "Yes 3 times."]
+    assert split_sentences("e.g. this stays one sentence.") == ["e.g. this stays one sentence."]
+
+
+def test_text_jsonl_and_wikitext_documents(tmp_path):
+    (tmp_path / "plain.txt").write_text("First doc. Two sentences.\n\nSecond doc.\n", encoding="utf-8")
+    assert list(iter_documents(str(tmp_path / "plain.txt"))) == [["First doc.", "Two sentences."], ["Second doc."]]
+    (tmp_path / "wiki.txt").write_text(" = Alpha = \n \n Para one . \n \n = = Section = = \n \n Para two . \n"
+                                       " \n = Beta = \n \n Other . \n", encoding="utf-8")
+    assert list(iter_documents(str(tmp_path / "wiki.txt"))) == [["Para one .", "Para two ."], ["Other ."]]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "A b. C d."}) + "\n" + json.dumps({"text": "E."}) + "\n")
+    assert list(iter_documents(str(tmp_path / "c.jsonl"))) == [["A b.", "C d."], ["E."]]
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with a 'text' field"):
+        list(iter_documents(str(tmp_path / "bad.jsonl")))
+    with pytest.raises(FileNotFoundError):
+        list(iter_documents(str(tmp_path / "missing.txt")))
+
+
+def test_hf_dataset_source_streams(tmp_path, monkeypatch):
+    import datasets
+
+    calls = {}
+
+    def fake_load(name, config, split, streaming):
+        calls.update(name=name, config=config, split=split, streaming=streaming)
+        return iter([{"text": "One. Two."}, {"text": ""}, {"text": "Three."}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    docs = list(iter_documents("hf:wikimedia/wikipedia:20231101.en"))
+    assert docs == [["One.", "Two."], ["Three."]]
+    assert calls == {"name": "wikimedia/wikipedia", "config": "20231101.en", "split": "train", "streaming": True}
+
+
+def test_tokenize_corpus_is_cached(tmp_path):
+    path = write_corpus(tmp_path / "c.txt", n_docs=6, sentences=4)
+    tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
+    first = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
+    assert len(first) == 6 and all(len(doc) == 4 for doc in first["sentences"])
+    cached = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokenized-")]
+    assert len(cached) == 1
+    again = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
+    assert again["sentences"] == first["sentences"]
+
+
+def test_nsp_instances():
+    docs = id_documents()
+    instances = create_instances(docs, max_seq_len=512, special=SPECIAL, seed=0)
+    labels = [x["next_sentence_label"] for x in instances]
+    assert binomial_ok(sum(labels), len(labels), 0.5)
+    for x in instances:
+        ids, types = x["input_ids"], x["token_type_ids"]
+        assert len(ids) == len(types) <= 512
+        assert ids[0] == SPECIAL.cls and ids[-1] == SPECIAL.sep and ids.count(SPECIAL.sep) == 2
+        sep = ids.index(SPECIAL.sep)
+        assert types == [0] * (sep + 1) + [1] * (len(ids) - sep - 1)
+        a = sorted(set(ids[1:sep]))
+        b = sorted(set(ids[sep + 1:-1]))
+        if x["next_sentence_label"] == 0:   # B continues A: same document, the very next sentences
+            assert a[0] // 1000 == b[0] // 1000
+            assert a == list(range(a[0], a[-1] + 1)) and b == list(range(a[-1] + 1, a[-1] + 1 + len(b)))
+        else:                               # B comes from another document
+            assert {t // 1000 for t in b} != {a[0] // 1000}
+
+
+def test_instances_fit_short_lengths_and_are_deterministic():
+    docs = id_documents(length=7)
+    a = create_instances(docs, max_seq_len=32, special=SPECIAL, seed=3)
+    assert a == create_instances(docs, max_seq_len=32, special=SPECIAL, seed=3)
+    assert a != create_instances(docs, max_seq_len=32, special=SPECIAL, seed=4)
+    assert max(len(x["input_ids"]) for x in a) <= 32
+    short = sum(len(x["input_ids"]) < 32 for x in a) / len(a)
+    assert 0.02 < short < 0.4  # about 10% draw a shorter target (and some random-B pairs come up short)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        create_instances(docs, max_seq_len=4, special=SPECIAL, seed=0)
+
+
+def test_masking_statistics():
+    instances = create_instances(id_documents(n_docs=40), max_seq_len=128, special=SPECIAL, seed=0)
+    vocab = 50000
+    special = SpecialIds(2, 3, 4, 0, vocab, (0, 1, 2, 3, 4))
+    collator = MLMCollator(special, seed=1)
+    chosen = candidates = masked = randomised = kept = 0
+    for key in range(40):
+        batch_instances = instances[(key * 16) % (len(instances) - 16):][:16]
+        keys = range(key * 16, key * 16 + 16)
+        out = collator(batch_instances, keys=keys)
+        ids, labels, mask = out["input_ids"], out["labels"], out["attention_mask"]
+        assert ids.shape[1] % 8 == 0
+        original = torch.where(labels != -100, labels, ids)
+        is_special = torch.isin(original, torch.tensor(special.special))
+        sel = labels != -100
+        assert not (sel & (is_special | (mask == 0))).any()      # specials and padding never chosen
+        chosen += int(sel.sum())
+        candidates += int((mask.bool() & ~is_special).sum())
+        masked += int((sel & (ids == special.mask)).sum())
+        same = sel & (ids == labels)
+        kept += int(same.sum())
+        rand = sel & (ids != special.mask) & (ids != labels)
+        randomised += int(rand.sum())
+        assert not torch.isin(ids[rand], torch.tensor(special.special)).any()  # random tokens are never special
+        assert torch.equal(collator(batch_instances, keys=keys)["input_ids"], ids)  # fresh but reproducible
+    assert binomial_ok(chosen, candidates, 0.15)
+    # A random replacement equal to the original counts as "kept": p = 0.1 + 0.1 / 49995.
+    assert binomial_ok(masked, chosen, 0.8)
+    assert binomial_ok(kept, chosen, 0.1 + 0.1 / (vocab - 5))
+    assert binomial_ok(randomised, chosen, 0.1 - 0.1 / (vocab - 5))
+
+
+def test_masking_differs_between_draws_of_the_same_instance():
+    instances = create_instances(id_documents(), max_seq_len=128, special=SPECIAL, seed=0)[:8]
+    collator = MLMCollator(SPECIAL, seed=0)
+    assert not torch.equal(collator(instances, keys=range(8))["labels"],
+                           collator(instances, keys=range(8, 16))["labels"])
+    # A row's masking depends on its key only, not on the rows batched with it or the padded width.
+    both = collator(instances[:2], keys=[5, 6])["labels"]
+    alone = collator(instances[1:2], keys=[6])["labels"]
+    assert torch.equal(both[1, :alone.shape[1]], alone[0])
+
+
+def test_whole_word_masking_takes_whole_words():
+    # ids 10.. are word starts, 500.. are continuation pieces ("##x").
+    special = SpecialIds(2, 3, 4, 0, 1000, (0, 1, 2, 3, 4))
+    row = [2] + [t for w in range(30) for t in (10 + w, 500 + w, 600 + w)] + [3]
+    instances = [{"input_ids": row, "token_type_ids": [0] * len(row), "next_sentence_label": 0}] * 8
+    collator = MLMCollator(special, mlm_probability=0.3, whole_word=True,
+                           continuation_ids=list(range(500, 700)), seed=0)
+    labels = collator(instances, keys=range(8))["labels"]
+    chosen = labels != -100
+    assert chosen.any()
+    words = chosen[:, 1:91].reshape(8, 30, 3)
+    assert torch.equal(words.all(-1), words.any(-1))  # every word chosen whole or not at all
+
+
+def test_bucketing_and_micro_batches():
+    lengths = torch.randint(10, 128, (1000,)).tolist()
+    sampler = BucketBatchSampler(lengths, global_batch=32, seed=0)
+    batches = sampler.epoch_batches(0)
+    assert batches == sampler.epoch_batches(0) and batches != sampler.epoch_batches(1)
+    assert all(len(b) == 32 for b in batches) and len({i for b in batches for i in b}) == 31 * 32
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread < 20  # similar lengths share a batch
+    parts = [micro_batch(batches[0], r, 2, a, 2) for r in range(2) for a in range(2)]
+    assert sum(parts, []) == batches[0]
+    with pytest.raises(ValueError, match="cannot fill one global batch"):
+        BucketBatchSampler([5] * 10, global_batch=32)
+
+
+def test_special_ids_need_mask():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel({"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match=r"lacks \['\[MASK\]'\]"):
+        SpecialIds.from_tokenizer(tok)

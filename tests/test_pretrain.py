@@ -1,0 +1,162 @@
+"""The pre-training loop: it learns, resumes exactly, stops cleanly on SIGTERM, and DDP matches one process."""
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import bert
+from bert.pretrain import build_parser, train
+from corpus_utils import write_corpus
+
+
+def args_for(tmp_path, corpus, *extra, out="run"):
+    return build_parser().parse_args([
+        "--data", corpus, "--train-tokenizer", "200", "--config", "tiny", "--max-seq-len", "64",
+        "--batch-size", "16", "--steps", "20", "--lr", "5e-4", "--output-dir", str(tmp_path / out),
+        "--eval-every", "0", "--no-progress", *extra])
+
+
+def read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "topics.txt", n_docs=40, sentences=12)
+
+
+def test_tiny_model_learns_mlm_and_nsp(tmp_path, corpus):
+    args = args_for(tmp_path, corpus, "--steps", "300", "--eval-every", "300", "--eval-fraction", "0.1",
+                    "--lr", "1e-3", "--warmup", "0.05")
+    metrics = train(args).metrics
+    vocab = bert.BertConfig.from_json_file(tmp_path / "run").vocab_size
+    log = read_log(tmp_path / "run" / "log.jsonl")
+    assert len(log) == 300
+    late = log[-50:]
+    mlm = sum(r["mlm_loss"] for r in late) / len(late)
+    nsp_acc = sum(r["nsp_acc"] for r in late) / len(late)
+    assert mlm < 0.5 * math.log(vocab), (mlm, math.log(vocab))
+    assert nsp_acc > 0.7
+    assert metrics["eval_mlm_acc"] > 0.1 and metrics["eval_perplexity"] < vocab / 4  # chance: 1 / vocab
+    for key in ("mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "lr", "tokens_per_s", "seqs_per_s"):
+        assert key in log[0]
+    # The final model is an HF checkpoint.
+    transformers = pytest.importorskip("transformers")
+    _, info = transformers.BertForPreTraining.from_pretrained(tmp_path / "run", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_resume_is_exact(tmp_path, corpus):
+    train(args_for(tmp_path, corpus, "--save-every", "10", out="a"))
+    full = read_log(tmp_path / "a" / "log.jsonl")
+    # An interrupted run: the state of step 10 and the log up to there.
+    b = tmp_path / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000010", b / "checkpoints" / "step-00000010")
+    shutil.copytree(tmp_path / "a" / "tokenizer", b / "tokenizer")
+    (b / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full[:10]))
+    train(args_for(tmp_path, corpus, "--save-every", "10", "--resume", out="b"))
+    resumed = read_log(b / "log.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    for x, y in zip(full[10:], resumed[10:]):
+        assert (x["mlm_loss"], x["nsp_loss"], x["lr"]) == (y["mlm_loss"], y["nsp_loss"], y["lr"])
+    a_model = bert.BertForPreTraining.from_pretrained(tmp_path / "a")
+    b_model = bert.BertForPreTraining.from_pretrained(b)
+    for (n, p), q in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_checkpoints_keep_last_k(tmp_path, corpus):
+    train(args_for(tmp_path, corpus, "--save-every", "5", "--keep-checkpoints", "2"))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step-00000015", "step-00000020"]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-00000020" / "training_state.pt", weights_only=True)
+    assert state["step"] == 20 and "optimizer" in state and "rng_cpu" in state
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
+    out = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "bert.pretrain", "--data", corpus, "--train-tokenizer", "200", "--config", "tiny",
+           "--max-seq-len", "64", "--batch-size", "8", "--steps", "100000", "--output-dir", str(out),
+           "--eval-every", "0", "--save-every", "0", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "log.jsonl").exists() and (out / "log.jsonl").stat().st_size):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output.decode()[-2000:]
+    saved = os.listdir(out / "checkpoints")
+    assert len(saved) == 1
+    step = int(saved[0].split("-")[1])
+    assert step == len(read_log(out / "log.jsonl")) and read_log(out / "log.jsonl")[-1]["stopped"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, argv, out_file):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    model = train(build_parser().parse_args(argv)).model
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path, corpus):
+    cfg = bert.BertConfig.tiny(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(cfg.to_json_string())
+    base = ["--data", corpus, "--train-tokenizer", "200", "--config", str(tmp_path / "cfg" / "config.json"),
+            "--max-seq-len", "64", "--batch-size", "16", "--steps", "6", "--eval-every", "0", "--no-progress",
+            "--save-every", "0"]
+    single = train(build_parser().parse_args(base + ["--output-dir", str(tmp_path / "one")])).model
+    argv = base + ["--output-dir", str(tmp_path / "two"), "--tokenizer", str(tmp_path / "one" / "tokenizer")]
+    argv.remove("--train-tokenizer")
+    argv.remove("200")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), argv, str(tmp_path / "state")), nprocs=2, join=True)
+    rank0 = torch.load(tmp_path / "state.0", weights_only=True)
+    rank1 = torch.load(tmp_path / "state.1", weights_only=True)
+    for name, p in single.state_dict().items():
+        assert torch.equal(rank0[name], rank1[name]), name            # ranks stay identical
+        assert torch.allclose(rank0[name], p, atol=1e-5, rtol=1e-4), name  # and equal one process
+
+
+def test_bad_inputs(tmp_path, corpus):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="has no text|no vocabulary"):
+        train(args_for(tmp_path, str(empty)))
+    with pytest.raises(FileNotFoundError, match="no corpus files"):
+        train(args_for(tmp_path, str(tmp_path / "missing.txt"), out="m"))
+    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
+        train(args_for(tmp_path, corpus, "--max-seq-len", "1024", out="long"))
+    vocab_dir = tmp_path / "nomask"
+    vocab_dir.mkdir()
+    (vocab_dir / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nthe\napple\n")
+    argv = ["--data", corpus, "--tokenizer", str(vocab_dir), "--config", "tiny", "--output-dir",
+            str(tmp_path / "nm"), "--no-progress"]
+    with pytest.raises(ValueError, match=r"lacks \['\[MASK\]'\]"):
+        train(build_parser().parse_args(argv))
+
+
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--config", "--data", "--tokenizer", "--train-tokenizer", "--max-seq-len", "--batch-size",
+                   "--steps", "--lr", "--output-dir", "--resume", "--backend"):
+        assert option in text
