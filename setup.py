@@ -10,6 +10,7 @@ setup(
     entry_points={"console_scripts": [
         "bert-bench = bench.cli:main",
         "bert-pretrain = bert.pretrain:main",
+        "bert-finetune = bert.finetune:main",
     ]},
     python_requires=">=3.10",
     install_requires=[

@@ -1,0 +1,247 @@
+"""Fine-tuning data: readers for GLUE-style TSV, CoNLL-2003 and SQuAD v1.1 (or HF datasets by name), and their
+conversion to model features. Bad data raises an error naming the file and line (or question id)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+
+PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
+                ("premise", "hypothesis")]
+
+
+# ---- classification ------------------------------------------------------------------------------
+@dataclass
+class TextExample:
+    text: str
+    pair: str | None
+    label: str
+    where: str  # file:line, for error messages
+
+
+def read_classification(source: str, split: str) -> list[TextExample]:
+    if not os.path.exists(source):
+        return _hf_classification(source, split)
+    with open(source, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, None)
+        if not header:
+            raise ValueError(f"{source}:1: empty file (expected a header row)")
+        cols = {name.strip(): i for i, name in enumerate(header)}
+        if "label" not in cols:
+            raise ValueError(f"{source}:1: missing column 'label' (header: {header})")
+        if "sentence" in cols:
+            a, b = cols["sentence"], None
+        else:
+            found = next(((cols[x], cols[y]) for x, y in PAIR_COLUMNS if x in cols and y in cols), None)
+            if found is None:
+                raise ValueError(f"{source}:1: missing column 'sentence' (or a sentence pair such as "
+                                 f"sentence1/sentence2); header: {header}")
+            a, b = found
+        out = []
+        for lineno, row in enumerate(reader, 2):
+            if not row:
+                continue
+            if len(row) < len(header):
+                raise ValueError(f"{source}:{lineno}: expected {len(header)} tab-separated columns, got {len(row)}")
+            out.append(TextExample(row[a].strip(), row[b].strip() if b is not None else None,
+                                   row[cols["label"]].strip(), f"{source}:{lineno}"))
+    return out
+
+
+def _hf_classification(name: str, split: str) -> list[TextExample]:
+    import datasets
+
+    path, _, config = name.partition("/")
+    ds = datasets.load_dataset(path, config or None, split="validation" if split == "eval" else "train")
+    names = ds.features["label"].names if hasattr(ds.features["label"], "names") else None
+    cols = ds.column_names
+    a, b = ("sentence", None) if "sentence" in cols else next((x, y) for x, y in PAIR_COLUMNS if x in cols)
+    return [TextExample(r[a], r[b] if b else None, names[r["label"]] if names else str(r["label"]), f"{name}[{i}]")
+            for i, r in enumerate(ds)]
+
+
+def classification_features(examples: list[TextExample], tokenizer, label2id: dict[str, int], max_len: int):
+    tokenizer.enable_truncation(max_len)
+    try:
+        encs = tokenizer.encode_batch([(e.text, e.pair) if e.pair is not None else e.text for e in examples])
+    finally:
+        tokenizer.no_truncation()
+    feats = []
+    for e, enc in zip(examples, encs):
+        if e.label not in label2id:
+            raise ValueError(f"{e.where}: label {e.label!r} is not in the label set {sorted(label2id)}")
+        feats.append({"input_ids": enc.ids, "token_type_ids": enc.type_ids, "labels": label2id[e.label]})
+    return feats
+
+
+# ---- NER -----------------------------------------------------------------------------------------
+@dataclass
+class NerSentence:
+    words: list[str]
+    tags: list[str]
+    where: str
+
+
+def read_conll(source: str, split: str) -> list[NerSentence]:
+    """CoNLL-2003: `word POS chunk NER` per line, blank lines between sentences, -DOCSTART- lines skipped."""
+    if not os.path.exists(source):
+        return _hf_conll(source, split)
+    sentences, words, tags, start = [], [], [], 1
+    with open(source, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts or parts[0] == "-DOCSTART-":
+                if words:
+                    sentences.append(NerSentence(words, tags, f"{source}:{start}"))
+                words, tags = [], []
+                continue
+            if len(parts) < 2:
+                raise ValueError(f"{source}:{lineno}: expected 'word ... tag' columns, got {line.strip()!r}")
+            if not words:
+                start = lineno
+            words.append(parts[0])
+            tags.append(parts[-1])
+    if words:
+        sentences.append(NerSentence(words, tags, f"{source}:{start}"))
+    return sentences
+
+
+def _hf_conll(name: str, split: str) -> list[NerSentence]:
+    import datasets
+
+    ds = datasets.load_dataset(name, split="validation" if split == "eval" else "train")
+    names = ds.features["ner_tags"].feature.names
+    return [NerSentence(r["tokens"], [names[t] for t in r["ner_tags"]], f"{name}[{i}]") for i, r in enumerate(ds)]
+
+
+def ner_features(sentences: list[NerSentence], tokenizer, label2id: dict[str, int], max_len: int):
+    """Label the first sub-token of each word; the other pieces and the special tokens get -100.
+    Words cut off by max_len are recorded, so their predictions can be filled in as 'O'."""
+    tokenizer.enable_truncation(max_len)
+    try:
+        encs = tokenizer.encode_batch([s.words for s in sentences], is_pretokenized=True)
+    finally:
+        tokenizer.no_truncation()
+    feats = []
+    for s, enc in zip(sentences, encs):
+        for tag in s.tags:
+            if tag not in label2id:
+                raise ValueError(f"{s.where}: tag {tag!r} is not in the label set {sorted(label2id)}")
+        labels, first_token, prev = [], [], None
+        for pos, w in enumerate(enc.word_ids):
+            if w is not None and w != prev:
+                labels.append(label2id[s.tags[w]])
+                first_token.append(pos)
+            else:
+                labels.append(-100)
+            prev = w
+        feats.append({"input_ids": enc.ids, "token_type_ids": enc.type_ids, "labels": labels,
+                      "first_token": first_token})
+    return feats
+
+
+# ---- extractive QA -------------------------------------------------------------------------------
+@dataclass
+class QAExample:
+    qid: str
+    question: str
+    context: str
+    answers: list[str]
+    answer_start: int | None   # of the first answer, for training
+    where: str
+
+
+def read_squad(source: str, split: str) -> list[QAExample]:
+    if not os.path.exists(source):
+        return _hf_squad(source, split)
+    with open(source, encoding="utf-8") as f:
+        try:
+            data = json.load(f)["data"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{source}: not a SQuAD v1.1 JSON file (need a top-level 'data' list)") from e
+    out = []
+    for article in data:
+        for para in article["paragraphs"]:
+            context = para["context"]
+            for qa in para["qas"]:
+                where = f"{source}: question {qa.get('id')!r}"
+                answers = qa.get("answers", [])
+                for ans in answers:
+                    start, text = ans["answer_start"], ans["text"]
+                    if context[start:start + len(text)] != text:
+                        raise ValueError(f"{where}: answer_start {start} does not match the answer text {text!r} "
+                                         f"(context has {context[start:start + len(text)]!r} there)")
+                out.append(QAExample(qa["id"], qa["question"], context, [a["text"] for a in answers],
+                                     answers[0]["answer_start"] if answers else None, where))
+    return out
+
+
+def _hf_squad(name: str, split: str) -> list[QAExample]:
+    import datasets
+
+    ds = datasets.load_dataset(name, split="validation" if split == "eval" else "train")
+    return [QAExample(r["id"], r["question"], r["context"], r["answers"]["text"],
+                      r["answers"]["answer_start"][0] if r["answers"]["answer_start"] else None, f"{name}[{i}]")
+            for i, r in enumerate(ds)]
+
+
+@dataclass
+class QAWindow:
+    example: int                     # index into the example list
+    input_ids: list[int]
+    token_type_ids: list[int]
+    context_offsets: list            # per token: (start, end) in the context, or None outside the passage
+    start_position: int = 0          # training targets; 0 ([CLS]) when the answer is not inside this window
+    end_position: int = 0
+    features: dict = field(default_factory=dict)
+
+
+def qa_windows(examples: list[QAExample], tokenizer, max_len: int, doc_stride: int) -> list[QAWindow]:
+    """Question as segment A, passage as segment B; long passages become overlapping windows that share
+    `doc_stride` tokens. Each window's targets are the answer's first and last tokens when it lies inside."""
+    windows = []
+    tokenizer.enable_truncation(max_len, stride=doc_stride, strategy="only_second")
+    try:
+        for i, ex in enumerate(examples):
+            try:
+                first = tokenizer.encode(ex.question, ex.context)
+            except Exception as e:
+                raise ValueError(f"{ex.where}: the question does not fit in max_seq_len={max_len}") from e
+            for enc in [first, *first.overflowing]:
+                seq = enc.sequence_ids
+                offsets = [tuple(o) if s == 1 else None for o, s in zip(enc.offsets, seq)]
+                w = QAWindow(i, enc.ids, enc.type_ids, offsets)
+                if ex.answer_start is not None and ex.answers:
+                    a0, a1 = ex.answer_start, ex.answer_start + len(ex.answers[0])
+                    inside = [t for t, o in enumerate(offsets) if o is not None]
+                    if inside and offsets[inside[0]][0] <= a0 and offsets[inside[-1]][1] >= a1:
+                        w.start_position = next(t for t in inside if offsets[t][1] > a0)
+                        w.end_position = max(t for t in inside if offsets[t][0] < a1)
+                windows.append(w)
+    finally:
+        tokenizer.no_truncation()
+    return windows
+
+
+def decode_answers(examples: list[QAExample], windows: list[QAWindow], start_logits, end_logits,
+                   n_best: int = 20, max_answer_len: int = 30) -> dict[str, str]:
+    """The best passage span of each question over all its windows: the top n_best starts and ends of each
+    window, pairs with start <= end and at most max_answer_len tokens, scored by start + end logit."""
+    best: dict[int, tuple[float, str]] = {}
+    for w, s_log, e_log in zip(windows, start_logits, end_logits):
+        ctx = [t for t, o in enumerate(w.context_offsets) if o is not None]
+        if not ctx:
+            continue
+        s_top = sorted(ctx, key=lambda t: -s_log[t])[:n_best]
+        e_top = sorted(ctx, key=lambda t: -e_log[t])[:n_best]
+        for s in s_top:
+            for e in e_top:
+                if e < s or e - s + 1 > max_answer_len:
+                    continue
+                score = float(s_log[s] + e_log[e])
+                if w.example not in best or score > best[w.example][0]:
+                    text = examples[w.example].context[w.context_offsets[s][0]:w.context_offsets[e][1]]
+                    best[w.example] = (score, text)
+    return {ex.qid: best.get(i, (0.0, ""))[1] for i, ex in enumerate(examples)}

@@ -1,0 +1,119 @@
+"""bert-finetune end to end on small crafted data: the loss falls, metrics come out, the saved model reloads
+and predicts the same."""
+import json
+import random
+
+import pytest
+
+import bert
+from bert.finetune import build_parser, run
+from bert.tokenizer import save_tokenizer, train_tokenizer
+
+NAMES = ["john", "mary", "peter", "anna"]
+CITIES = ["paris", "berlin", "tokyo", "lima"]
+FILLER = ["today", "often", "also", "never", "quietly", "really"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny pre-training checkpoint with its own vocabulary, as bert-pretrain leaves it."""
+    d = tmp_path_factory.mktemp("ckpt")
+    texts = [f"{n} lives in {c} {f} and it is good or bad" for n in NAMES for c in CITIES for f in FILLER]
+    tok = train_tokenizer(texts, vocab_size=120)
+    cfg = bert.BertConfig.tiny(vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
+    bert.BertForPreTraining(cfg).save_pretrained(d)
+    save_tokenizer(tok, str(d))
+    return str(d)
+
+
+def args(task, model, train, eval_, out, *extra):
+    return build_parser().parse_args([task, "--model", model, "--train", train, "--eval", eval_, "--output-dir",
+                                      str(out), "--lr", "2e-3", "--batch-size", "8", "--max-seq-len", "48",
+                                      "--no-progress", *extra])
+
+
+def reload_and_compare(task, out, eval_file, pred_name, *extra):
+    again = build_parser().parse_args([task, "--model", str(out), "--eval", eval_file, "--output-dir",
+                                       str(out / "reloaded"), "--max-seq-len", "48", "--no-progress", *extra])
+    metrics = run(again)
+    assert (out / pred_name).read_text() == (out / "reloaded" / pred_name).read_text()
+    return metrics
+
+
+def sentiment_files(tmp_path, n=64):
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        label = i % 2
+        rows.append(f"{rng.choice(NAMES)} is {'good' if label else 'bad'} {rng.choice(FILLER)}\t{label}")
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\n" + "\n".join(rows[:16]) + "\n")
+    return str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
+
+
+def test_classify_on_the_triton_backend(tmp_path, checkpoint):
+    """A short run through the fused kernels (Triton's interpreter on a CPU): trains, saves, reloads the same."""
+    train, dev = sentiment_files(tmp_path, n=16)
+    out = tmp_path / "out"
+    metrics = run(args("classify", checkpoint, train, dev, out, "--max-steps", "2", "--backend", "triton"))
+    assert metrics["train_steps"] == 2 and metrics["eval_examples"] == 16
+    reload_and_compare("classify", out, dev, "predictions.txt", "--backend", "triton")
+
+
+def test_classify(tmp_path, checkpoint):
+    train, dev = sentiment_files(tmp_path)
+    out = tmp_path / "out"
+    metrics = run(args("classify", checkpoint, train, dev, out, "--epochs", "4", "--backend", "torch"))
+    assert metrics["train_loss_last20"] < metrics["train_loss_first"]
+    assert metrics["eval_accuracy"] >= 0.9 and "eval_macro_f1" in metrics
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["id2label"] == {"0": "0", "1": "1"}
+    again = reload_and_compare("classify", out, dev, "predictions.txt")
+    assert again["eval_accuracy"] == metrics["eval_accuracy"]
+
+
+def test_ner(tmp_path, checkpoint):
+    rng = random.Random(1)
+    lines = ["-DOCSTART- -X- -X- O", ""]
+    for _ in range(48):
+        name, city, f = rng.choice(NAMES), rng.choice(CITIES), rng.choice(FILLER)
+        for w, t in ((name, "B-PER"), ("lives", "O"), ("in", "O"), (city, "B-LOC"), (f, "O")):
+            lines.append(f"{w} NN O {t}")
+        lines.append("")
+    (tmp_path / "train.txt").write_text("\n".join(lines))
+    (tmp_path / "dev.txt").write_text("\n".join(lines[:2 + 6 * 10]))
+    out = tmp_path / "out"
+    metrics = run(args("ner", checkpoint, str(tmp_path / "train.txt"), str(tmp_path / "dev.txt"), out,
+                       "--epochs", "6", "--backend", "torch"))
+    assert metrics["train_loss_last20"] < metrics["train_loss_first"]
+    assert metrics["eval_f1"] > 0.8
+    pred = (out / "predictions.txt").read_text().split("\n")
+    assert pred[0].split(" ")[1:] in (["B-PER", "B-PER"], ["B-PER", "O"], ["B-PER", "B-LOC"])
+    reload_and_compare("ner", out, str(tmp_path / "dev.txt"), "predictions.txt")
+
+
+def test_qa(tmp_path, checkpoint):
+    rng = random.Random(2)
+    paragraphs = []
+    for i in range(40):
+        name, city = rng.choice(NAMES), rng.choice(CITIES)
+        context = f"{rng.choice(FILLER)} {name} lives in {city} {rng.choice(FILLER)}"
+        paragraphs.append({"context": context, "qas": [{"id": f"q{i}", "question": f"where {name} lives",
+                                                        "answers": [{"answer_start": context.index(city),
+                                                                     "text": city}]}]})
+    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]}
+    (tmp_path / "train.json").write_text(json.dumps(data))
+    out = tmp_path / "out"
+    metrics = run(args("qa", checkpoint, str(tmp_path / "train.json"), str(tmp_path / "train.json"), out,
+                       "--epochs", "8", "--backend", "torch", "--doc-stride", "16"))
+    assert metrics["train_loss_last20"] < metrics["train_loss_first"]
+    assert metrics["eval_exact_match"] > 50 and metrics["eval_f1"] >= metrics["eval_exact_match"]
+    reload_and_compare("qa", out, str(tmp_path / "train.json"), "predictions.json", "--doc-stride", "16")
+
+
+def test_pretraining_checkpoint_gets_a_new_head(tmp_path, checkpoint, caplog):
+    (tmp_path / "d.tsv").write_text("sentence\tlabel\njohn is good\tpos\nmary is bad\tneg\n")
+    with caplog.at_level("WARNING", logger="bert"):
+        run(args("classify", checkpoint, str(tmp_path / "d.tsv"), str(tmp_path / "d.tsv"), tmp_path / "o",
+                 "--max-steps", "1", "--backend", "torch"))
+    assert "classifier.weight" in caplog.text and "cls.seq_relationship.weight" in caplog.text
