@@ -5,8 +5,8 @@ interpreter, which must be enabled with TRITON_INTERPRET=1 before triton is firs
 """
 from .attention import padded_attention, varlen_attention
 from .bias_gelu import LinearGeLU, bias_gelu
-from .layer_norm import LayerNorm, layer_norm
+from .layer_norm import LayerNorm, fuse_layer_norms, layer_norm
 from .mlm_loss import masked_lm_loss
 
-__all__ = ["LayerNorm", "layer_norm", "LinearGeLU", "bias_gelu", "varlen_attention", "padded_attention",
+__all__ = ["LayerNorm", "layer_norm", "fuse_layer_norms", "LinearGeLU", "bias_gelu", "varlen_attention", "padded_attention",
            "masked_lm_loss"]

