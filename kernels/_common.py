@@ -38,19 +38,23 @@ def new_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
-def reduction_programs(device: torch.device, n_tiles: int) -> int:
-    """How many programs share a cross-row reduction: a few per SM on a GPU, few in the interpreter."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4
-    return max(1, min(n_tiles, target))
+def row_bands(device: torch.device, n_rows: int, block_m: int) -> tuple[int, int]:
+    """(programs, rows per program) for a cross-row reduction: each program sums a contiguous band of rows
+    (a multiple of block_m) into its own partial; a few programs per SM on a GPU, few in the interpreter."""
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = max(1, min(triton.cdiv(max(n_rows, 1), block_m), target))
+    rows = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m if n_rows else 0
+    return programs, rows
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dimension is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., N] -> [M, N] with unit stride along N (copies only when it must)."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return unit_stride(t.reshape(-1, t.shape[-1]))
 
 
 @triton.jit

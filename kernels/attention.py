@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device, dropout_keep, keep_mask, new_seed
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, dropout_keep, keep_mask, new_seed, unit_stride
 
 HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
@@ -284,7 +284,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         total, heads, dim = q.shape
         batch = cu_seqlens.numel() - 1
-        do = do if do.stride(-1) == 1 else do.contiguous()
+        do = unit_stride(do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if not (total and batch and ctx.max_seqlen):
             return dq, dk, dv, None, None, None, None, None
@@ -305,10 +305,6 @@ class VarlenAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _rows_contiguous(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int | None = None,
                      validate: bool = True) -> torch.Tensor:
@@ -323,7 +319,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if dropout_p > 0 and seed is None:
         seed = new_seed()
-    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale, int(seed or 0))
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._common import as_rows, check_device, check_float, reduction_programs
+from ._common import as_rows, check_device, check_float, row_bands
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -126,8 +126,7 @@ class BiasGeluFunction(torch.autograd.Function):
         dy2 = as_rows(dy)
         dx = torch.empty_like(x2)
         block_m, block_n = _block_sizes(n)
-        programs = reduction_programs(x2.device, triton.cdiv(m, block_m))
-        rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m if m else 0
+        programs, rows_per_program = row_bands(x2.device, m, block_m)
         db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
         if m:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(n, block_n))](

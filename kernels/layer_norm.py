@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._common import as_rows, check_device, check_float, dropout_keep, keep_mask, new_seed, reduction_programs
+from ._common import as_rows, check_device, check_float, dropout_keep, keep_mask, new_seed, row_bands
 
 MAX_N = 16384
 
@@ -98,7 +98,10 @@ def _layer_norm_bwd_kernel(
         rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = dy * w[None, :] if HAS_WEIGHT else dy
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
         mean_g = tl.sum(g, axis=1) / N
         mean_gx = tl.sum(g * xhat, axis=1) / N
         ds = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
@@ -171,8 +174,7 @@ class LayerNormFunction(torch.autograd.Function):
         dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
         dr = torch.empty((m, n), dtype=ctx.residual_dtype, device=x2.device) if r2 is not None else None
         block_m, block_n, num_warps = _block_sizes(n)
-        programs = reduction_programs(x2.device, triton.cdiv(m, block_m))
-        rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m if m else 0
+        programs, rows_per_program = row_bands(x2.device, m, block_m)
         dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
         db_partial = torch.zeros_like(dw_partial)
         if m:

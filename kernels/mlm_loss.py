@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, unit_stride
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -178,7 +178,7 @@ def _config(h: int):
     """(BLOCK_M, BLOCK_V, BLOCK_H, BLOCK_HO, num_warps)."""
     if INTERPRET:  # the interpreter's cost is per tile: wide vocabulary tiles, small everything else
         return 16, 128, 16, 32, 4
-    return 64, 128, 64, min(256, triton.next_power_of_2(h)), 8
+    return 64, 128, 64, min(128, triton.next_power_of_2(h)), 8
 
 
 def _dot_precision(dtype):
@@ -272,9 +272,7 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         if lo < 0 or hi >= vocab:
             raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
                              f"got values in [{lo}, {hi}]")
-    h = hidden[rows]
-    h = h if h.stride(-1) == 1 else h.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    h, w = unit_stride(hidden[rows]), unit_stride(weight)
     per_row, hit = MaskedLMLossFunction.apply(h, w, bias, picked.to(torch.int64).contiguous())
     if reduction == "mean":
         loss = per_row.sum() / max(rows.numel(), 1)
