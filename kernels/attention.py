@@ -36,6 +36,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _sequence(CuSeqlens, b):
+    """(first token, length) of sequence b."""
+    start = tl.load(CuSeqlens + b)
+    return start, tl.load(CuSeqlens + b + 1) - start
+
+
+@triton.jit
 def _scores(q, kt, qk_scale, DOT_PRECISION: tl.constexpr):
     return tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
 
@@ -52,8 +59,7 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_start = tl.load(CuSeqlens + b)
-    seq_len = tl.load(CuSeqlens + b + 1) - seq_start
+    seq_start, seq_len = _sequence(CuSeqlens, b)
     if start_m * BLOCK_M >= seq_len:
         return
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -120,8 +126,7 @@ def _attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_start = tl.load(CuSeqlens + b)
-    seq_len = tl.load(CuSeqlens + b + 1) - seq_start
+    seq_start, seq_len = _sequence(CuSeqlens, b)
     if start_n * BLOCK_N >= seq_len:
         return
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,8 +181,7 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_start = tl.load(CuSeqlens + b)
-    seq_len = tl.load(CuSeqlens + b + 1) - seq_start
+    seq_start, seq_len = _sequence(CuSeqlens, b)
     if start_m * BLOCK_M >= seq_len:
         return
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -27,6 +27,21 @@ MAX_N = 16384
 
 
 @triton.jit
+def _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed,
+                 HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """s = dropout(x) + residual for a [rows, cols] tile, in float32, and the keep mask (all True without
+    dropout). Element (row, col) draws Philox offset row * N + col, in the forward and the backward alike."""
+    s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    keep = mask
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, rows64 * N + cols[None, :], p)
+        s = tl.where(keep, s / (1.0 - p), 0.0)
+    if HAS_RESIDUAL:
+        s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, keep
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     X,           # [M, N] input (the sublayer's output)
     R,           # [M, N] residual (unused unless HAS_RESIDUAL)
@@ -43,12 +58,7 @@ def _layer_norm_fwd_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)[:, None]
-    s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_DROPOUT:
-        keep = dropout_keep(seed, rows64 * N + cols[None, :], p)
-        s = tl.where(keep, s / (1.0 - p), 0.0)
-    if HAS_RESIDUAL:
-        s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s, _ = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL, HAS_DROPOUT)
     mean = tl.sum(s, axis=1) / N
     diff = tl.where(mask, s - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / N + eps)
@@ -88,12 +98,8 @@ def _layer_norm_bwd_kernel(
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, rows64 * N + cols[None, :], p)
-            s = tl.where(keep, s / (1.0 - p), 0.0)
-        if HAS_RESIDUAL:
-            s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s, keep = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL,
+                               HAS_DROPOUT)
         mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
