@@ -7,7 +7,6 @@ forward's FLOPs (FlashAttention's convention: the recomputed QK^T included).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -27,26 +26,31 @@ def _fwd_bwd_times(fn, inputs, device):
     return t_fwd, t_bwd, t_all
 
 
-def _impls(eager, ours):
+def _impls(eager, ours, device):
     impls = {"torch-eager": eager, "ours": ours}
-    try:
+    if device.type == "cuda":  # compiling on a CPU takes minutes and says nothing about the kernels
         impls["torch-compile"] = torch.compile(eager)
-    except Exception:  # pragma: no cover - reported as missing rows
-        pass
     return impls
 
 
+def _dtype(device):
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _rows_for(kernel, shape, impls, inputs_fn, bytes_fwd, bytes_bwd, flops_fwd, peaks, device):
+    cuda = device.type == "cuda"
     rows = []
     for name, fn in impls.items():
         row = {"kernel": kernel, "shape": shape, "impl": name}
         try:
             inputs = inputs_fn()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             t_fwd, t_bwd, t_all = _fwd_bwd_times(fn, inputs, device)
-            row.update(fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3, fwd_bwd_ms=t_all * 1e3,
-                       peak_extra_MB=(torch.cuda.max_memory_allocated() - base) / 2**20)
+            row.update(fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3, fwd_bwd_ms=t_all * 1e3)
+            if cuda:
+                row["peak_extra_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
             if bytes_fwd:
                 gbps = (bytes_fwd + bytes_bwd) / t_all / 1e9
                 row.update(fwd_bwd_GBps=gbps, copy_share=gbps / peaks["copy_GBps"])
@@ -56,62 +60,69 @@ def _rows_for(kernel, shape, impls, inputs_fn, bytes_fwd, bytes_bwd, flops_fwd, 
         except Exception as e:
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         rows.append(row)
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return rows
 
 
-def layer_norm_rows(peaks, quick, device):
+def layer_norm_rows(peaks, quick, device, shapes=None):
+    """shapes: (tokens, hidden) pairs; default BERT's, 8,192-65,536 tokens x 768/1024."""
     import kernels
 
-    rows = []
-    for tokens in ([16384] if quick else [8192, 32768, 65536]):
-        for h in (768, 1024):
-            def inputs():
-                x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16, requires_grad=True)
-                r = torch.randn_like(x, requires_grad=True)
-                w = torch.ones(h, device=device, requires_grad=True)
-                b = torch.zeros(h, device=device, requires_grad=True)
-                return x, r, w, b
+    shapes = shapes or [(t, h) for t in ([16384] if quick else [8192, 32768, 65536]) for h in (768, 1024)]
+    dtype, rows = _dtype(device), []
+    for tokens, h in shapes:
+        def inputs():
+            x = torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True)
+            r = torch.randn_like(x, requires_grad=True)
+            return x, r, torch.ones(h, device=device, requires_grad=True), torch.zeros(h, device=device,
+                                                                                    requires_grad=True)
 
-            def eager(x, r, w, b):
-                return F.layer_norm(F.dropout(x, 0.1) + r, (h,), w, b, 1e-12)
+        def eager(x, r, w, b):
+            return F.layer_norm(F.dropout(x, 0.1) + r, (h,), w.to(x.dtype), b.to(x.dtype), 1e-12)
 
-            def ours(x, r, w, b):
-                return kernels.layer_norm(x, w, b, 1e-12, residual=r, dropout_p=0.1)
+        def ours(x, r, w, b):
+            return kernels.layer_norm(x, w, b, 1e-12, residual=r, dropout_p=0.1)
 
-            n = tokens * h * 2
-            rows += _rows_for("layer_norm+residual+dropout", f"{tokens}x{h}", _impls(eager, ours), inputs,
-                              3 * n, 5 * n, 0, peaks, device)
+        n = tokens * h * x_bytes(dtype)
+        rows += _rows_for("layer_norm+residual+dropout", f"{tokens}x{h}", _impls(eager, ours, device), inputs,
+                          3 * n, 5 * n, 0, peaks, device)
     return rows
 
 
-def bias_gelu_rows(peaks, quick, device):
+def x_bytes(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bias_gelu_rows(peaks, quick, device, shapes=None):
+    """shapes: (tokens, intermediate) pairs; default 8,192-65,536 tokens x 3072/4096."""
     import kernels
 
-    rows = []
-    for tokens in ([16384] if quick else [8192, 32768, 65536]):
-        for i in (3072, 4096):
-            def inputs():
-                x = torch.randn(tokens, i, device=device, dtype=torch.bfloat16, requires_grad=True)
-                return x, torch.randn(i, device=device, dtype=torch.bfloat16, requires_grad=True)
+    shapes = shapes or [(t, i) for t in ([16384] if quick else [8192, 32768, 65536]) for i in (3072, 4096)]
+    dtype, rows = _dtype(device), []
+    for tokens, i in shapes:
+        def inputs():
+            return (torch.randn(tokens, i, device=device, dtype=dtype, requires_grad=True),
+                    torch.randn(i, device=device, dtype=dtype, requires_grad=True))
 
-            n = tokens * i * 2
-            rows += _rows_for("bias_gelu", f"{tokens}x{i}",
-                              _impls(lambda x, b: F.gelu(x + b), lambda x, b: kernels.bias_gelu(x, b)),
-                              inputs, 2 * n, 3 * n, 0, peaks, device)
+        n = tokens * i * x_bytes(dtype)
+        rows += _rows_for("bias_gelu", f"{tokens}x{i}",
+                          _impls(lambda x, b: F.gelu(x + b), lambda x, b: kernels.bias_gelu(x, b), device),
+                          inputs, 2 * n, 3 * n, 0, peaks, device)
     return rows
 
 
-def attention_rows(peaks, quick, device):
+def attention_rows(peaks, quick, device, shapes=None):
+    """shapes: (batch, seq, heads) triples at head_dim 64, each at 0%, 25% and 50% padding."""
+    import numpy as np
+
     import kernels
 
     from .lengths import sample_lengths
 
-    rows = []
-    import numpy as np
-
-    configs = [(64, 512, 12)] if quick else [(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)]
-    for batch, seqlen, heads in configs:
+    shapes = shapes or ([(64, 512, 12)] if quick else [(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)])
+    dtype, rows = _dtype(device), []
+    for batch, seqlen, heads in shapes:
         for padding in (0.0, 0.25, 0.5):
             lengths = torch.from_numpy(sample_lengths(batch, seqlen, padding, np.random.default_rng(0)))
             mask = (torch.arange(seqlen)[None] < lengths[:, None]).to(device)
@@ -121,14 +132,14 @@ def attention_rows(peaks, quick, device):
             flops = 4 * heads * 64 * float((lengths.double() ** 2).sum())
 
             def padded_inputs():
-                return tuple(torch.randn(batch, heads, seqlen, 64, device=device, dtype=torch.bfloat16,
-                                         requires_grad=True) for _ in range(3))
+                return tuple(torch.randn(batch, heads, seqlen, 64, device=device, dtype=dtype, requires_grad=True)
+                             for _ in range(3))
 
             def packed_inputs():
-                return tuple(torch.randn(total, heads, 64, device=device, dtype=torch.bfloat16,
-                                         requires_grad=True) for _ in range(3))
+                return tuple(torch.randn(total, heads, 64, device=device, dtype=dtype, requires_grad=True)
+                             for _ in range(3))
 
-            bias = torch.zeros(batch, 1, 1, seqlen, device=device, dtype=torch.bfloat16)
+            bias = torch.zeros(batch, 1, 1, seqlen, device=device, dtype=dtype)
             bias.masked_fill_(~mask[:, None, None, :].bool(), float("-inf"))
             shape = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}%"
             rows += _rows_for("attention", shape, {"sdpa-masked": lambda q, k, v: F.scaled_dot_product_attention(
@@ -138,10 +149,10 @@ def attention_rows(peaks, quick, device):
                 nested = [torch.nested.nested_tensor_from_jagged(t, cu.long()).transpose(1, 2) for t in (q, k, v)]
                 return F.scaled_dot_product_attention(*nested).transpose(1, 2).values()
 
-            rows += _rows_for("attention", shape, {
-                "sdpa-unpadded": sdpa_unpadded,
-                "ours": lambda q, k, v: kernels.varlen_attention(q, k, v, cu, seqlen, validate=False)},
-                packed_inputs, 0, 0, flops, peaks, device)
+            impls = {"ours": lambda q, k, v: kernels.varlen_attention(q, k, v, cu, seqlen, validate=False)}
+            if device.type == "cuda":
+                impls["sdpa-unpadded"] = sdpa_unpadded
+            rows += _rows_for("attention", shape, impls, packed_inputs, 0, 0, flops, peaks, device)
     return rows
 
 
@@ -181,7 +192,7 @@ def _mlm_cpu_child(name, tokens, h):
     return extra, t
 
 
-def mlm_loss_rows(peaks, quick, device):
+def mlm_loss_rows(peaks, quick, device, tokens=None):
     """Time and extra peak memory of the MLM loss at pre-training shapes (15% of tokens labelled).
 
     GPU: 32,768 tokens, bfloat16, allocator counters. CPU: 4,096 tokens, float32, peak RSS growth of a fresh
@@ -191,7 +202,7 @@ def mlm_loss_rows(peaks, quick, device):
     import multiprocessing
 
     cuda = device.type == "cuda"
-    tokens = 32768 if cuda else 4096
+    tokens = tokens or (32768 if cuda else 4096)
     impls = ["(a) full logits", "(b) gather+linear+CE"] + (["(c) ours"] if cuda else [])
     rows = []
     for h in ((768,) if quick or not cuda else (768, 1024)):

@@ -6,12 +6,17 @@ import time
 import torch
 
 
-def timeit(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
+CPU_REPEATS = (3, 10)  # (warm-up, timed) calls on a CPU; tests lower it
+
+
+def timeit(fn, device: torch.device, warmup: int | None = None, reps: int | None = None) -> float:
     """Median seconds per call (CUDA: triton's do_bench with its L2 flush; CPU: wall clock)."""
     if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    warmup = CPU_REPEATS[0] if warmup is None else warmup
+    reps = CPU_REPEATS[1] if reps is None else reps
     for _ in range(warmup):
         fn()
     times = []

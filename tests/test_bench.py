@@ -1,0 +1,90 @@
+"""The benchmark's own pieces (no timing asserted): lengths, batches, FLOP counts, suites at tiny sizes, the CLI."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import bert
+from bench import e2e
+from bench.batches import make_batch
+from bench.cli import main, plot
+from bench.kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
+from bench.lengths import WIKI_PERCENTILES, sample_lengths
+
+PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 0.1, "matmul_dtype": "float32"}
+
+
+@pytest.fixture(autouse=True)
+def few_repeats(monkeypatch):
+    monkeypatch.setattr("bench.peaks.CPU_REPEATS", (0, 1))
+
+
+def test_lengths_follow_the_table_and_padding_levels():
+    rng = np.random.default_rng(0)
+    wiki = sample_lengths(20000, 10**6, "wiki", rng)
+    assert abs(np.median(wiki) - WIKI_PERCENTILES[10]) <= 3
+    for f in (0.0, 0.25, 0.5):
+        lengths = sample_lengths(20000, 512, f, rng)
+        assert lengths.min() >= 1 and lengths.max() <= 512
+        assert abs(1 - lengths.mean() / 512 - f) < 0.01
+    with pytest.raises(ValueError):
+        sample_lengths(4, 128, 0.7, rng)
+
+
+def test_batches_label_fifteen_percent_of_real_tokens():
+    b = make_batch(256, 128, 30522, "wiki", seed=0)
+    real = b.attention_mask.sum().item()
+    assert abs(b.labelled / real - 0.15) < 0.01
+    assert ((b.labels != -100) <= b.attention_mask.bool()).all()
+
+
+def test_step_flops_counts_real_tokens():
+    cfg = bert.BertConfig.base()
+    one = e2e.step_flops(cfg, [128], 0)
+    assert e2e.step_flops(cfg, [128, 128], 0) == 2 * one
+    # about 6 x encoder parameters per token, plus attention
+    assert 6 * 85e6 * 128 < one < 6 * 85e6 * 128 * 1.2
+
+
+def test_e2e_variants_run_in_process():
+    spec = {"config": "tiny", "seq_len": 32, "batch": 4, "padding": "wiki", "dtype": "float32", "device": "cpu",
+            "warmup": 1, "steps": 2}
+    for variant in ("hf-eager", "ours-torch"):
+        row = e2e.run_variant(variant, spec)
+        assert row["status"] == "ok", row
+        assert row["tokens_per_s"] > 0 and 0 <= row["padding_share"] < 1
+
+
+def test_kernel_suites_at_tiny_sizes_on_this_device(device):
+    rows = layer_norm_rows(PEAKS, True, device, shapes=[(16, 48)])
+    rows += bias_gelu_rows(PEAKS, True, device, shapes=[(16, 40)])
+    rows += attention_rows(PEAKS, True, device, shapes=[(2, 24, 2)])
+    assert rows and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+    assert {r["impl"] for r in rows} >= {"torch-eager", "ours", "sdpa-masked"}
+    mlm = mlm_loss_rows(PEAKS, True, torch.device("cpu"), tokens=256)
+    assert [r["impl"] for r in mlm] == ["(a) full logits", "(b) gather+linear+CE"]
+    assert all(r["status"] == "ok" and r["peak_extra_MB"] >= 0 for r in mlm)
+
+
+def test_cli_writes_tables_json_csv_and_plots(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    out = tmp_path / "results"
+    assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
+                 "--variants", "hf-eager", "ours-torch", "--output-dir", str(out), "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "| ours-torch | tiny | 32 |" in text and "CPU mode" in text
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["peaks"] == PEAKS
+    assert {r["variant"] for r in results["e2e"]} == {"hf-eager", "ours-torch"}
+    assert any("speedup_vs_hf-eager" in r for r in results["e2e"] if r["variant"] == "ours-torch")
+    for name in ("e2e.csv", "speedup.png"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_padding_plot(tmp_path):
+    rows = [{"variant": v, "config": "mini", "seq_len": 128, "padding": str(p), "status": "ok",
+             "tokens_per_s": 1000.0 * (1 + p) * (2 if v == "ours-torch" else 1)}
+            for v in ("hf-eager", "ours-torch") for p in (0.0, 0.25, 0.5)]
+    plot(rows, str(tmp_path))
+    assert (tmp_path / "padding.png").stat().st_size > 0
