@@ -342,3 +342,23 @@ def test_triton_backend_matches_torch(cls):
     a.loss.backward()
     b.loss.backward()
     check_grads(tri, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_backend_bf16_training_step_matches_torch():
+    torch.manual_seed(0)
+    cfg = bert.BertConfig.base(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ref = bert.BertForPreTraining(cfg.replace(backend="torch")).cuda()
+    tri = bert.BertForPreTraining(cfg.replace(backend="triton")).cuda()
+    tri.load_state_dict(ref.state_dict())
+    ids, mask, tt = (t.cuda() for t in random_batch(30522, batch=16, seqlen=128, seed=1))
+    labels, nsp = mlm_labels(ids.cpu(), mask.cpu(), 30522, p=0.15).cuda(), torch.randint(0, 2, (16,)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a = ref(ids, mask, tt, labels=labels, next_sentence_label=nsp)
+        b = tri(ids, mask, tt, labels=labels, next_sentence_label=nsp)
+    a.loss.backward()
+    b.loss.backward()
+    assert abs(a.loss.item() - b.loss.item()) < 2e-2 * abs(a.loss.item())
+    ga = torch.cat([p.grad.flatten().float() for p in ref.parameters()])
+    gb = torch.cat([p.grad.flatten().float() for p in tri.parameters()])
+    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.99
