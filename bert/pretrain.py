@@ -9,6 +9,7 @@ and data position; `--resume` continues so that later losses equal those of an u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -387,7 +388,7 @@ def train(args) -> TrainResult:
                 for a, batch in enumerate(micro_batches):
                     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
                     sync = a == len(micro_batches) - 1 or d.world == 1
-                    ctx = ddp.no_sync() if not sync and d.world > 1 else _null()
+                    ctx = ddp.no_sync() if not sync and d.world > 1 else contextlib.nullcontext()
                     with ctx:
                         with amp():
                             out = ddp(**batch)
@@ -462,14 +463,6 @@ def train(args) -> TrainResult:
     if d.world > 1:
         dist.barrier()
     return TrainResult(last, model)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None) -> int:
