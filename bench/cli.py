@@ -176,6 +176,13 @@ def main(argv=None) -> int:
           f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
     results = {"meta": meta, "e2e": [], "kernels": []}
 
+    def save():
+        """Written after every row, so a run cut short (a time limit) still leaves what it measured."""
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        write_csv(os.path.join(out_dir, "e2e.csv"), results["e2e"])
+        write_csv(os.path.join(out_dir, "kernels.csv"), results["kernels"])
+
     if args.suite in ("all", "e2e"):
         if not cuda:
             print("CPU mode: this measures the algorithmic savings (unpadded encoder, MLM head on labelled tokens "
@@ -197,6 +204,7 @@ def main(argv=None) -> int:
                 if row.get("status") == "ok":
                     row["MFU"] = row["TFLOPs"] / peaks["matmul_TFLOPs"]
                 results["e2e"].append(row)
+                save()
         add_speedups(results["e2e"])
         print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
         print(markdown(results["e2e"], ["variant", "config", "seq_len", "batch", "padding", "dtype", "step_ms",
@@ -206,21 +214,20 @@ def main(argv=None) -> int:
               "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
 
     if args.suite in ("all", "kernels"):
-        rows = mlm_loss_rows(peaks, not args.full, device)
+        rows = results["kernels"]
+        rows += mlm_loss_rows(peaks, not args.full, device)
+        save()
         if cuda:
             for fn in (layer_norm_rows, bias_gelu_rows, attention_rows):
                 rows += fn(peaks, not args.full, device)
+                save()
         else:
             print("The per-kernel timings need a GPU; on this CPU only the MLM-loss memory table runs.\n")
-        results["kernels"] = rows
         print("## Kernels\n")
         print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
                               "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "status"]))
 
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2, default=str)
-    write_csv(os.path.join(out_dir, "e2e.csv"), results["e2e"])
-    write_csv(os.path.join(out_dir, "kernels.csv"), results["kernels"])
+    save()
     plot(results["e2e"], out_dir)
     print(f"\nWrote {out_dir}/results.json, e2e.csv, kernels.csv and plots.")
     return 0
