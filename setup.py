@@ -31,5 +31,6 @@ setup(
             "matplotlib>=3.7",
         ],
         "hf": ["transformers>=4.40"],
+        "bench": ["transformers>=4.40", "matplotlib>=3.7"],
     },
 )

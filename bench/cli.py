@@ -110,7 +110,11 @@ def add_speedups(rows):
 
 
 def plot(rows, out_dir):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -147,10 +147,20 @@ class Corpus:
         return self._cache[epoch]
 
 
-def load_corpus(args, tokenizer, special: SpecialIds) -> Corpus:
+def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
     cache = args.cache_dir or os.path.join(args.output_dir, "cache")
-    docs = tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
-                           max_documents=args.max_documents)["sentences"]
+
+    def tokenized():
+        return tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
+                               max_documents=args.max_documents)["sentences"]
+
+    # Rank 0 tokenises and fills the cache; the other ranks then load it instead of racing to write it.
+    if d.main:
+        docs = tokenized()
+    if d.world > 1:
+        dist.barrier()
+    if not d.main:
+        docs = tokenized()
     order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     n_eval = int(len(docs) * args.eval_fraction) if len(docs) > 1 else 0
     if args.eval_every and args.eval_fraction > 0 and len(docs) > 1:
@@ -306,7 +316,7 @@ def train(args) -> TrainResult:
     cfg = build_config(args, tokenizer.get_vocab_size())
     if d.main:
         save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
-    corpus = load_corpus(args, tokenizer, special)
+    corpus = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,
                            continuation_ids=continuation, seed=args.seed)
