@@ -17,12 +17,12 @@ PY
 
 tests_rc=0
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 240 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+  timeout 200 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
 else
   echo "pytest is not installed: GPU tests skipped" | tee "$out/gpu_tests.log"
 fi
-timeout 300 python3 -m bench --quick --output-dir "$out" 2>&1 | tee "$out/bench.log"
+timeout 260 python3 -m bench --quick --output-dir "$out" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu tests exit $tests_rc, benchmark exit $bench_rc" | tee -a "$out/environment.txt"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
