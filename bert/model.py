@@ -277,12 +277,13 @@ class BertPreTrainedModel(PretrainedMixin, nn.Module):
 class BertModel(BertPreTrainedModel):
     base_model_prefix = ""
 
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True, init: bool = True):
         super().__init__(config)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.init_weights()
+        if init:  # task models initialise everything once, their heads included
+            self.init_weights()
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
         """Validate, unpad and run the encoder. Returns (hidden [total_tokens, hidden], Unpadded)."""
@@ -377,7 +378,7 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, init=False)
         self.cls = BertPreTrainingHeads(config)
         self.init_weights()
 
@@ -404,7 +405,7 @@ class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, add_pooling_layer=False, init=False)
         self.cls = BertOnlyMLMHead(config)
         self.init_weights()
 
@@ -423,7 +424,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, init=False)
         p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(p)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -451,7 +452,7 @@ class BertForTokenClassification(BertPreTrainedModel):
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, add_pooling_layer=False, init=False)
         p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(p)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -483,7 +484,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         # HF sizes qa_outputs by num_labels; start and end make it 2, and the saved config must say so.
         config = config.replace(num_labels=2) if config.num_labels != 2 else config
         super().__init__(config)
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, add_pooling_layer=False, init=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.init_weights()
 
