@@ -39,6 +39,5 @@ def measure_peaks(device: torch.device) -> dict:
     a = torch.randn(dim, dim, device=device, dtype=dtype)
     b = torch.randn(dim, dim, device=device, dtype=dtype)
     t_mm = timeit(lambda: a @ b, device)
-    del src, dst
     return {"copy_GBps": 2 * n_bytes / t_copy / 1e9, "matmul_TFLOPs": 2 * dim**3 / t_mm / 1e12,
             "matmul_dtype": str(dtype).replace("torch.", "")}

@@ -130,9 +130,8 @@ class BertConfig:
                  and k not in ("label2id", "backend")}
         if d.get("model_type", "bert") != "bert":
             raise ValueError(f"config.json describes a {d['model_type']!r} model, not 'bert'")
-        if "id2label" not in kwargs and "num_labels" in d:
-            kwargs["num_labels"] = d["num_labels"]
-        return cls(**kwargs, extra=extra).replace(**overrides) if overrides else cls(**kwargs, extra=extra)
+        config = cls(**kwargs, extra=extra)
+        return config.replace(**overrides) if overrides else config
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "backend")}

@@ -279,7 +279,7 @@ def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, dev
     model.eval()
     loss_sum, hits, count = 0.0, 0, 0
     with torch.no_grad():
-        for b, start in enumerate(range(0, min(len(instances), batches * batch_size), batch_size)):
+        for start in range(0, min(len(instances), batches * batch_size), batch_size):
             rows = instances[start:start + batch_size]
             batch = collator(rows, keys=[-(start + k + 1) for k in range(len(rows))])
             batch = {k: v.to(device) for k, v in batch.items()}
