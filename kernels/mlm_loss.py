@@ -29,8 +29,9 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, INTERPRET, check_device, unit_stride
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 REDUCTIONS = ("mean", "sum", "none")
 
 

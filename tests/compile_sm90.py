@@ -1,0 +1,150 @@
+"""Compile every kernel variant the launchers use for an sm_90 GPU (H100/H200), down to a cubin, on a machine
+without a GPU. Run as a script (not under TRITON_INTERPRET): `python tests/compile_sm90.py`; it prints one line
+per variant and exits non-zero if any fails. tests/test_compile_sm90.py runs it."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import kernels  # noqa: E402,F401
+
+ln = sys.modules["kernels.layer_norm"]
+bg = sys.modules["kernels.bias_gelu"]
+att = sys.modules["kernels.attention"]
+mlm = sys.modules["kernels.mlm_loss"]
+TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+         torch.int64: "*i64", torch.int8: "*i8"}
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3):
+    """args: every parameter -> a torch dtype (pointer), 'i32' / 'i64' / 'fp32', None (absent pointer), or
+    the value of a constexpr parameter."""
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        value = args[p.name]
+        if p.is_constexpr or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = value
+        elif isinstance(value, torch.dtype):
+            signature[p.name] = TYPES[value]
+        else:
+            signature[p.name] = value
+    missing = set(args) - {p.name for p in fn.params}
+    assert not missing, missing
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                   options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def layer_norm_variants():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (768, 8192):
+            block_m, block_n, warps = ln._block_sizes(n)
+            for residual, dropout, affine in ((True, True, True), (False, False, False)):
+                common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
+                              HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, HAS_WEIGHT=affine, BLOCK_M=block_m,
+                              BLOCK_N=block_n, M="i32", N="i32", p="fp32", seed="i32", stride_x_m="i32",
+                              stride_r_m="i32")
+                yield (f"layer_norm fwd {dtype} N={n} res={residual} drop={dropout} affine={affine}",
+                       ln._layer_norm_fwd_kernel,
+                       dict(common, B=torch.float32 if affine else None, Y=dtype, Mean=torch.float32,
+                            Rstd=torch.float32, stride_y_m="i32", eps="fp32", HAS_BIAS=affine), warps)
+                yield (f"layer_norm bwd {dtype} N={n} res={residual} drop={dropout} affine={affine}",
+                       ln._layer_norm_bwd_kernel,
+                       dict(common, DY=dtype, DX=dtype, DR=dtype if residual else None, DW_partial=torch.float32,
+                            DB_partial=torch.float32, Mean=torch.float32, Rstd=torch.float32, stride_dy_m="i32",
+                            stride_dx_m="i32", stride_dr_m="i32", rows_per_program="i32"), warps)
+
+
+def bias_gelu_variants():
+    block_m, block_n = bg._block_sizes(3072)
+    for dtype in (torch.bfloat16, torch.float32):
+        for tanh in (False, True):
+            common = dict(X=dtype, B=torch.float32, M="i32", N="i32", stride_x_m="i32", APPROX_TANH=tanh,
+                          BLOCK_M=block_m, BLOCK_N=block_n)
+            yield (f"bias_gelu fwd {dtype} tanh={tanh}", bg._bias_gelu_fwd_kernel,
+                   dict(common, Y=dtype, stride_y_m="i32"), 8)
+            yield (f"bias_gelu bwd {dtype} tanh={tanh}", bg._bias_gelu_bwd_kernel,
+                   dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32, stride_dy_m="i32", stride_dx_m="i32",
+                        rows_per_program="i32"), 8)
+
+
+def attention_variants():
+    strides = {f"stride_{t}_{d}": "i32" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for d in ("t", "h")}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dim in (16, 64, 128) if dtype == torch.bfloat16 else (64,):
+            for dropout in (False, True):
+                prec = att._dot_precision(dtype)
+                bm, bn, warps, stages = att._config(dim, backward=False)
+                base = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32",
+                            max_seqlen="i32", qk_scale="fp32", p_drop="fp32", seed="i32", HAS_DROPOUT=dropout,
+                            DOT_PRECISION=prec, BLOCK_D=dim)
+                name = f"{dtype} d={dim} dropout={dropout}"
+                fwd = att._attention_fwd_kernel
+                yield (f"attention fwd {name}", fwd,
+                       dict(base, O=dtype, LSE=torch.float32, BLOCK_M=bm, BLOCK_N=bn,
+                            **{k: v for k, v in strides.items() if k.split("_")[1] in ("q", "k", "v", "o")}),
+                       warps, stages)
+                bm, bn, warps, stages = att._config(dim, backward=True)
+                bwd = dict(base, DO=dtype, LSE=torch.float32, Delta=torch.float32, softmax_scale="fp32",
+                           BLOCK_M=bm, BLOCK_N=bn)
+                yield (f"attention bwd dkdv {name}", att._attention_bwd_dkdv_kernel,
+                       dict(bwd, DK=dtype, DV=dtype, **{k: v for k, v in strides.items()
+                                                        if k.split("_")[1] in ("q", "k", "v", "do", "dk", "dv")}),
+                       warps, stages)
+                yield (f"attention bwd dq {name}", att._attention_bwd_dq_kernel,
+                       dict(bwd, DQ=dtype, **{k: v for k, v in strides.items()
+                                              if k.split("_")[1] in ("q", "k", "v", "do", "dq")}), warps, stages)
+        yield (f"attention bwd preprocess {dtype}", att._attention_bwd_preprocess_kernel,
+               dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32", stride_o_h="i32", stride_do_t="i32",
+                    stride_do_h="i32", total_tokens="i32", BLOCK_M=64, BLOCK_D=64), 4, 3)
+
+
+def mlm_variants():
+    for dtype in (torch.bfloat16, torch.float32):
+        for h in (768, 1024):
+            bm, bv, bh, bho, warps = mlm._config(h)
+            for bias in (True, False):
+                common = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64,
+                              stride_h_n="i32", stride_w_v="i32", N="i32", V="i32", H="i32", HAS_BIAS=bias,
+                              DOT_PRECISION=mlm._dot_precision(dtype), BLOCK_M=bm, BLOCK_V=bv, BLOCK_H=bh)
+                name = f"{dtype} H={h} bias={bias}"
+                yield (f"mlm_loss fwd {name}", mlm._mlm_loss_fwd_kernel,
+                       dict(common, Loss=torch.float32, Lse=torch.float32, Hit=torch.int32), warps)
+                yield (f"mlm_loss bwd dhidden {name}", mlm._mlm_loss_bwd_dhidden_kernel,
+                       dict(common, Lse=torch.float32, G=torch.float32, DHid=dtype, stride_dh_n="i32",
+                            BLOCK_HO=bho), warps)
+                yield (f"mlm_loss bwd dweight {name}", mlm._mlm_loss_bwd_dweight_kernel,
+                       dict(common, Lse=torch.float32, G=torch.float32, DW=dtype, DB=torch.float32,
+                            stride_dw_v="i32", BLOCK_HO=bho), warps)
+
+
+def main() -> int:
+    failures = 0
+    groups = (layer_norm_variants, bias_gelu_variants, attention_variants, mlm_variants)
+    selected = sys.argv[1:] or [g.__name__ for g in groups]
+    for group in groups:
+        if group.__name__ not in selected:
+            continue
+        for name, fn, args, *launch in group():
+            try:
+                compile_variant(fn, args, *launch)
+                print(f"ok   {name}", flush=True)
+            except Exception:
+                failures += 1
+                print(f"FAIL {name}\n{traceback.format_exc(limit=4)}", flush=True)
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
