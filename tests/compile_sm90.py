@@ -24,6 +24,7 @@ mlm = sys.modules["kernels.mlm_loss"]
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
          torch.int64: "*i64", torch.int8: "*i8"}
 TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 232448  # bytes of shared memory one block may use on an H100/H200
 
 
 def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3):
@@ -41,8 +42,12 @@ def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3):
             signature[p.name] = value
     missing = set(args) - {p.name for p in fn.params}
     assert not missing, missing
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                   options={"num_warps": num_warps, "num_stages": num_stages})
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    shared = compiled.metadata.shared
+    if shared > MAX_SHARED:  # would fail at launch with "out of resource: shared memory"
+        raise RuntimeError(f"needs {shared} bytes of shared memory; an sm_90 block gets at most {MAX_SHARED}")
+    return shared
 
 
 def layer_norm_variants():
@@ -137,8 +142,8 @@ def main() -> int:
             continue
         for name, fn, args, *launch in group():
             try:
-                compile_variant(fn, args, *launch)
-                print(f"ok   {name}", flush=True)
+                shared = compile_variant(fn, args, *launch)
+                print(f"ok   {name} (shared memory {shared} B)", flush=True)
             except Exception:
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=4)}", flush=True)
