@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .padding import Unpadded, sequence_positions
+from .padding import Unpadded
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,8 +86,7 @@ def _torch_varlen_attention(q, k, v, u: Unpadded, dropout_p):
     # key mask. A finite fill instead of -inf keeps rows of empty sequences finite; they are dropped anyway.
     total, heads, dim = q.shape
     batch, length = u.batch, max(u.max_seqlen, 1)
-    seq, pos = sequence_positions(u)
-    slot = seq * length + pos
+    slot = u.seq * length + u.pos
 
     def to_batch(t):
         out = t.new_zeros(batch * length, heads, dim).index_put((slot,), t)

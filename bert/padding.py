@@ -17,6 +17,8 @@ class Unpadded(NamedTuple):
     max_seqlen: int            # longest kept sequence (a Python int: kernels size their grid with it)
     batch: int
     seqlen: int                # padded length of the input
+    seq: torch.Tensor          # [total_tokens] int64, the sequence each packed token belongs to
+    pos: torch.Tensor          # [total_tokens] int64, its position among that sequence's kept tokens
 
 
 def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> Unpadded:
@@ -30,7 +32,10 @@ def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None
     indices = keep.nonzero().squeeze(1)
     cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=attention_mask.device)
     torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
-    return Unpadded(indices, cu_seqlens, max_seqlen, batch, seqlen)
+    seq = torch.repeat_interleave(torch.arange(batch, device=seqlens.device), seqlens.long(),
+                                  output_size=indices.numel())
+    pos = torch.arange(indices.numel(), device=seqlens.device) - cu_seqlens[:-1].long()[seq]
+    return Unpadded(indices, cu_seqlens, max_seqlen, batch, seqlen, seq, pos)
 
 
 def unpad(x: torch.Tensor, u: Unpadded) -> torch.Tensor:
@@ -43,11 +48,3 @@ def pad(x: torch.Tensor, u: Unpadded, fill: float = 0.0) -> torch.Tensor:
     out = x.new_full((u.batch * u.seqlen, *x.shape[1:]), fill)
     out = out.index_put((u.indices,), x)
     return out.view(u.batch, u.seqlen, *x.shape[1:])
-
-
-def sequence_positions(u: Unpadded) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each packed token: (its sequence number, its position among that sequence's kept tokens)."""
-    seqlens = (u.cu_seqlens[1:] - u.cu_seqlens[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(u.batch, device=seqlens.device), seqlens)
-    pos = torch.arange(seq.numel(), device=seqlens.device) - u.cu_seqlens[:-1].long()[seq]
-    return seq, pos

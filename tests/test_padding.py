@@ -1,0 +1,23 @@
+"""bert.padding: packing kept tokens and scattering them back, for any mask pattern."""
+import torch
+
+from bert.padding import pad, unpad, unpad_mask
+
+
+def test_unpad_and_pad_round_trip_with_left_padding_and_holes():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [0, 0, 0, 0], [1, 0, 1, 1]])
+    x = torch.arange(16.0).view(4, 4, 1)
+    u = unpad_mask(mask)
+    assert u.cu_seqlens.tolist() == [0, 3, 5, 5, 8] and u.max_seqlen == 3
+    assert u.cu_seqlens.dtype == torch.int32
+    packed = unpad(x, u)
+    assert packed.squeeze(1).tolist() == [0, 1, 2, 6, 7, 12, 14, 15]
+    assert u.seq.tolist() == [0, 0, 0, 1, 1, 3, 3, 3] and u.pos.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    back = pad(packed, u, fill=-1.0)
+    assert torch.equal(back, torch.where(mask.bool()[..., None], x, torch.tensor(-1.0)))
+
+
+def test_empty_batch():
+    u = unpad_mask(torch.zeros(2, 5, dtype=torch.long))
+    assert u.indices.numel() == 0 and u.cu_seqlens.tolist() == [0, 0, 0] and u.max_seqlen == 0
+    assert pad(torch.zeros(0, 3), u).shape == (2, 5, 3)
