@@ -43,6 +43,18 @@ def _sequence(CuSeqlens, b):
 
 
 @triton.jit
+def _tile(Ptr, rows, ok, stride_t, head_offset, offs_d):
+    """The [rows, head_dim] tile of one head of a [T, H, D] tensor; zeros where `ok` is False."""
+    return tl.load(Ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _tile_t(Ptr, rows, ok, stride_t, head_offset, offs_d):
+    """The same tile transposed, [head_dim, rows]: the right-hand operand of q @ k^T and dO @ v^T."""
+    return tl.load(Ptr + rows[None, :] * stride_t + head_offset + offs_d[:, None], mask=ok[None, :], other=0.0)
+
+
+@triton.jit
 def _scores(q, kt, qk_scale, DOT_PRECISION: tl.constexpr):
     return tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
 
@@ -67,7 +79,7 @@ def _attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seq_len
     q_rows = (seq_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -76,7 +88,7 @@ def _attention_fwd_kernel(
         n = start_n + offs_n
         n_ok = n < seq_len
         k_rows = (seq_start + n).to(tl.int64)
-        kt = tl.load(K + k_rows[None, :] * stride_k_t + h * stride_k_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
         s = tl.where(n_ok[None, :], _scores(q, kt, qk_scale, DOT_PRECISION), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -85,7 +97,7 @@ def _attention_fwd_kernel(
         if HAS_DROPOUT:
             keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + n[None, :], p_drop)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(V + k_rows[:, None] * stride_v_t + h * stride_v_h + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -108,8 +120,8 @@ def _attention_bwd_preprocess_kernel(
     ok = rows < total_tokens
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    o = tl.load(O + rows64[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(DO + rows64[:, None] * stride_do_t + h * stride_do_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+    o = _tile(O, rows64, ok, stride_o_t, h * stride_o_h, offs_d)
+    do = _tile(DO, rows64, ok, stride_do_t, h * stride_do_h, offs_d)
     tl.store(Delta + h * total_tokens + rows64, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=ok)
 
 
@@ -135,17 +147,16 @@ def _attention_bwd_dkdv_kernel(
     n_ok = offs_n < seq_len
     k_rows = (seq_start + offs_n).to(tl.int64)
     # K and V as [D, N]: the score tile is then q @ kt, and dP = dO @ vt.
-    kt = tl.load(K + k_rows[None, :] * stride_k_t + h * stride_k_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-    vt = tl.load(V + k_rows[None, :] * stride_v_t + h * stride_v_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+    kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
+    vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         m = start_m + offs_m
         m_ok = m < seq_len
         q_rows = (seq_start + m).to(tl.int64)
-        q = tl.load(Q + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-        do = tl.load(DO + q_rows[:, None] * stride_do_t + h * stride_do_h + offs_d[None, :], mask=m_ok[:, None],
-                     other=0.0)
+        q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
+        do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
         lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
         delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
         p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
@@ -189,8 +200,8 @@ def _attention_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seq_len
     q_rows = (seq_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-    do = tl.load(DO + q_rows[:, None] * stride_do_t + h * stride_do_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
+    do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
     lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
     delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -198,8 +209,8 @@ def _attention_bwd_dq_kernel(
         n = start_n + offs_n
         n_ok = n < seq_len
         k_rows = (seq_start + n).to(tl.int64)
-        kt = tl.load(K + k_rows[None, :] * stride_k_t + h * stride_k_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-        vt = tl.load(V + k_rows[None, :] * stride_v_t + h * stride_v_h + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
+        vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
         p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
         p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
