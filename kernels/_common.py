@@ -1,6 +1,7 @@
 """Launcher helpers shared by the kernels: input checks, seeds, grid sizes."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,10 +39,16 @@ def new_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def row_bands(device: torch.device, n_rows: int, block_m: int) -> tuple[int, int]:
     """(programs, rows per program) for a cross-row reduction: each program sums a contiguous band of rows
     (a multiple of block_m) into its own partial; a few programs per SM on a GPU, few in the interpreter."""
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    index = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else 0
+    target = 4 * _sm_count(index) if device.type == "cuda" else 4
     programs = max(1, min(triton.cdiv(max(n_rows, 1), block_m), target))
     rows = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m if n_rows else 0
     return programs, rows
