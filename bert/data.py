@@ -177,18 +177,42 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Rand
             longer.pop()
 
 
-def create_instances(documents: list[list[list[int]]], max_seq_len: int, special: SpecialIds, seed: int,
-                     short_seq_prob: float = 0.1, nsp_random_prob: float = 0.5) -> list[dict]:
+class DocumentView:
+    """Tokenised documents (rows of {"sentences": [[ids]]}) read from a memory-mapped Arrow dataset one at a time,
+    so a corpus the size of Wikipedia never has to fit in memory as Python lists."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> list[list[int]]:
+        return self.dataset[int(i)]["sentences"]
+
+    def __iter__(self):
+        for row in self.dataset:
+            yield row["sentences"]
+
+
+def create_instances(documents, max_seq_len: int, special: SpecialIds, seed: int, short_seq_prob: float = 0.1,
+                     nsp_random_prob: float = 0.5) -> list[dict]:
+    """All NSP instances of `documents` as a list (see iter_instances)."""
+    return list(iter_instances(documents, max_seq_len, special, seed, short_seq_prob, nsp_random_prob))
+
+
+def iter_instances(documents, max_seq_len: int, special: SpecialIds, seed: int, short_seq_prob: float = 0.1,
+                   nsp_random_prob: float = 0.5) -> Iterator[dict]:
     """NSP instances from tokenised documents (documents -> sentences -> ids), deterministic in `seed`.
 
-    Each instance: input_ids ([CLS] A [SEP] B [SEP]), token_type_ids (0 for [CLS] A [SEP], 1 for B [SEP]) and
-    next_sentence_label (0: B follows A in the document, 1: B comes from another document).
+    `documents` is any sequence of documents (a list, or a DocumentView over Arrow). Each instance: input_ids
+    ([CLS] A [SEP] B [SEP]), token_type_ids (0 for [CLS] A [SEP], 1 for B [SEP]) and next_sentence_label
+    (0: B follows A in the document, 1: B comes from another document).
     """
     if max_seq_len < 8:
         raise ValueError(f"max_seq_len must be at least 8, got {max_seq_len}")
     rng = random.Random(seed)
     max_tokens = max_seq_len - 3
-    instances = []
 
     def draw_target():
         return rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
@@ -201,6 +225,7 @@ def create_instances(documents: list[list[list[int]]], max_seq_len: int, special
             n += 1
         return ids, n
 
+    n_docs = len(documents)
     for d, doc in enumerate(documents):
         i = 0
         while i < len(doc):
@@ -208,16 +233,17 @@ def create_instances(documents: list[list[list[int]]], max_seq_len: int, special
             _, n_chunk = take(doc, i, target)
             a_end = rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1
             a = [t for s in doc[i:i + a_end] for t in s]
-            want_random = len(documents) > 1 and rng.random() < nsp_random_prob
+            want_random = n_docs > 1 and rng.random() < nsp_random_prob
             if not want_random and a_end < n_chunk:          # the rest of the chunk follows A
                 b, label, i = [t for s in doc[i + a_end:i + n_chunk] for t in s], 0, i + n_chunk
             elif not want_random and i + a_end < len(doc):   # a one-sentence chunk: continue past it
                 b, used = take(doc, i + a_end, max(1, target - len(a)))
                 label, i = 0, i + a_end + used
-            elif len(documents) > 1:                         # B from another document; A's leftovers are kept
-                other = rng.randrange(len(documents) - 1)
+            elif n_docs > 1:                                 # B from another document; A's leftovers are kept
+                other = rng.randrange(n_docs - 1)
                 other += other >= d
-                b, _ = take(documents[other], rng.randrange(len(documents[other])), max(1, target - len(a)))
+                other_doc = documents[other]
+                b, _ = take(other_doc, rng.randrange(len(other_doc)), max(1, target - len(a)))
                 label, i = 1, i + a_end
             else:
                 break
@@ -225,8 +251,7 @@ def create_instances(documents: list[list[list[int]]], max_seq_len: int, special
                 _truncate_pair(a, b, max_tokens, rng)
                 ids = [special.cls, *a, special.sep, *b, special.sep]
                 types = [0] * (len(a) + 2) + [1] * (len(b) + 1)
-                instances.append({"input_ids": ids, "token_type_ids": types, "next_sentence_label": label})
-    return instances
+                yield {"input_ids": ids, "token_type_ids": types, "next_sentence_label": label}
 
 
 class MLMCollator:

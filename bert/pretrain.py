@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -19,12 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .config import BertConfig
-from .data import BucketBatchSampler, MLMCollator, SpecialIds, create_instances, iter_documents, micro_batch, \
-    tokenize_corpus
+from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
+    micro_batch, tokenize_corpus
 from .model import BertForPreTraining
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -125,25 +127,44 @@ class StepData(torch.utils.data.Dataset):
             idx = micro_batch(global_batch, self.d.rank, self.d.world, a, self.accum)
             offset = (self.d.rank * self.accum + a) * len(idx)
             keys = [(self.steps_before + i) * size + offset + k for k in range(len(idx))]
-            out.append(self.collator([self.instances[j] for j in idx], keys=keys))
+            out.append(self.collator([self.instances[int(j)] for j in idx], keys=keys))
         return out
 
 
 @dataclass
 class Corpus:
-    train_docs: list
-    eval_docs: list
+    """Tokenised documents held in Arrow (memory-mapped) and, per epoch, the NSP instances drawn from them,
+    written once to the cache by rank 0 and read by every rank: nothing corpus-sized lives in Python lists."""
+    train_docs: DocumentView
+    eval_docs: DocumentView
     special: SpecialIds
     max_seq_len: int
     seed: int
+    cache_dir: str
+    d: Dist
     _cache: dict = field(default_factory=dict)
 
     def instances(self, epoch: int):
         """NSP pairs are drawn anew each epoch (deterministically), so each epoch sees fresh pairings."""
         if epoch not in self._cache:
+            import datasets
+
             self._cache.clear()
-            self._cache[epoch] = create_instances(self.train_docs, self.max_seq_len, self.special,
-                                                  seed=self.seed * 7919 + epoch)
+            seed = self.seed * 7919 + epoch
+            key = f"{self.train_docs.dataset._fingerprint}-{self.max_seq_len}-{seed}-{self.special.cls}"
+
+            def rows():
+                for x in iter_instances(self.train_docs, self.max_seq_len, self.special, seed=seed):
+                    yield dict(x, length=len(x["input_ids"]))
+
+            def build():
+                return datasets.Dataset.from_generator(rows, cache_dir=self.cache_dir, fingerprint=f"nsp-{key}")
+
+            if self.d.main:
+                built = build()
+            if self.d.world > 1:
+                dist.barrier()
+            self._cache[epoch] = built if self.d.main else build()  # the others find it in the cache
         return self._cache[epoch]
 
 
@@ -152,7 +173,7 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
 
     def tokenized():
         return tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
-                               max_documents=args.max_documents)["sentences"]
+                               max_documents=args.max_documents)
 
     # Rank 0 tokenises and fills the cache; the other ranks then load it instead of racing to write it.
     if d.main:
@@ -165,12 +186,11 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
     n_eval = int(len(docs) * args.eval_fraction) if len(docs) > 1 else 0
     if args.eval_every and args.eval_fraction > 0 and len(docs) > 1:
         n_eval = max(1, n_eval)
-    eval_docs = [docs[i] for i in order[:n_eval]]
-    train_docs = [docs[i] for i in order[n_eval:]]
+    eval_docs, train_docs = docs.select(order[:n_eval]), docs.select(order[n_eval:])
     if len(train_docs) < 2:
         raise ValueError(f"the corpus at {args.data} has {len(train_docs)} training document(s); "
                          "next-sentence prediction needs at least 2")
-    return Corpus(train_docs, eval_docs, special, args.max_seq_len, args.seed)
+    return Corpus(DocumentView(train_docs), DocumentView(eval_docs), special, args.max_seq_len, args.seed, cache, d)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -275,7 +295,9 @@ def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, dev
     """MLM loss, accuracy and perplexity on held-out documents, masked the same way every time."""
     if not corpus.eval_docs:
         return {}
-    instances = create_instances(corpus.eval_docs, corpus.max_seq_len, corpus.special, seed=corpus.seed + 1)
+    instances = list(itertools.islice(
+        iter_instances(corpus.eval_docs, corpus.max_seq_len, corpus.special, seed=corpus.seed + 1),
+        batches * batch_size))
     model.eval()
     loss_sum, hits, count = 0.0, 0, 0
     with torch.no_grad():
@@ -377,7 +399,7 @@ def train(args) -> TrainResult:
     with _StopFlag() as stop, open(log_path, "a", encoding="utf-8") if d.main else open(os.devnull, "w") as log:
         while state["step"] < args.steps:
             instances = corpus.instances(state["epoch"])
-            sampler = BucketBatchSampler([len(x["input_ids"]) for x in instances], args.batch_size,
+            sampler = BucketBatchSampler(np.asarray(instances["length"]), args.batch_size,
                                          seed=args.seed * 31 + state["epoch"])
             batches = sampler.epoch_batches(state["epoch"])
             if not batches:
