@@ -54,6 +54,11 @@ def row_bands(device: torch.device, n_rows: int, block_m: int) -> tuple[int, int
     return programs, rows
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: exact float32 products for float32 inputs (no TF32), the default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dimension is contiguous, else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device, dropout_keep, keep_mask, new_seed, unit_stride
+from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dot_precision, dropout_keep, keep_mask, new_seed,
+                      unit_stride)
 
 HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
@@ -234,9 +235,6 @@ def _config(head_dim: int, backward: bool):
     return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 2)
 
 
-def _dot_precision(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
-
 
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
     op = "varlen_attention"
@@ -288,7 +286,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
                 q, k, v, o, lse, cu_seqlens,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                 total, max_seqlen, softmax_scale * LOG2E, dropout_p, seed,
-                HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
+                HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
         ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale, ctx.seed = max_seqlen, dropout_p, softmax_scale, seed
@@ -307,7 +305,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
             o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
         block_m, block_n, warps, stages = _config(dim, backward=True)
-        common = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
+        common = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
         scalars = (total, ctx.max_seqlen, ctx.softmax_scale * LOG2E, ctx.softmax_scale, ctx.dropout_p, ctx.seed)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

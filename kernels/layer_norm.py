@@ -230,6 +230,14 @@ class LayerNorm(nn.LayerNorm):
         if len(self.normalized_shape) != 1:
             raise ValueError(f"kernels.LayerNorm normalises over the last dimension only, got {self.normalized_shape}")
 
+    @classmethod
+    def from_module(cls, ln: nn.LayerNorm) -> "LayerNorm":
+        """A kernels.LayerNorm holding `ln`'s own weight and bias Parameters (not copies) and its mode."""
+        fused = cls(ln.normalized_shape, eps=ln.eps, elementwise_affine=False, bias=False)
+        fused.elementwise_affine = ln.elementwise_affine
+        fused.weight, fused.bias = ln.weight, ln.bias
+        return fused.train(ln.training)
+
     def forward(self, x, residual=None, dropout_p: float = 0.0):
         return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=dropout_p,
                           training=self.training)
@@ -245,10 +253,6 @@ def fuse_layer_norms(module: nn.Module) -> int:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.LayerNorm and len(child.normalized_shape) == 1:
-                fused = LayerNorm(child.normalized_shape, eps=child.eps, elementwise_affine=False, bias=False)
-                fused.elementwise_affine = child.elementwise_affine
-                fused.weight, fused.bias = child.weight, child.bias
-                fused.train(child.training)
-                setattr(parent, name, fused)
+                setattr(parent, name, LayerNorm.from_module(child))
                 swapped += 1
     return swapped

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device, unit_stride
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, dot_precision, unit_stride
 
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -182,9 +182,6 @@ def _config(h: int):
     return 64, 128, 64, min(128, triton.next_power_of_2(h)), 8
 
 
-def _dot_precision(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
-
 
 class MaskedLMLossFunction(torch.autograd.Function):
     """Per-row losses of already-gathered labelled rows; the reduction happens outside, in autograd."""
@@ -199,7 +196,7 @@ class MaskedLMLossFunction(torch.autograd.Function):
         if n:
             _mlm_loss_fwd_kernel[(triton.cdiv(n, block_m),)](
                 hidden, weight, bias, labels, loss, lse, hit, hidden.stride(0), weight.stride(0), n, v, h,
-                HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(hidden.dtype),
+                HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype),
                 BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=warps)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(hit)
@@ -215,7 +212,7 @@ class MaskedLMLossFunction(torch.autograd.Function):
         dweight = torch.zeros_like(weight)
         dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
         block_m, block_v, block_h, block_ho, warps = _config(h)
-        common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(hidden.dtype), BLOCK_M=block_m,
+        common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype), BLOCK_M=block_m,
                       BLOCK_V=block_v, BLOCK_H=block_h, BLOCK_HO=block_ho, num_warps=warps)
         if n and ctx.needs_input_grad[0]:
             _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, block_m), triton.cdiv(h, block_ho))](

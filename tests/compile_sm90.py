@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels  # noqa: E402,F401
+from kernels._common import dot_precision  # noqa: E402
 
 ln = sys.modules["kernels.layer_norm"]
 bg = sys.modules["kernels.bias_gelu"]
@@ -88,7 +89,7 @@ def attention_variants():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for dim in (16, 64, 128) if dtype == torch.bfloat16 else (64,):
             for dropout in (False, True):
-                prec = att._dot_precision(dtype)
+                prec = dot_precision(dtype)
                 bm, bn, warps, stages = att._config(dim, backward=False)
                 base = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32",
                             max_seqlen="i32", qk_scale="fp32", p_drop="fp32", seed="i32", HAS_DROPOUT=dropout,
@@ -121,7 +122,7 @@ def mlm_variants():
             for bias in (True, False):
                 common = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64,
                               stride_h_n="i32", stride_w_v="i32", N="i32", V="i32", H="i32", HAS_BIAS=bias,
-                              DOT_PRECISION=mlm._dot_precision(dtype), BLOCK_M=bm, BLOCK_V=bv, BLOCK_H=bh)
+                              DOT_PRECISION=dot_precision(dtype), BLOCK_M=bm, BLOCK_V=bv, BLOCK_H=bh)
                 name = f"{dtype} H={h} bias={bias}"
                 yield (f"mlm_loss fwd {name}", mlm._mlm_loss_fwd_kernel,
                        dict(common, Loss=torch.float32, Lse=torch.float32, Hit=torch.int32), warps)
