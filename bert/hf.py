@@ -19,29 +19,20 @@ output_attentions or output_hidden_states runs the original encoder code path.
 from __future__ import annotations
 
 import types
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
+from .config import ACTIVATIONS
 from .padding import pad, unpad, unpad_mask
 
-_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 _ORIGINALS = "_bertfuse_originals"
-_warned: set[str] = set()
 
 
 def _warn(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"fuse_hf_bert: {reason}", stacklevel=3)
-
-
-def _kernels():
-    import kernels
-
-    return kernels
+    ops.warn_once(f"fuse_hf_bert: {reason}")
 
 
 class FusedSelfOutput(nn.Module):
@@ -50,13 +41,13 @@ class FusedSelfOutput(nn.Module):
     def __init__(self, orig: nn.Module):
         super().__init__()
         self.dense, self.dropout = orig.dense, orig.dropout
-        self.LayerNorm = _fused_layer_norm(orig.LayerNorm)
+        self.LayerNorm = ops._kernels().LayerNorm.from_module(orig.LayerNorm)
 
     def forward(self, hidden_states, input_tensor):
         p = self.dropout.p if self.training else 0.0
         ln = self.LayerNorm
-        return _kernels().layer_norm(self.dense(hidden_states), ln.weight, ln.bias, ln.eps, residual=input_tensor,
-                                     dropout_p=p)
+        return ops.layer_norm(self.dense(hidden_states), ln.weight, ln.bias, ln.eps, residual=input_tensor,
+                              dropout_p=p, backend="triton")
 
 
 class FusedIntermediate(nn.Module):
@@ -67,7 +58,8 @@ class FusedIntermediate(nn.Module):
         self.dense, self.approximate = orig.dense, approximate
 
     def forward(self, hidden_states):
-        return _kernels().bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate)
+        return ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate,
+                             backend="triton")
 
 
 class FusedPredictionHeadTransform(FusedIntermediate):
@@ -75,18 +67,10 @@ class FusedPredictionHeadTransform(FusedIntermediate):
 
     def __init__(self, orig: nn.Module, approximate: str):
         super().__init__(orig, approximate)
-        self.LayerNorm = _fused_layer_norm(orig.LayerNorm)
+        self.LayerNorm = ops._kernels().LayerNorm.from_module(orig.LayerNorm)
 
     def forward(self, hidden_states):
         return self.LayerNorm(super().forward(hidden_states))
-
-
-def _fused_layer_norm(ln: nn.LayerNorm) -> nn.Module:
-    k = _kernels()
-    fused = k.LayerNorm(ln.normalized_shape, eps=ln.eps, elementwise_affine=False, bias=False)
-    fused.elementwise_affine = ln.elementwise_affine
-    fused.weight, fused.bias = ln.weight, ln.bias
-    return fused
 
 
 def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor:
@@ -124,16 +108,11 @@ class FusedBertEncoder(nn.Module):
         batch, seqlen, hidden = hidden_states.shape
         u = unpad_mask(_key_mask(attention_mask, batch, seqlen, hidden_states.device))
         x = unpad(hidden_states, u)
-        k = _kernels()
         for layer in self.layer:
             sa = layer.attention.self
-            heads, dim = sa.num_attention_heads, sa.attention_head_size
-            projs = (sa.query, sa.key, sa.value)
-            qkv = F.linear(x, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
-            q, kk, v = qkv.view(x.shape[0], 3, heads, dim).unbind(1)
+            q, k, v = ops.project_qkv(x, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size)
             p = sa.dropout.p if self.training else 0.0
-            ctx = k.varlen_attention(q, kk, v, u.cu_seqlens, u.max_seqlen, dropout_p=p, softmax_scale=sa.scaling,
-                                     validate=False)
+            ctx = ops.varlen_attention(q, k, v, u, dropout_p=p, backend="triton")
             x = layer.attention.output(ctx.reshape(x.shape[0], hidden), x)
             x = layer.output(layer.intermediate(x), x)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=pad(x, u))
@@ -148,8 +127,8 @@ def _replace(record: list, parent: nn.Module, name: str, new: nn.Module) -> None
 
 def _fuse_bert_model(bert: nn.Module, record: list) -> None:
     cfg = bert.config
-    approximate = _GELU.get(cfg.hidden_act) if isinstance(cfg.hidden_act, str) else None
-    _replace(record, bert.embeddings, "LayerNorm", _fused_layer_norm(bert.embeddings.LayerNorm))
+    approximate = ACTIVATIONS.get(cfg.hidden_act) if isinstance(cfg.hidden_act, str) else None
+    _replace(record, bert.embeddings, "LayerNorm", ops._kernels().LayerNorm.from_module(bert.embeddings.LayerNorm))
     for layer in bert.encoder.layer:
         _replace(record, layer.attention, "output", FusedSelfOutput(layer.attention.output))
         _replace(record, layer, "output", FusedSelfOutput(layer.output))
@@ -159,7 +138,7 @@ def _fuse_bert_model(bert: nn.Module, record: list) -> None:
             _replace(record, layer, "intermediate", FusedIntermediate(layer.intermediate, approximate))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     reasons = []
-    if head_dim not in _kernels().attention.HEAD_DIMS:
+    if head_dim not in ops._kernels().attention.HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} is not supported by the attention kernel")
     if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
         reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
@@ -185,7 +164,7 @@ def _fused_mlm_forward(self, input_ids=None, attention_mask=None, token_type_ids
     rows = (labels != -100).nonzero().squeeze(1)
     head = self.cls.predictions
     h = head.transform(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[rows])
-    loss = _kernels().masked_lm_loss(h, head.decoder.weight.to(h.dtype), head.decoder.bias, labels[rows])
+    loss = ops.masked_lm_loss(h, head.decoder.weight, head.decoder.bias, labels[rows], backend="triton").loss
     if hasattr(self.cls, "seq_relationship"):
         from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
@@ -215,7 +194,7 @@ def fuse_hf_bert(model: nn.Module) -> nn.Module:
         if isinstance(m, hf.BertPredictionHeadTransform):
             act = getattr(m.transform_act_fn, "approximate", None)
             name = type(m.transform_act_fn).__name__
-            approximate = _GELU.get(getattr(found[0].config, "hidden_act", ""), None)
+            approximate = ACTIVATIONS.get(getattr(found[0].config, "hidden_act", ""), None)
             if approximate is None or (act is not None and act != approximate):
                 _warn(f"prediction head activation {name} has no fused kernel; the head transform stays unfused")
                 continue

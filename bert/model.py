@@ -120,9 +120,8 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x, u: Unpadded, backend):
         # One matmul for q, k and v; the parameters stay three HF-named Linears.
-        projs = (self.query, self.key, self.value)
-        qkv = F.linear(x, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
-        q, k, v = qkv.view(x.shape[0], 3, self.num_attention_heads, self.attention_head_size).unbind(1)
+        q, k, v = ops.project_qkv(x, self.query, self.key, self.value, self.num_attention_heads,
+                                  self.attention_head_size)
         p = self.dropout.p if self.training else 0.0
         return ops.varlen_attention(q, k, v, u, dropout_p=p, backend=backend).reshape(x.shape)
 

@@ -63,16 +63,24 @@ def bias_gelu(x, bias, approximate="none", backend="torch"):
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """A UserWarning the first time `message` comes up in this process, silence after."""
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=3)
 
 
+def project_qkv(x, query, key, value, heads: int, head_dim: int):
+    """q, k, v ([tokens, heads, head_dim] views) from one matmul over three Linears' concatenated weights."""
+    projs = (query, key, value)
+    qkv = F.linear(x, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
+    return qkv.view(x.shape[0], 3, heads, head_dim).unbind(1)
+
+
 def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
     """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence."""
     if backend == "triton" and q.shape[-1] not in _kernels().attention.HEAD_DIMS:
-        _warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
+        warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
                    "this model's attention runs in PyTorch")
         backend = "torch"
     if backend == "triton":

@@ -10,7 +10,7 @@ from hf_utils import TOL, grad_errors, mlm_labels, random_batch, rel_err
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 from bert.hf import fuse_hf_bert, unfuse_hf_bert  # noqa: E402
-import bert.hf as bert_hf  # noqa: E402
+import bert.ops as bert_ops  # noqa: E402
 
 TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
             max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -130,7 +130,7 @@ def test_other_instances_and_classes_are_untouched():
 
 
 def test_fallbacks_warn_once_and_stay_correct():
-    bert_hf._warned.clear()
+    bert_ops._warned.clear()  # "warn once" is per process; start this test from a clean slate
     torch.manual_seed(0)
     cfg = transformers.BertConfig(**dict(TINY, hidden_size=48, num_attention_heads=2))  # head_dim 24
     ref = transformers.BertModel(cfg).eval()
