@@ -23,6 +23,7 @@ import torch
 
 from .metrics import accuracy_and_macro_f1, ner_scores, squad_scores
 from .model import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
+from .optim import linear_schedule, param_groups
 from .tasks import (classification_features, decode_answers, ner_features, qa_windows, read_classification,
                     read_conll, read_squad)
 from .tokenizer import load_tokenizer, save_tokenizer
@@ -191,13 +192,8 @@ def run(args) -> dict:
         feats = feats[0] if task.name == "qa" else feats
         steps_per_epoch = math.ceil(len(feats) / args.batch_size)
         total = args.max_steps or max(1, int(steps_per_epoch * args.epochs))
-        decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
-        rest = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}], lr=args.lr)
-        warmup = int(args.warmup * total)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+        opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_schedule(int(args.warmup * total), total))
         amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         from tqdm.auto import tqdm
 

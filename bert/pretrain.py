@@ -28,6 +28,7 @@ from .config import BertConfig
 from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
     micro_batch, tokenize_corpus
 from .model import BertForPreTraining
+from .optim import linear_schedule, param_groups
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 PRESETS = ("tiny", "mini", "base", "large")
@@ -94,6 +95,17 @@ class Dist:
     def main(self) -> bool:
         return self.rank == 0
 
+    def main_first(self, fn):
+        """fn() on rank 0 first, which fills a cache on disk, then on the other ranks, which read it from there
+        instead of racing rank 0 to write it."""
+        if self.main:
+            out = fn()
+        if self.world > 1:
+            dist.barrier()
+        if not self.main:
+            out = fn()
+        return out
+
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(t)
@@ -157,31 +169,16 @@ class Corpus:
                 for x in iter_instances(self.train_docs, self.max_seq_len, self.special, seed=seed):
                     yield dict(x, length=len(x["input_ids"]))
 
-            def build():
-                return datasets.Dataset.from_generator(rows, cache_dir=self.cache_dir, fingerprint=f"nsp-{key}")
-
-            if self.d.main:
-                built = build()
-            if self.d.world > 1:
-                dist.barrier()
-            self._cache[epoch] = built if self.d.main else build()  # the others find it in the cache
+            self._cache[epoch] = self.d.main_first(lambda: datasets.Dataset.from_generator(
+                rows, cache_dir=self.cache_dir, fingerprint=f"nsp-{key}"))
         return self._cache[epoch]
 
 
 def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
     cache = args.cache_dir or os.path.join(args.output_dir, "cache")
 
-    def tokenized():
-        return tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
-                               max_documents=args.max_documents)
-
-    # Rank 0 tokenises and fills the cache; the other ranks then load it instead of racing to write it.
-    if d.main:
-        docs = tokenized()
-    if d.world > 1:
-        dist.barrier()
-    if not d.main:
-        docs = tokenized()
+    docs = d.main_first(lambda: tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
+                                                max_documents=args.max_documents))
     order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     n_eval = int(len(docs) * args.eval_fraction) if len(docs) > 1 else 0
     if args.eval_every and args.eval_fraction > 0 and len(docs) > 1:
@@ -228,23 +225,6 @@ def save_checkpoint(output_dir, model, optimizer, scheduler, scaler, state: dict
 
 
 # ---- training ------------------------------------------------------------------------------------
-def param_groups(model, weight_decay):
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if name.endswith("bias") or "LayerNorm" in name else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def linear_schedule(warmup: int, total: int):
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        return max(0.0, (total - step) / max(1, total - warmup))
-    return factor
-
-
 class _StopFlag:
     def __init__(self):
         self.raised = False
