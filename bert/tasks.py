@@ -2,6 +2,7 @@
 conversion to model features. Bad data raises an error naming the file and line (or question id)."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -9,6 +10,16 @@ from dataclasses import dataclass, field
 
 PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
                 ("premise", "hypothesis")]
+
+
+@contextlib.contextmanager
+def truncation(tokenizer, max_len: int, **kwargs):
+    """Truncate to max_len (tokenizers' enable_truncation options) inside the block, and off again after it."""
+    tokenizer.enable_truncation(max_len, **kwargs)
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.no_truncation()
 
 
 # ---- classification ------------------------------------------------------------------------------
@@ -63,11 +74,8 @@ def _hf_classification(name: str, split: str) -> list[TextExample]:
 
 
 def classification_features(examples: list[TextExample], tokenizer, label2id: dict[str, int], max_len: int):
-    tokenizer.enable_truncation(max_len)
-    try:
+    with truncation(tokenizer, max_len):
         encs = tokenizer.encode_batch([(e.text, e.pair) if e.pair is not None else e.text for e in examples])
-    finally:
-        tokenizer.no_truncation()
     feats = []
     for e, enc in zip(examples, encs):
         if e.label not in label2id:
@@ -119,11 +127,8 @@ def _hf_conll(name: str, split: str) -> list[NerSentence]:
 def ner_features(sentences: list[NerSentence], tokenizer, label2id: dict[str, int], max_len: int):
     """Label the first sub-token of each word; the other pieces and the special tokens get -100.
     Words cut off by max_len are recorded, so their predictions can be filled in as 'O'."""
-    tokenizer.enable_truncation(max_len)
-    try:
+    with truncation(tokenizer, max_len):
         encs = tokenizer.encode_batch([s.words for s in sentences], is_pretokenized=True)
-    finally:
-        tokenizer.no_truncation()
     feats = []
     for s, enc in zip(sentences, encs):
         for tag in s.tags:
@@ -202,8 +207,7 @@ def qa_windows(examples: list[QAExample], tokenizer, max_len: int, doc_stride: i
     """Question as segment A, passage as segment B; long passages become overlapping windows that share
     `doc_stride` tokens. Each window's targets are the answer's first and last tokens when it lies inside."""
     windows = []
-    tokenizer.enable_truncation(max_len, stride=doc_stride, strategy="only_second")
-    try:
+    with truncation(tokenizer, max_len, stride=doc_stride, strategy="only_second"):
         for i, ex in enumerate(examples):
             try:
                 first = tokenizer.encode(ex.question, ex.context)
@@ -220,8 +224,6 @@ def qa_windows(examples: list[QAExample], tokenizer, max_len: int, doc_stride: i
                         w.start_position = next(t for t in inside if offsets[t][1] > a0)
                         w.end_position = max(t for t in inside if offsets[t][0] < a1)
                 windows.append(w)
-    finally:
-        tokenizer.no_truncation()
     return windows
 
 
