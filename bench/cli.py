@@ -201,7 +201,7 @@ def main(argv=None) -> int:
                     continue
                 if variant in ("ours-triton", "hf-fused") and not cuda:
                     continue
-                row = e2e.run_in_child(variant, spec)
+                row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
                 tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
                 print(f"  {variant:12s} {spec['config']} s{spec['seq_len']} b{spec['batch']} "
                       f"pad={spec['padding']}: {tail}", flush=True)

@@ -31,7 +31,7 @@ def step_flops(cfg, lengths, labelled: int) -> float:
     return 3 * (dense + attention + mlm_head)
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
@@ -71,7 +71,7 @@ def run_variant(variant: str, spec: dict) -> dict:
         device = torch.device(spec["device"])
         torch.manual_seed(0)
         cfg = bert.BertConfig.preset(spec["config"], hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-        base_mem = _rss_mb() if device.type == "cpu" else 0.0
+        base_mem = rss_mb() if device.type == "cpu" else 0.0
         batches = [make_batch(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
                    for s in range(4)]
         model = _build(variant, cfg, device).train()
@@ -115,7 +115,8 @@ def run_variant(variant: str, spec: dict) -> dict:
     return row
 
 
-def run_in_child(variant: str, spec: dict) -> dict:
+def in_fresh_process(fn, *args):
+    """fn(*args) in a freshly spawned Python process (no allocator, compile-cache or peak-memory state shared)."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(run_variant, variant, spec).result()
+        return pool.submit(fn, *args).result()

@@ -182,10 +182,10 @@ def _mlm_cpu_child(name, tokens, h):
     """In a fresh process: (peak RSS growth in bytes during one forward+backward, median seconds)."""
     import resource
 
-    from .e2e import _rss_mb
+    from .e2e import rss_mb
 
     problem = _mlm_problem(tokens, h, torch.device("cpu"), torch.float32)
-    before = _rss_mb()
+    before = rss_mb()
     _mlm_impl(name, *problem).backward()
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before) * 2**20
     t = timeit(lambda: _mlm_impl(name, *problem).backward(), torch.device("cpu"), warmup=1, reps=3)
@@ -198,8 +198,7 @@ def mlm_loss_rows(peaks, quick, device, tokens=None):
     GPU: 32,768 tokens, bfloat16, allocator counters. CPU: 4,096 tokens, float32, peak RSS growth of a fresh
     process per implementation; the Triton kernel is left out there (the interpreter is far too slow at this size).
     """
-    import concurrent.futures
-    import multiprocessing
+    from .e2e import in_fresh_process
 
     cuda = device.type == "cuda"
     tokens = tokens or (32768 if cuda else 4096)
@@ -220,9 +219,7 @@ def mlm_loss_rows(peaks, quick, device, tokens=None):
                 del problem
                 torch.cuda.empty_cache()
             else:
-                ctx = multiprocessing.get_context("spawn")
-                with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-                    extra, t = pool.submit(_mlm_cpu_child, name, tokens, h).result()
+                extra, t = in_fresh_process(_mlm_cpu_child, name, tokens, h)
                 labelled = int(tokens * 0.15)
             rows.append({"kernel": "mlm_loss", "shape": f"{tokens} tok (~{labelled} labelled) x V30522 x H{h}",
                          "impl": name, "fwd_bwd_ms": t * 1e3, "peak_extra_MB": extra / 2**20, "status": "ok"})
