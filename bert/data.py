@@ -30,6 +30,18 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
 
 
+def _text_sentences(text) -> list[str]:
+    """The sentences of one document's text, paragraph by paragraph."""
+    return [s for para in str(text).split("\n") for s in split_sentences(para)]
+
+
+def corpus_files(source: str) -> list[str]:
+    """The files a local corpus source names: a file, a glob, or every file under a directory."""
+    paths = sorted(glob.glob(os.path.join(source, "**", "*"), recursive=True)) if os.path.isdir(source) \
+        else sorted(glob.glob(source))
+    return [p for p in paths if os.path.isfile(p)]
+
+
 def _text_file_documents(path: str) -> Iterator[list[str]]:
     """Plain text: documents are separated by blank lines. WikiText: each `= Title =` line starts a document,
     `= = Section = =` lines are dropped, and blank lines only separate paragraphs."""
@@ -63,13 +75,11 @@ def iter_documents(source: str, text_field: str = "text", hf_split: str = "train
         name, _, config = source[3:].partition(":")
         stream = datasets.load_dataset(name, config or None, split=hf_split, streaming=True)
         for row in stream:
-            sentences = [s for para in str(row[text_field]).split("\n") for s in split_sentences(para)]
+            sentences = _text_sentences(row[text_field])
             if sentences:
                 yield sentences
         return
-    paths = sorted(glob.glob(os.path.join(source, "**", "*"), recursive=True)) if os.path.isdir(source) \
-        else sorted(glob.glob(source))
-    paths = [p for p in paths if os.path.isfile(p)]
+    paths = corpus_files(source)
     if not paths:
         raise FileNotFoundError(f"no corpus files at {source}")
     for path in paths:
@@ -82,7 +92,7 @@ def iter_documents(source: str, text_field: str = "text", hf_split: str = "train
                         text = json.loads(line)[text_field]
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
                         raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field") from e
-                    sentences = [s for para in str(text).split("\n") for s in split_sentences(para)]
+                    sentences = _text_sentences(text)
                     if sentences:
                         yield sentences
         else:
@@ -93,9 +103,7 @@ def _fingerprint(source: str, tokenizer, extra) -> str:
     h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
     h.update(tokenizer.to_str().encode())
     if not source.startswith("hf:"):
-        paths = sorted(glob.glob(os.path.join(source, "**", "*"), recursive=True)) if os.path.isdir(source) \
-            else sorted(glob.glob(source))
-        for p in paths:
+        for p in corpus_files(source):
             st = os.stat(p)
             h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
     else:
