@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device, dot_precision, unit_stride
+from ._common import INTERPRET, check_device, check_float, dot_precision, unit_stride
 
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -231,15 +231,13 @@ def _check(hidden, weight, bias, labels, reduction):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{op}: {name} must be a 2-D tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+        check_float(op, name, t)
     if hidden.dtype != weight.dtype:
         raise TypeError(f"{op}: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"{op}: hidden has {hidden.shape[1]} features but weight is {tuple(weight.shape)} [V, H]")
     if bias is not None:
-        if bias.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{op}: bias must be float32, float16 or bfloat16, got {bias.dtype}")
+        check_float(op, "bias", bias)
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
     if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
