@@ -44,12 +44,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def programs_wanted(device: torch.device, per_sm: int) -> int:
+    """How many programs keep a GPU busy (per_sm per SM); a handful in the interpreter, so that tests on
+    small shapes still exercise the multi-program paths."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return per_sm * _sm_count(index)
+
+
 def row_bands(device: torch.device, n_rows: int, block_m: int) -> tuple[int, int]:
     """(programs, rows per program) for a cross-row reduction: each program sums a contiguous band of rows
     (a multiple of block_m) into its own partial; a few programs per SM on a GPU, few in the interpreter."""
-    index = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else 0
-    target = 4 * _sm_count(index) if device.type == "cuda" else 4
-    programs = max(1, min(triton.cdiv(max(n_rows, 1), block_m), target))
+    programs = max(1, min(triton.cdiv(max(n_rows, 1), block_m), programs_wanted(device, 4)))
     rows = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m if n_rows else 0
     return programs, rows
 

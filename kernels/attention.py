@@ -225,15 +225,20 @@ def _attention_bwd_dq_kernel(
              mask=m_ok[:, None])
 
 
-def _config(head_dim: int, backward: bool):
+def _config(head_dim: int, backward: bool, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter, so short test sequences
-    still span several blocks."""
+    still span several blocks. On a GPU, tiles that compile for sm_90 without register spills, dropout's Philox
+    included (tests/compile_sm90.py checks every one): 8 warps, so two warpgroups share a 128-row query tile.
+    float32 uses exact products on the CUDA cores, whose accumulators need much smaller tiles."""
     if INTERPRET:
         return 16, 16, 4, 1
+    if dtype == torch.float32:
+        if head_dim <= 64:
+            return 32, 32, 4, 1
+        return (16, 32, 4, 1) if backward else (16, 16, 4, 1)
     if backward:
-        return (64, 64, 4, 2) if head_dim <= 64 else (64, 64, 8, 2)
-    return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 2)
-
+        return 64, 64, 8, 2
+    return (128, 64, 8, 3) if head_dim <= 64 else (128, 64, 8, 2)
 
 
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
@@ -280,7 +285,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         batch = cu_seqlens.numel() - 1
         o = torch.empty_like(q)
         lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        block_m, block_n, warps, stages = _config(dim, backward=False)
+        block_m, block_n, warps, stages = _config(dim, backward=False, dtype=q.dtype)
         if total and batch and max_seqlen:
             _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
                 q, k, v, o, lse, cu_seqlens,
@@ -304,7 +309,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
         _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
             o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
-        block_m, block_n, warps, stages = _config(dim, backward=True)
+        block_m, block_n, warps, stages = _config(dim, backward=True, dtype=q.dtype)
         common = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
         scalars = (total, ctx.max_seqlen, ctx.softmax_scale * LOG2E, ctx.softmax_scale, ctx.dropout_p, ctx.seed)

@@ -4,10 +4,12 @@ the [rows, vocab] logits to memory, forward or backward.
 Only labelled rows are computed: the launcher gathers the rows whose label is not ignore_index (in BERT
 pre-training about 15% of tokens), so ignored rows cost nothing.
 
-Forward, per block of rows, over vocabulary tiles j (logits z computed tile by tile, contraction over hidden in
-chunks, float32 accumulation; base-2 exponentials):
+Forward, per block of rows and per split of the vocabulary, over vocabulary tiles j (logits z computed tile by
+tile, contraction over hidden in chunks, float32 accumulation; base-2 exponentials):
     m_new = max(m, rowmax(z_j)),   l = l * 2^((m - m_new) log2 e) + rowsum(2^((z_j - m_new) log2 e))
-    lse   = m + ln(l),   loss_row = lse - z[label],   hit_row = (argmax_j z == label)
+    lse_s = m + ln(l),   target_s = z[label] if the label is in split s else 0,   best_s, argmax_s
+The splits (only as many as it takes to fill the GPU) are merged on [splits, rows] float32 partials:
+    lse = logsumexp_s(lse_s),   loss_row = lse - sum_s target_s,   hit_row = (argmax over all splits == label)
 Only lse (float32, [rows]) is kept for the backward.
 
 Backward, with g_row the upstream gradient of each row's loss (1/n for "mean"):
@@ -15,9 +17,10 @@ Backward, with g_row the upstream gradient of each row's loss (1/n for "mean"):
     d hidden = dz @ weight,   d weight = dz^T @ hidden,   d bias = sum_rows dz
 Two kernels recompute the logit tiles they need: one owns a [rows, hidden-chunk] block of d hidden and walks the
 vocabulary; the other owns a [vocab-tile, hidden-chunk] block of d weight (and d bias) and walks the rows.
-Each output block has exactly one owner: no atomics, deterministic. The price is recomputation: a logit tile is
-rebuilt once per hidden chunk of the output, so the backward does about 2 * (H / BLOCK_HO + 1) logit-sized
-matmuls against 3 for a materialised-logits implementation; the saving is the [rows, vocab] memory and traffic.
+Each output block has exactly one owner: no atomics, no float32 [V, H] accumulation buffer, deterministic.
+The price is recomputation: a logit tile is rebuilt once per hidden chunk (BLOCK_HO = 256 on a GPU) of the
+output, so the backward does 2 * (ceil(H / BLOCK_HO) + 1) logit-sized matmuls (8 at H = 768, 10 at H = 1024)
+against 2 for a materialised-logits implementation; the saving is the [rows, vocab] memory and its traffic.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_device, check_float, dot_precision, unit_stride
+from ._common import INTERPRET, check_device, check_float, dot_precision, programs_wanted, unit_stride
 
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -66,14 +69,18 @@ def _mlm_loss_fwd_kernel(
     W,          # [V, H] decoder weight (tied word embeddings)
     B,          # [V] decoder bias (unused unless HAS_BIAS)
     Labels,     # [N] int64, all in [0, V)
-    Loss,       # [N] float32 per-row loss
-    Lse,        # [N] float32 log-sum-exp, for the backward
-    Hit,        # [N] int32, 1 where argmax == label
-    stride_h_n, stride_w_v, N, V, H,
+    Lse,        # [S, N] float32 log-sum-exp over each vocabulary split
+    Target,     # [S, N] float32 the label's logit, in the split that holds it (0 in the others)
+    Best,       # [S, N] float32 the split's largest logit
+    BestIdx,    # [S, N] int64 its first index
+    stride_h_n, stride_w_v, N, V, H, vocab_per_split,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    v_begin = split * vocab_per_split
+    v_end = tl.minimum(v_begin + vocab_per_split, V)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
     label = tl.load(Labels + rows, mask=row_ok, other=-1)
@@ -82,9 +89,9 @@ def _mlm_loss_fwd_kernel(
     target = tl.zeros((BLOCK_M,), dtype=tl.float32)
     best = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     best_idx = tl.zeros((BLOCK_M,), dtype=tl.int64)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(v_begin, v_end, BLOCK_V):
         vocab = v0 + tl.arange(0, BLOCK_V)
-        v_ok = vocab < V
+        v_ok = vocab < v_end
         z = _logit_tile(Hid, W, B, rows64, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
                         HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
         tile_max = tl.max(z, axis=1)
@@ -97,10 +104,11 @@ def _mlm_loss_fwd_kernel(
         better = tile_max > best
         best_idx = tl.where(better, tile_idx, best_idx)
         best = tl.where(better, tile_max, best)
-    lse = m + tl.math.log2(l) * LN2
-    tl.store(Loss + rows, lse - target, mask=row_ok)
-    tl.store(Lse + rows, lse, mask=row_ok)
-    tl.store(Hit + rows, (best_idx == label).to(tl.int32), mask=row_ok)
+    out = split.to(tl.int64) * N + rows64
+    tl.store(Lse + out, m + tl.math.log2(l) * LN2, mask=row_ok)
+    tl.store(Target + out, target, mask=row_ok)
+    tl.store(Best + out, best, mask=row_ok)
+    tl.store(BestIdx + out, best_idx, mask=row_ok)
 
 
 @triton.jit
@@ -175,12 +183,38 @@ def _mlm_loss_bwd_dweight_kernel(
         tl.store(DB + vocab, db, mask=v_ok)
 
 
-def _config(h: int):
-    """(BLOCK_M, BLOCK_V, BLOCK_H, BLOCK_HO, num_warps)."""
-    if INTERPRET:  # the interpreter's cost is per tile: wide vocabulary tiles, small everything else
-        return 16, 128, 16, 32, 4
-    return 64, 128, 64, min(128, triton.next_power_of_2(h)), 8
+class _Tiles(NamedTuple):
+    BLOCK_M: int     # labelled rows
+    BLOCK_V: int     # vocabulary entries
+    BLOCK_H: int     # hidden features per step of the logit contraction
+    BLOCK_HO: int    # hidden features of the d hidden / d weight block a backward program owns
+    num_warps: int
+    num_stages: int
 
+
+def _tiles(kernel: str, h: int, dtype: torch.dtype) -> _Tiles:
+    """Tiles per kernel ("fwd", "dhidden", "dweight"). The interpreter's cost is per tile: wide vocabulary
+    tiles, small everything else. On a GPU, the widest output chunks that compile for sm_90 without register
+    spills (tests/compile_sm90.py checks them): the backward's recomputation falls as BLOCK_HO grows.
+    float32 uses exact products on the CUDA cores and needs smaller tiles."""
+    if INTERPRET:
+        return _Tiles(16, 128, 16, 32, 4, 1)
+    if dtype == torch.float32:
+        return _Tiles(32, 64, 32, min(64, triton.next_power_of_2(h)), 4, 2)
+    block_ho = min(256, triton.next_power_of_2(h))
+    return {"fwd": _Tiles(64, 128, 64, block_ho, 8, 3),
+            "dhidden": _Tiles(64, 128, 64, block_ho, 8, 3),
+            "dweight": _Tiles(64, 64, 64, block_ho, 8, 3)}[kernel]
+
+
+def _vocab_splits(device, n_row_blocks: int, vocab: int, block_v: int) -> tuple[int, int]:
+    """(splits, vocabulary entries per split, a multiple of block_v) for the forward: with few labelled rows
+    the row blocks alone leave SMs idle (4,915 rows at BERT pre-training shapes are 77 blocks of 64 for 132
+    SMs), so the vocabulary is cut into splits whose partial log-sum-exps are merged afterwards."""
+    tiles = triton.cdiv(vocab, block_v)
+    splits = max(1, min(tiles, triton.cdiv(programs_wanted(device, 2), max(n_row_blocks, 1))))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, tiles_per_split), tiles_per_split * block_v
 
 
 class MaskedLMLossFunction(torch.autograd.Function):
@@ -190,14 +224,25 @@ class MaskedLMLossFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels):
         n, h = hidden.shape
         v = weight.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse, hit = torch.empty_like(loss), torch.empty(n, dtype=torch.int32, device=hidden.device)
-        block_m, block_v, block_h, _, warps = _config(h)
+        t = _tiles("fwd", h, hidden.dtype)
+        row_blocks = triton.cdiv(n, t.BLOCK_M)
+        splits, per_split = _vocab_splits(hidden.device, row_blocks, v, t.BLOCK_V)
+        lse_parts, target_parts, best_parts = (torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
+                                               for _ in range(3))
+        best_idx_parts = torch.empty((splits, n), dtype=torch.int64, device=hidden.device)
         if n:
-            _mlm_loss_fwd_kernel[(triton.cdiv(n, block_m),)](
-                hidden, weight, bias, labels, loss, lse, hit, hidden.stride(0), weight.stride(0), n, v, h,
+            _mlm_loss_fwd_kernel[(row_blocks, splits)](
+                hidden, weight, bias, labels, lse_parts, target_parts, best_parts, best_idx_parts,
+                hidden.stride(0), weight.stride(0), n, v, h, per_split,
                 HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype),
-                BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=warps)
+                BLOCK_M=t.BLOCK_M, BLOCK_V=t.BLOCK_V, BLOCK_H=t.BLOCK_H, num_warps=t.num_warps,
+                num_stages=t.num_stages)
+        # Merge the splits: [S, N] float32, tiny next to the matmuls. argmax takes the first split on ties,
+        # and splits are in vocabulary order, so the first index overall wins, as in torch.argmax.
+        lse = torch.logsumexp(lse_parts, dim=0)
+        loss = lse - target_parts.sum(dim=0)
+        top = best_idx_parts.gather(0, best_parts.argmax(dim=0, keepdim=True)).squeeze(0)
+        hit = top == labels
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(hit)
         return loss, hit
@@ -211,17 +256,17 @@ class MaskedLMLossFunction(torch.autograd.Function):
         dhidden = torch.zeros_like(hidden)
         dweight = torch.zeros_like(weight)
         dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
-        block_m, block_v, block_h, block_ho, warps = _config(h)
-        common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype), BLOCK_M=block_m,
-                      BLOCK_V=block_v, BLOCK_H=block_h, BLOCK_HO=block_ho, num_warps=warps)
+        common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype))
         if n and ctx.needs_input_grad[0]:
-            _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, block_m), triton.cdiv(h, block_ho))](
+            t = _tiles("dhidden", h, hidden.dtype)
+            _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, t.BLOCK_M), triton.cdiv(h, t.BLOCK_HO))](
                 hidden, weight, bias, labels, lse, g, dhidden, hidden.stride(0), weight.stride(0),
-                dhidden.stride(0), n, v, h, **common)
+                dhidden.stride(0), n, v, h, **common, **t._asdict())
         if n and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, block_v), triton.cdiv(h, block_ho))](
+            t = _tiles("dweight", h, hidden.dtype)
+            _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, t.BLOCK_V), triton.cdiv(h, t.BLOCK_HO))](
                 hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
-                dweight.stride(0), n, v, h, **common)
+                dweight.stride(0), n, v, h, **common, **t._asdict())
         return dhidden, dweight, dbias.to(bias.dtype) if bias is not None else None, None
 
 

@@ -1,6 +1,12 @@
 """Compile every kernel variant the launchers use for an sm_90 GPU (H100/H200), down to a cubin, on a machine
-without a GPU. Run as a script (not under TRITON_INTERPRET): `python tests/compile_sm90.py`; it prints one line
-per variant and exits non-zero if any fails. tests/test_compile_sm90.py runs it."""
+without a GPU, and read ptxas's register report. Run as a script (not under TRITON_INTERPRET):
+`python tests/compile_sm90.py [group ...]`; it prints one line per variant (shared memory, registers per thread,
+bytes spilled to local memory) and exits non-zero if any variant fails to compile, needs more shared memory
+than a block gets, or spills registers. tests/test_compile_sm90.py runs it.
+
+The variants are specialised as the JIT specialises them at BERT shapes: pointers 16-byte aligned, and the
+integer arguments marked "i32:16" (strides, hidden sizes) divisible by 16. Without those hints the compiler
+cannot vectorise loads and the register counts say little about the real kernels."""
 from __future__ import annotations
 
 import os
@@ -10,6 +16,10 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -17,6 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kernels  # noqa: E402,F401
 from kernels._common import dot_precision  # noqa: E402
+from kernels.attention import HEAD_DIMS  # noqa: E402
 
 ln = sys.modules["kernels.layer_norm"]
 bg = sys.modules["kernels.bias_gelu"]
@@ -28,27 +39,71 @@ TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232448  # bytes of shared memory one block may use on an H100/H200
 
 
-def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3):
-    """args: every parameter -> a torch dtype (pointer), 'i32' / 'i64' / 'fp32', None (absent pointer), or
-    the value of a constexpr parameter."""
-    signature, constexprs = {}, {}
-    for p in fn.params:
+def _ptxas():
+    """Path of the ptxas triton uses for sm_90, or None where this triton hides it."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(90).path
+    except Exception:  # an internal helper: its name or signature may change between releases
+        return None
+
+
+def register_report(ptx: str):
+    """(registers per thread, bytes of spill stores) from ptxas -v on the kernel's PTX; (None, None) if unknown."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True)
+    text = log.stdout + log.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    if log.returncode or not regs or not spills:
+        return None, None
+    return int(regs.group(1)), int(spills.group(1))
+
+
+class Compiled:
+    def __init__(self, shared: int, registers, spilled):
+        self.shared, self.registers, self.spilled = shared, registers, spilled
+
+    def __str__(self):
+        regs = "?" if self.registers is None else self.registers
+        spilled = "?" if self.spilled is None else self.spilled
+        return f"shared memory {self.shared} B, {regs} registers, {spilled} B spilled"
+
+
+def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3) -> Compiled:
+    """args: every parameter -> a torch dtype (pointer), 'i32' / 'i32:16' (divisible by 16) / 'i64' / 'fp32',
+    None (absent pointer), or the value of a constexpr parameter."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         value = args[p.name]
         if p.is_constexpr or value is None:
             signature[p.name] = "constexpr"
             constexprs[p.name] = value
         elif isinstance(value, torch.dtype):
             signature[p.name] = TYPES[value]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are aligned
         else:
-            signature[p.name] = value
+            signature[p.name], _, divisible = value.partition(":")
+            if divisible:
+                attrs[(i,)] = [["tt.divisibility", int(divisible)]]
     missing = set(args) - {p.name for p in fn.params}
     assert not missing, missing
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     shared = compiled.metadata.shared
     if shared > MAX_SHARED:  # would fail at launch with "out of resource: shared memory"
         raise RuntimeError(f"needs {shared} bytes of shared memory; an sm_90 block gets at most {MAX_SHARED}")
-    return shared
+    result = Compiled(shared, *register_report(compiled.asm["ptx"]))
+    if result.spilled:  # local-memory traffic in the inner loop: a slow kernel that still passes every test
+        raise RuntimeError(f"spills registers ({result})")
+    return result
 
 
 def layer_norm_variants():
@@ -58,39 +113,39 @@ def layer_norm_variants():
             for residual, dropout, affine in ((True, True, True), (False, False, False)):
                 common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
                               HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, HAS_WEIGHT=affine, BLOCK_M=block_m,
-                              BLOCK_N=block_n, M="i32", N="i32", p="fp32", seed="i32", stride_x_m="i32",
-                              stride_r_m="i32")
+                              BLOCK_N=block_n, M="i32", N="i32:16", p="fp32", seed="i32", stride_x_m="i32:16",
+                              stride_r_m="i32:16")
                 yield (f"layer_norm fwd {dtype} N={n} res={residual} drop={dropout} affine={affine}",
                        ln._layer_norm_fwd_kernel,
                        dict(common, B=torch.float32 if affine else None, Y=dtype, Mean=torch.float32,
-                            Rstd=torch.float32, stride_y_m="i32", eps="fp32", HAS_BIAS=affine), warps)
+                            Rstd=torch.float32, stride_y_m="i32:16", eps="fp32", HAS_BIAS=affine), warps)
                 yield (f"layer_norm bwd {dtype} N={n} res={residual} drop={dropout} affine={affine}",
                        ln._layer_norm_bwd_kernel,
                        dict(common, DY=dtype, DX=dtype, DR=dtype if residual else None, DW_partial=torch.float32,
-                            DB_partial=torch.float32, Mean=torch.float32, Rstd=torch.float32, stride_dy_m="i32",
-                            stride_dx_m="i32", stride_dr_m="i32", rows_per_program="i32"), warps)
+                            DB_partial=torch.float32, Mean=torch.float32, Rstd=torch.float32, stride_dy_m="i32:16",
+                            stride_dx_m="i32:16", stride_dr_m="i32:16", rows_per_program="i32"), warps)
 
 
 def bias_gelu_variants():
     block_m, block_n = bg._block_sizes(3072)
     for dtype in (torch.bfloat16, torch.float32):
         for tanh in (False, True):
-            common = dict(X=dtype, B=torch.float32, M="i32", N="i32", stride_x_m="i32", APPROX_TANH=tanh,
+            common = dict(X=dtype, B=torch.float32, M="i32", N="i32:16", stride_x_m="i32:16", APPROX_TANH=tanh,
                           BLOCK_M=block_m, BLOCK_N=block_n)
             yield (f"bias_gelu fwd {dtype} tanh={tanh}", bg._bias_gelu_fwd_kernel,
-                   dict(common, Y=dtype, stride_y_m="i32"), 8)
+                   dict(common, Y=dtype, stride_y_m="i32:16"), 8)
             yield (f"bias_gelu bwd {dtype} tanh={tanh}", bg._bias_gelu_bwd_kernel,
-                   dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32, stride_dy_m="i32", stride_dx_m="i32",
+                   dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32, stride_dy_m="i32:16", stride_dx_m="i32:16",
                         rows_per_program="i32"), 8)
 
 
 def attention_variants():
-    strides = {f"stride_{t}_{d}": "i32" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for d in ("t", "h")}
+    strides = {f"stride_{t}_{d}": "i32:16" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for d in ("t", "h")}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for dim in (16, 64, 128) if dtype == torch.bfloat16 else (64,):
+        for dim in HEAD_DIMS if dtype == torch.bfloat16 else (64,) if dtype == torch.float16 else (16, 64, 128):
             for dropout in (False, True):
                 prec = dot_precision(dtype)
-                bm, bn, warps, stages = att._config(dim, backward=False)
+                bm, bn, warps, stages = att._config(dim, backward=False, dtype=dtype)
                 base = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32",
                             max_seqlen="i32", qk_scale="fp32", p_drop="fp32", seed="i32", HAS_DROPOUT=dropout,
                             DOT_PRECISION=prec, BLOCK_D=dim)
@@ -100,7 +155,7 @@ def attention_variants():
                        dict(base, O=dtype, LSE=torch.float32, BLOCK_M=bm, BLOCK_N=bn,
                             **{k: v for k, v in strides.items() if k.split("_")[1] in ("q", "k", "v", "o")}),
                        warps, stages)
-                bm, bn, warps, stages = att._config(dim, backward=True)
+                bm, bn, warps, stages = att._config(dim, backward=True, dtype=dtype)
                 bwd = dict(base, DO=dtype, LSE=torch.float32, Delta=torch.float32, softmax_scale="fp32",
                            BLOCK_M=bm, BLOCK_N=bn)
                 yield (f"attention bwd dkdv {name}", att._attention_bwd_dkdv_kernel,
@@ -111,27 +166,36 @@ def attention_variants():
                        dict(bwd, DQ=dtype, **{k: v for k, v in strides.items()
                                               if k.split("_")[1] in ("q", "k", "v", "do", "dq")}), warps, stages)
         yield (f"attention bwd preprocess {dtype}", att._attention_bwd_preprocess_kernel,
-               dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32", stride_o_h="i32", stride_do_t="i32",
-                    stride_do_h="i32", total_tokens="i32", BLOCK_M=64, BLOCK_D=64), 4, 3)
+               dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32:16", stride_o_h="i32:16", stride_do_t="i32:16",
+                    stride_do_h="i32:16", total_tokens="i32", BLOCK_M=64, BLOCK_D=64), 4, 3)
 
 
 def mlm_variants():
     for dtype in (torch.bfloat16, torch.float32):
         for h in (768, 1024):
-            bm, bv, bh, bho, warps = mlm._config(h)
             for bias in (True, False):
                 common = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64,
-                              stride_h_n="i32", stride_w_v="i32", N="i32", V="i32", H="i32", HAS_BIAS=bias,
-                              DOT_PRECISION=dot_precision(dtype), BLOCK_M=bm, BLOCK_V=bv, BLOCK_H=bh)
+                              stride_h_n="i32:16", stride_w_v="i32:16", N="i32", V="i32", H="i32:16",
+                              HAS_BIAS=bias, DOT_PRECISION=dot_precision(dtype))
                 name = f"{dtype} H={h} bias={bias}"
+
+                def tiles(kernel, with_ho=True):
+                    t = mlm._tiles(kernel, h, dtype)
+                    blocks = dict(BLOCK_M=t.BLOCK_M, BLOCK_V=t.BLOCK_V, BLOCK_H=t.BLOCK_H)
+                    return (dict(blocks, BLOCK_HO=t.BLOCK_HO) if with_ho else blocks), t.num_warps, t.num_stages
+
+                blocks, *launch = tiles("fwd", with_ho=False)
                 yield (f"mlm_loss fwd {name}", mlm._mlm_loss_fwd_kernel,
-                       dict(common, Loss=torch.float32, Lse=torch.float32, Hit=torch.int32), warps)
+                       dict(common, **blocks, Lse=torch.float32, Target=torch.float32, Best=torch.float32,
+                            BestIdx=torch.int64, vocab_per_split="i32:16"), *launch)
+                blocks, *launch = tiles("dhidden")
                 yield (f"mlm_loss bwd dhidden {name}", mlm._mlm_loss_bwd_dhidden_kernel,
-                       dict(common, Lse=torch.float32, G=torch.float32, DHid=dtype, stride_dh_n="i32",
-                            BLOCK_HO=bho), warps)
+                       dict(common, **blocks, Lse=torch.float32, G=torch.float32, DHid=dtype,
+                            stride_dh_n="i32:16"), *launch)
+                blocks, *launch = tiles("dweight")
                 yield (f"mlm_loss bwd dweight {name}", mlm._mlm_loss_bwd_dweight_kernel,
-                       dict(common, Lse=torch.float32, G=torch.float32, DW=dtype, DB=torch.float32,
-                            stride_dw_v="i32", BLOCK_HO=bho), warps)
+                       dict(common, **blocks, Lse=torch.float32, G=torch.float32, DW=dtype, DB=torch.float32,
+                            stride_dw_v="i32:16"), *launch)
 
 
 def main() -> int:
@@ -143,8 +207,7 @@ def main() -> int:
             continue
         for name, fn, args, *launch in group():
             try:
-                shared = compile_variant(fn, args, *launch)
-                print(f"ok   {name} (shared memory {shared} B)", flush=True)
+                print(f"ok   {name} ({compile_variant(fn, args, *launch)})", flush=True)
             except Exception:
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=4)}", flush=True)

@@ -1,4 +1,6 @@
 """kernels.masked_lm_loss against F.linear + F.cross_entropy in float64: loss and grads of hidden, weight, bias."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,22 @@ def test_accuracy_counts_hits(device):
     out = kernels.masked_lm_loss(hidden.to(device), weight.to(device), bias.to(device), labels.to(device),
                                  return_correct=True)
     assert out.correct.item() == int((labels != -100).sum()) - 2
+
+
+def test_vocabulary_splits_merge_to_the_first_maximum(device):
+    """All logits equal: every vocabulary split ties, and the merged top-1 must be index 0, as torch.argmax;
+    the loss is ln V whichever split holds the label."""
+    n, v, h = 6, 1000, 8   # 8 vocabulary tiles, cut into several splits for so few rows
+    labels = torch.tensor([0, 0, 999, 500, 1, 0], device=device)
+    hidden = torch.zeros(n, h, device=device, requires_grad=True)
+    weight = torch.randn(v, h, device=device, requires_grad=True)
+    out = kernels.masked_lm_loss(hidden, weight, torch.zeros(v, device=device), labels, reduction="none",
+                                 return_correct=True)
+    assert out.correct.item() == 3
+    torch.testing.assert_close(out.loss, torch.full((n,), math.log(v), device=device))
+    out.loss.sum().backward()
+    expected = (weight.detach().mean(0) - weight.detach()[labels]).to(hidden.grad.dtype)
+    torch.testing.assert_close(hidden.grad, expected, rtol=1e-5, atol=1e-5)
 
 
 class _LargestTensor(TorchDispatchMode):
