@@ -225,20 +225,22 @@ def _attention_bwd_dq_kernel(
              mask=m_ok[:, None])
 
 
-def _config(head_dim: int, backward: bool, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter, so short test sequences
-    still span several blocks. On a GPU, tiles that compile for sm_90 without register spills, dropout's Philox
-    included (tests/compile_sm90.py checks every one): 8 warps, so two warpgroups share a 128-row query tile.
-    float32 uses exact products on the CUDA cores, whose accumulators need much smaller tiles."""
-    if INTERPRET:
-        return 16, 16, 4, 1
+def _config(kernel: str, head_dim: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel "fwd", "dkdv" or "dq". Small tiles in the
+    interpreter, so short test sequences still span several blocks. On a GPU, tiles that compile for sm_90
+    without register spills under triton 3.6 and the newest triton, dropout's Philox included
+    (tests/compile_sm90.py checks every one). A program owns a wide block (128 queries in "fwd" and "dq",
+    128 keys in "dkdv" up to head_dim 64) and walks the other side in narrower ones. float32 uses exact
+    products on the CUDA cores, whose accumulators need much smaller tiles."""
+    if INTERPRET:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
+        return {"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
     if dtype == torch.float32:
-        if head_dim <= 64:
-            return 32, 32, 4, 1
-        return (16, 32, 4, 1) if backward else (16, 16, 4, 1)
-    if backward:
-        return 64, 64, 8, 2
-    return (128, 64, 8, 3) if head_dim <= 64 else (128, 64, 8, 2)
+        return {"fwd": (16, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
+    if kernel == "fwd":
+        return (128, 64, 8, 3) if head_dim <= 64 else (128, 64, 8, 2)
+    if kernel == "dkdv":
+        return (32, 128, 8, 2) if head_dim <= 64 else (128, 32, 8, 2)
+    return 128, 32, 8, 2
 
 
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
@@ -285,7 +287,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         batch = cu_seqlens.numel() - 1
         o = torch.empty_like(q)
         lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        block_m, block_n, warps, stages = _config(dim, backward=False, dtype=q.dtype)
+        block_m, block_n, warps, stages = _config("fwd", dim, q.dtype)
         if total and batch and max_seqlen:
             _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
                 q, k, v, o, lse, cu_seqlens,
@@ -309,17 +311,24 @@ class VarlenAttentionFunction(torch.autograd.Function):
         delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
         _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
             o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
-        block_m, block_n, warps, stages = _config(dim, backward=True, dtype=q.dtype)
-        common = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
+        flags = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=dim)
+
+        def launch(kernel: str):
+            block_m, block_n, warps, stages = _config(kernel, dim, q.dtype)
+            owned = block_n if kernel == "dkdv" else block_m
+            grid = (triton.cdiv(ctx.max_seqlen, owned), batch, heads)
+            return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
         scalars = (total, ctx.max_seqlen, ctx.softmax_scale * LOG2E, ctx.softmax_scale, ctx.dropout_p, ctx.seed)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    do.stride(0), do.stride(1))
-        _attention_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, block_n), batch, heads)](
+        grid, meta = launch("dkdv")
+        _attention_bwd_dkdv_kernel[grid](
             q, k, v, do, dk, dv, lse, delta, cu_seqlens, *strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **common)
-        _attention_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, block_m), batch, heads)](
-            q, k, v, do, dq, lse, delta, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scalars, **common)
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **meta)
+        grid, meta = launch("dq")
+        _attention_bwd_dq_kernel[grid](
+            q, k, v, do, dq, lse, delta, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scalars, **meta)
         return dq, dk, dv, None, None, None, None, None
 
 

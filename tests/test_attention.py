@@ -54,7 +54,7 @@ def run_case(lengths, heads, dim, dtype, device, p=0.0, seed=0, scale=None):
     return out, grads
 
 
-# Lengths include 0, 1 and non-multiples of the block size (16 in the interpreter, 64/128 compiled).
+# Lengths include 0, 1 and non-multiples of the block sizes (16 and 32 in the interpreter, 32 to 128 compiled).
 LENGTHS = [37, 0, 1, 16, 50]
 
 
