@@ -3,11 +3,17 @@
 # the quick benchmark, in under 8 minutes, from a source checkout with torch and triton installed (no network;
 # pytest, transformers and matplotlib are used when present).
 #   usage: bash bench/gpu_check.sh OUT_DIR
+# A machine without pytest can be given it as a folder of pure-Python packages:
+#   pip install --no-deps --target .gpu_deps pytest pluggy iniconfig packaging pygments  (+ exceptiongroup
+#   tomli on Python < 3.11)
+# next to this checkout (.gpu_deps is git-ignored); it goes on PYTHONPATH when present.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)   # absolute: the script moves to the checkout's root
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+deps=""
+[ -d .gpu_deps ] && deps="$PWD/.gpu_deps"
+export PYTHONPATH="$PWD${deps:+:$deps}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 - <<'PY' | tee "$out/environment.txt"
 import torch, triton
 assert torch.cuda.is_available(), "no CUDA device"
