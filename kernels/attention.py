@@ -8,7 +8,7 @@ squared real lengths.
 Forward (FlashAttention-2). Scores are kept in base 2: s = (q . k) * scale * log2(e). Over key blocks j:
     m_new = max(m, rowmax(s_j)),   alpha = 2^(m - m_new),   p_j = 2^(s_j - m_new)
     l     = l * alpha + rowsum(p_j)
-    acc   = acc * alpha + (p_j * keep_j) @ v_j               keep ~ Philox(seed, (h, query, key)) >= p_drop
+    acc   = acc * alpha + (p_j * keep_j) @ v_j               keep_j: dropout_keep(seed, (h, query, key))
     out   = acc / l / (1 - p_drop),   lse = m + log2(l)     (lse saved, float32, for the backward)
 Dropout acts on the normalised probabilities P; since normalising divides a whole row by l, it can be applied
 to the unnormalised p_j and l left undropped.
@@ -56,6 +56,13 @@ def _tile_t(Ptr, rows, ok, stride_t, head_offset, offs_d):
 
 
 @triton.jit
+def _mask_row(h, total_tokens, q_rows, max_seqlen):
+    """Philox row offsets [BLOCK_M, 1] of the dropout mask: query token t of head h owns row h * T + t, with
+    its sequence's keys in order along it; rows are max_seqlen, rounded up to 8, apart."""
+    return ((h * total_tokens + q_rows) * ((max_seqlen + 7) // 8 * 8))[:, None]
+
+
+@triton.jit
 def _scores(q, kt, qk_scale, DOT_PRECISION: tl.constexpr):
     return tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
 
@@ -96,7 +103,7 @@ def _attention_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + n[None, :], p_drop)
+            keep = dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n, p_drop, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -164,7 +171,8 @@ def _attention_bwd_dkdv_kernel(
         p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + offs_n[None, :], p_drop)
+            keep = dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n * BLOCK_N, p_drop,
+                                BLOCK_N)
             p_dropped = tl.where(keep, p / (1.0 - p_drop), 0.0)
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         else:
@@ -216,7 +224,7 @@ def _attention_bwd_dq_kernel(
         p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, (h * total_tokens + q_rows[:, None]) * max_seqlen + n[None, :], p_drop)
+            keep = dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n, p_drop, BLOCK_N)
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
@@ -235,7 +243,7 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype):
     if INTERPRET:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
         return {"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
     if dtype == torch.float32:
-        return {"fwd": (16, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
+        return 16, 16, 4, 1
     if kernel == "fwd":
         return (128, 64, 8, 3) if head_dim <= 64 else (128, 64, 8, 2)
     if kernel == "dkdv":
@@ -386,4 +394,4 @@ def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int
     """The keep-mask varlen_attention applies for this seed: bool [heads, total_tokens, max_seqlen], where entry
     (h, t, j) belongs to query token t and the j-th key of t's sequence. For tests."""
     total = int(cu_seqlens[-1])
-    return keep_mask(seed, heads * total * max_seqlen, dropout_p, cu_seqlens.device).view(heads, total, max_seqlen)
+    return keep_mask(seed, heads * total, max_seqlen, dropout_p, cu_seqlens.device).reshape(heads, total, max_seqlen)

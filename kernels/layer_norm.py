@@ -4,7 +4,8 @@ Forward, per row of N features (statistics in float32):
     s    = dropout(x) + residual,  dropout(x) = x * keep / (1 - p),  keep ~ Bernoulli(1 - p) from Philox(seed, i)
     mean = sum(s) / N,  var = sum((s - mean)^2) / N,  rstd = 1 / sqrt(var + eps)
     xhat = (s - mean) * rstd,  y = xhat * w + b
-Only y, mean and rstd are written; the dropout mask is regenerated in the backward from (seed, element index).
+Only y, mean and rstd are written; the dropout mask is regenerated in the backward from (seed, element index),
+eight elements per Philox call (see kernels._common.dropout_keep).
 
 Backward, with g = dy * w:
     ds         = rstd * (g - mean(g) - xhat * mean(g * xhat))        (means over the N features of the row)
@@ -28,13 +29,14 @@ MAX_N = 16384
 
 @triton.jit
 def _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed,
-                 HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """s = dropout(x) + residual for a [rows, cols] tile, in float32, and the keep mask (all True without
-    dropout). Element (row, col) draws Philox offset row * N + col, in the forward and the backward alike."""
+    dropout). Element (row, col) draws Philox offset row * N8 + col (N8: N rounded up to 8), in the forward
+    and the backward alike."""
     s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, rows64 * N + cols[None, :], p)
+        keep = dropout_keep(seed, rows64 * ((N + 7) // 8 * 8), 0, p, BLOCK_N)
         s = tl.where(keep, s / (1.0 - p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -58,7 +60,8 @@ def _layer_norm_fwd_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)[:, None]
-    s, _ = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL, HAS_DROPOUT)
+    s, _ = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL, HAS_DROPOUT,
+                        BLOCK_N)
     mean = tl.sum(s, axis=1) / N
     diff = tl.where(mask, s - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / N + eps)
@@ -99,7 +102,7 @@ def _layer_norm_bwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         s, keep = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL,
-                               HAS_DROPOUT)
+                               HAS_DROPOUT, BLOCK_N)
         mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
@@ -123,7 +126,7 @@ def _layer_norm_bwd_kernel(
 
 
 def _block_sizes(n: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(n)
+    block_n = max(8, triton.next_power_of_2(n))      # dropout draws its random bits in groups of 8 columns
     block_m = max(1, min(16, 4096 // block_n))   # a few rows per program when rows are short
     num_warps = min(16, max(4, block_m * block_n // 1024))
     return block_m, block_n, num_warps
@@ -214,7 +217,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 def dropout_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
     """The keep-mask (bool [n_rows, n_cols]) that `layer_norm` applies for this seed and p; for tests."""
-    return keep_mask(seed, n_rows * n_cols, p, device).view(n_rows, n_cols)
+    return keep_mask(seed, n_rows, n_cols, p, device)
 
 
 class LayerNorm(nn.LayerNorm):
