@@ -142,14 +142,20 @@ def attention_rows(peaks, quick, device, shapes=None):
             bias = torch.zeros(batch, 1, 1, seqlen, device=device, dtype=dtype)
             bias.masked_fill_(~mask[:, None, None, :].bool(), float("-inf"))
             shape = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}%"
-            rows += _rows_for("attention", shape, {"sdpa-masked": lambda q, k, v: F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias)}, padded_inputs, 0, 0, flops, peaks, device)
+            padded = {"sdpa-masked": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)}
+            if not quick:  # BERT trains with attention dropout 0.1: what it costs each side
+                padded["sdpa-masked dropout0.1"] = lambda q, k, v: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=bias, dropout_p=0.1)
+            rows += _rows_for("attention", shape, padded, padded_inputs, 0, 0, flops, peaks, device)
 
             def sdpa_unpadded(q, k, v):
                 nested = [torch.nested.nested_tensor_from_jagged(t, cu.long()).transpose(1, 2) for t in (q, k, v)]
                 return F.scaled_dot_product_attention(*nested).transpose(1, 2).values()
 
             impls = {"ours": lambda q, k, v: kernels.varlen_attention(q, k, v, cu, seqlen, validate=False)}
+            if not quick:
+                impls["ours dropout0.1"] = lambda q, k, v: kernels.varlen_attention(q, k, v, cu, seqlen, 0.1,
+                                                                                   validate=False)
             if device.type == "cuda":
                 impls["sdpa-unpadded"] = sdpa_unpadded
             rows += _rows_for("attention", shape, impls, packed_inputs, 0, 0, flops, peaks, device)

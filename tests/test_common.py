@@ -22,6 +22,15 @@ def _philox_words_kernel(Out, seed, BLOCK: tl.constexpr):
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_element_8g_plus_s_uses_sixteen_bit_half_s_of_group_g(device, p):
+    check_layout(device, p)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_layout():
+    check_layout(torch.device("cuda"), 0.1)
+
+
+def check_layout(device, p):
     seed, groups = 1234, 64
     words = torch.empty((4, groups), dtype=torch.int64, device=device)
     _philox_words_kernel[(1,)](words, seed, BLOCK=groups)
