@@ -154,32 +154,33 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < seq_len
     k_rows = (seq_start + offs_n).to(tl.int64)
-    # K and V as [D, N]: the score tile is then q @ kt, and dP = dO @ vt.
-    kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
-    vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
+    # Tiles transposed to [keys, queries], so that the owned key block is the M side of every dot (tensor-core
+    # instructions want M >= 64; the walked query block is narrower): S^T = K Q^T, dP^T = V dO^T.
+    k = _tile(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
+    v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         m = start_m + offs_m
         m_ok = m < seq_len
         q_rows = (seq_start + m).to(tl.int64)
-        q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
+        qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
         do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
         lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
         delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
-        p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
-        p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        pt = tl.math.exp2(_scores(k, qt, qk_scale, DOT_PRECISION) - lse[None, :])
+        pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n * BLOCK_N, p_drop,
-                                BLOCK_N)
-            p_dropped = tl.where(keep, p / (1.0 - p_drop), 0.0)
-            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+            keep = tl.trans(dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n * BLOCK_N,
+                                         p_drop, BLOCK_N))
+            pt_dropped = tl.where(keep, pt / (1.0 - p_drop), 0.0)
+            dpt = tl.where(keep, dpt / (1.0 - p_drop), 0.0)
         else:
-            p_dropped = p
-        dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+            pt_dropped = pt
+        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
     dk *= softmax_scale
     ptr_mask = n_ok[:, None]
     tl.store(DK + k_rows[:, None] * stride_dk_t + h * stride_dk_h + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -238,7 +239,7 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype):
     interpreter, so short test sequences still span several blocks. On a GPU, tiles that compile for sm_90
     without register spills under triton 3.6 and the newest triton, dropout's Philox included
     (tests/compile_sm90.py checks every one). A program owns a wide block (128 queries in "fwd" and "dq",
-    128 keys in "dkdv" up to head_dim 64) and walks the other side in narrower ones. float32 uses exact
+    128 keys in "dkdv"), the M side of its tensor-core dots, and walks the other side in narrower ones. float32 uses exact
     products on the CUDA cores, whose accumulators need much smaller tiles."""
     if INTERPRET:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
         return {"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
@@ -247,7 +248,7 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype):
     if kernel == "fwd":
         return (128, 64, 8, 3) if head_dim <= 64 else (128, 64, 8, 2)
     if kernel == "dkdv":
-        return (32, 128, 8, 2) if head_dim <= 64 else (128, 32, 8, 2)
+        return (32, 128, 8, 2) if head_dim <= 64 else (16, 128, 8, 2)
     return 128, 32, 8, 2
 
 

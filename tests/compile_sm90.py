@@ -2,7 +2,8 @@
 without a GPU, and read ptxas's register report. Run as a script (not under TRITON_INTERPRET):
 `python tests/compile_sm90.py [group ...]`; it prints one line per variant (shared memory, registers per thread,
 bytes spilled to local memory) and exits non-zero if any variant fails to compile, needs more shared memory
-than a block gets, or spills registers (see spill_limit). tests/test_compile_sm90.py runs it.
+than a block gets, spills registers (see spill_limit), or runs a half-precision dot off Hopper's wgmma
+(see needs_wgmma). tests/test_compile_sm90.py runs it.
 
 The variants are specialised as the JIT specialises them at BERT shapes: pointers 16-byte aligned, and the
 integer arguments marked "i32:16" (strides, hidden sizes) divisible by 16. Without those hints the compiler
@@ -68,13 +69,17 @@ def register_report(ptx: str):
 
 
 class Compiled:
-    def __init__(self, shared: int, registers, spilled):
+    def __init__(self, shared: int, registers, spilled, ptx: str):
         self.shared, self.registers, self.spilled = shared, registers, spilled
+        # Hopper's warpgroup tensor-core instruction, and the older per-warp one Triton falls back to when a
+        # dot's M side is too narrow for it.
+        self.wgmma, self.mma_sync = ptx.count("wgmma.mma_async"), ptx.count("mma.sync")
 
     def __str__(self):
         regs = "?" if self.registers is None else self.registers
         spilled = "?" if self.spilled is None else self.spilled
-        return f"shared memory {self.shared} B, {regs} registers, {spilled} B spilled"
+        return (f"shared memory {self.shared} B, {regs} registers, {spilled} B spilled, "
+                f"{self.wgmma} wgmma / {self.mma_sync} mma.sync")
 
 
 def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3) -> Compiled:
@@ -100,7 +105,12 @@ def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3) -> Comp
     shared = compiled.metadata.shared
     if shared > MAX_SHARED:  # would fail at launch with "out of resource: shared memory"
         raise RuntimeError(f"needs {shared} bytes of shared memory; an sm_90 block gets at most {MAX_SHARED}")
-    return Compiled(shared, *register_report(compiled.asm["ptx"]))
+    return Compiled(shared, *register_report(compiled.asm["ptx"]), compiled.asm["ptx"])
+
+
+def needs_wgmma(name: str) -> bool:
+    """Half-precision attention and MLM-loss kernels: every dot on wgmma, none on the slower mma.sync."""
+    return name.startswith(("attention", "mlm_loss")) and "float32" not in name and "preprocess" not in name
 
 
 def spill_limit(name: str) -> int:
@@ -212,6 +222,8 @@ def main() -> int:
                 result = compile_variant(fn, args, *launch)
                 if result.spilled and result.spilled > spill_limit(name):
                     raise RuntimeError(f"spills registers ({result})")
+                if needs_wgmma(name) and (result.mma_sync or not result.wgmma):
+                    raise RuntimeError(f"has dots off wgmma ({result})")
                 print(f"ok   {name} ({result})", flush=True)
             except Exception:
                 failures += 1
