@@ -73,6 +73,28 @@ def test_task_models_fused_match_original(name):
         assert rel_err(lb[mask.bool()], la[mask.bool()]) <= TOL
 
 
+def test_fused_pretraining_model_under_float16_autocast_matches_original():
+    """Mixed precision as users train: autocast hands the fused layers half-precision activations next to
+    float32 weights (CPU autocast, float16; the interpreter's bfloat16 dots are wrong, bfloat16 is a GPU test)."""
+    torch.manual_seed(0)
+    ref = transformers.BertForPreTraining(transformers.BertConfig(**TINY)).eval()
+    fused = fuse_hf_bert(copy.deepcopy(ref))
+    ids, mask, tt = random_batch(99, batch=3, seqlen=17, lengths=[17, 9, 3], seed=5)
+    kw = dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 0]))
+    with torch.autocast("cpu", dtype=torch.float16):
+        a = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw)
+        b = fused(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw)
+        hidden = fused.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert hidden.dtype == torch.float16
+    assert abs(a.loss.item() - b.loss.item()) < 1e-2 * abs(a.loss.item())
+    a.loss.backward()
+    b.loss.backward()
+    ga = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
+    gb = torch.cat([p.grad.flatten() for p in fused.parameters() if p.grad is not None])
+    assert ga.shape == gb.shape
+    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.999
+
+
 def test_training_with_dropout_runs_and_updates_shared_parameters():
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(transformers.BertConfig(**dict(TINY, hidden_dropout_prob=0.1,

@@ -344,6 +344,31 @@ def test_triton_backend_matches_torch(cls):
     check_grads(tri, ref)
 
 
+def test_triton_backend_under_float16_autocast_matches_torch():
+    """Autocast as in mixed-precision training: half-precision activations meet float32 LayerNorm weights,
+    biases and the tied decoder weight in every kernel. CPU autocast gives float16 (the interpreter's bfloat16
+    dots are wrong); the bfloat16 run is a GPU test below."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    cfg = bert.BertConfig(**dict(TINY, hidden_act="gelu"))  # dropout off
+    ref = bert.BertForPreTraining(cfg.replace(backend="torch"))
+    tri = bert.BertForPreTraining(cfg.replace(backend="triton"))
+    tri.load_state_dict(ref.state_dict())
+    ids, mask, tt = random_batch(99, batch=3, seqlen=13, lengths=[13, 6, 1], seed=4)
+    kw = dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 1]))
+    with torch.autocast("cpu", dtype=torch.float16):
+        a, b = ref(ids, mask, tt, **kw), tri(ids, mask, tt, **kw)
+        assert tri.bert(ids, mask, tt).last_hidden_state.dtype == torch.float16
+    a.loss.backward()
+    b.loss.backward()
+    assert abs(a.loss.item() - b.loss.item()) < 1e-2 * abs(a.loss.item())
+    for (name, p), q in zip(ref.named_parameters(), tri.parameters()):
+        assert q.grad is not None and q.grad.dtype == torch.float32, name
+    ga = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    gb = torch.cat([p.grad.flatten() for p in tri.parameters()])
+    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.999
+
+
 @pytest.mark.gpu
 def test_gpu_triton_backend_bf16_training_step_matches_torch():
     torch.manual_seed(0)
