@@ -2,8 +2,8 @@
 without a GPU, and read ptxas's register report. Run as a script (not under TRITON_INTERPRET):
 `python tests/compile_sm90.py [group ...]`; it prints one line per variant (shared memory, registers per thread,
 bytes spilled to local memory) and exits non-zero if any variant fails to compile, needs more shared memory
-than a block gets, spills registers (see spill_limit), or runs a half-precision dot off Hopper's wgmma
-(see needs_wgmma). tests/test_compile_sm90.py runs it.
+than a block gets, spills registers (see spill_limit), runs a half-precision dot off Hopper's wgmma
+(see needs_wgmma), or moves half-precision elements of a memory-bound kernel one at a time (see needs_vectors). tests/test_compile_sm90.py runs it.
 
 The variants are specialised as the JIT specialises them at BERT shapes: pointers 16-byte aligned, and the
 integer arguments marked "i32:16" (strides, hidden sizes) divisible by 16. Without those hints the compiler
@@ -74,12 +74,15 @@ class Compiled:
         # Hopper's warpgroup tensor-core instruction, and the older per-warp one Triton falls back to when a
         # dot's M side is too narrow for it.
         self.wgmma, self.mma_sync = ptx.count("wgmma.mma_async"), ptx.count("mma.sync")
+        # Global loads and stores of one 16-bit element each: half-precision tensors moved without vectors.
+        accesses = re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*", ptx)
+        self.scalar16 = sum(1 for a in accesses if a.endswith("16") and ".v" not in a)
 
     def __str__(self):
         regs = "?" if self.registers is None else self.registers
         spilled = "?" if self.spilled is None else self.spilled
         return (f"shared memory {self.shared} B, {regs} registers, {spilled} B spilled, "
-                f"{self.wgmma} wgmma / {self.mma_sync} mma.sync")
+                f"{self.wgmma} wgmma / {self.mma_sync} mma.sync, {self.scalar16} scalar 16-bit accesses")
 
 
 def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3) -> Compiled:
@@ -111,6 +114,12 @@ def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3) -> Comp
 def needs_wgmma(name: str) -> bool:
     """Half-precision attention and MLM-loss kernels: every dot on wgmma, none on the slower mma.sync."""
     return name.startswith(("attention", "mlm_loss")) and "float32" not in name and "preprocess" not in name
+
+
+def needs_vectors(name: str) -> bool:
+    """Half-precision LayerNorm and bias-GeLU, bound by memory: every global access of their tensors in vectors
+    of 16 bytes, none element by element."""
+    return name.startswith(("layer_norm", "bias_gelu")) and "float32" not in name
 
 
 def spill_limit(name: str) -> int:
@@ -224,6 +233,8 @@ def main() -> int:
                     raise RuntimeError(f"spills registers ({result})")
                 if needs_wgmma(name) and (result.mma_sync or not result.wgmma):
                     raise RuntimeError(f"has dots off wgmma ({result})")
+                if needs_vectors(name) and result.scalar16:
+                    raise RuntimeError(f"moves half-precision elements one by one ({result})")
                 print(f"ok   {name} ({result})", flush=True)
             except Exception:
                 failures += 1
