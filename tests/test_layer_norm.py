@@ -99,6 +99,12 @@ def test_dropout_against_reference_with_kernel_mask(device, dtype):
     run_case((6, 200), dtype, device, with_residual=True, p=0.3, seed=1234)
 
 
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_dropout_on_widths_that_are_not_multiples_of_eight(device, n):
+    """Random bits come in groups of 8 columns; rows of other widths are padded in offset space only."""
+    run_case((9, n), torch.float32, device, with_residual=True, p=0.3, seed=77)
+
+
 def test_dropout_keep_rate_and_determinism(device):
     m, n, p = 64, 1000, 0.1
     keep = dropout_mask(7, m, n, p, device)
