@@ -239,8 +239,8 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype):
     interpreter, so short test sequences still span several blocks. On a GPU, tiles that compile for sm_90
     without register spills under triton 3.6 and the newest triton, dropout's Philox included
     (tests/compile_sm90.py checks every one). A program owns a wide block (128 queries in "fwd" and "dq",
-    128 keys in "dkdv"), the M side of its tensor-core dots, and walks the other side in narrower ones. float32 uses exact
-    products on the CUDA cores, whose accumulators need much smaller tiles."""
+    128 keys in "dkdv"), the M side of its tensor-core dots, and walks the other side in narrower ones.
+    float32 uses exact products on the CUDA cores, whose accumulators need much smaller tiles."""
     if INTERPRET:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
         return {"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
     if dtype == torch.float32:

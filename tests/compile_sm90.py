@@ -3,7 +3,8 @@ without a GPU, and read ptxas's register report. Run as a script (not under TRIT
 `python tests/compile_sm90.py [group ...]`; it prints one line per variant (shared memory, registers per thread,
 bytes spilled to local memory) and exits non-zero if any variant fails to compile, needs more shared memory
 than a block gets, spills registers (see spill_limit), runs a half-precision dot off Hopper's wgmma
-(see needs_wgmma), or moves half-precision elements of a memory-bound kernel one at a time (see needs_vectors). tests/test_compile_sm90.py runs it.
+(see needs_wgmma), or moves half-precision elements of a memory-bound kernel one at a time (see
+needs_vectors). tests/test_compile_sm90.py runs it.
 
 The variants are specialised as the JIT specialises them at BERT shapes: pointers 16-byte aligned, and the
 integer arguments marked "i32:16" (strides, hidden sizes) divisible by 16. Without those hints the compiler
@@ -158,8 +159,8 @@ def bias_gelu_variants():
             yield (f"bias_gelu fwd {dtype} tanh={tanh}", bg._bias_gelu_fwd_kernel,
                    dict(common, Y=dtype, stride_y_m="i32:16"), 8)
             yield (f"bias_gelu bwd {dtype} tanh={tanh}", bg._bias_gelu_bwd_kernel,
-                   dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32, stride_dy_m="i32:16", stride_dx_m="i32:16",
-                        rows_per_program="i32"), 8)
+                   dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32, stride_dy_m="i32:16",
+                        stride_dx_m="i32:16", rows_per_program="i32"), 8)
 
 
 def attention_variants():
