@@ -87,19 +87,20 @@ def _keep16(r, HIGH: tl.constexpr, threshold):
 
 
 @triton.jit
-def dropout_keep(seed, row_start, col_start, p, BLOCK_N: tl.constexpr):
-    """Keep-mask [R, BLOCK_N] of the elements at flat offsets row_start + col_start + j, j < BLOCK_N, where
-    row_start is int64 [R, 1]; row_start, col_start and BLOCK_N are multiples of 8. A kernel's forward, its
-    backward and `keep_mask` call this with the same offsets and so agree bit for bit; no mask is stored.
+def dropout_keep(seed, rows, n_cols, col_start, p, BLOCK_N: tl.constexpr):
+    """Keep-mask [R, BLOCK_N] of elements (row, col_start + j), j < BLOCK_N, of a logical [rows, n_cols] mask;
+    rows is int64 [R, 1], col_start and BLOCK_N are multiples of 8. A kernel's forward, its backward and
+    `keep_mask` call this with the same coordinates and so agree bit for bit; no mask is stored.
 
-    One Philox-4x32-10 call per group of 8 consecutive offsets: group g = offset // 8 yields words r0..r3, cut
-    into sixteen-bit numbers u_0..u_7 = r0 low, r0 high, r1 low, ..., r3 high, and element 8g + s is kept when
-    u_s >= round(p * 2^16). So p acts quantised to 2^-16 (the kernels still scale by 1 / (1 - p); the kept
-    fraction differs from 1 - p by at most 2^-17). Eight decisions per call rather than one (tl.rand) matter
-    on a GPU: the ~10 rounds of 32-bit multiplies per call would otherwise cost more than LayerNorm's memory
-    traffic, or than attention's tensor-core work per score."""
+    Element (r, c) has Philox offset r * n8 + c, n8 = n_cols rounded up to a multiple of 8, so that every group
+    of 8 offsets lies within one row. One Philox-4x32-10 call per group: group g = offset // 8 yields words
+    r0..r3, cut into sixteen-bit numbers u_0..u_7 = r0 low, r0 high, r1 low, ..., r3 high, and element 8g + s
+    is kept when u_s >= round(p * 2^16). So p acts quantised to 2^-16 (the kernels still scale by 1 / (1 - p);
+    the kept fraction differs from 1 - p by at most 2^-17). Eight decisions per call rather than one (tl.rand)
+    matter on a GPU: the ~10 rounds of 32-bit multiplies per call would otherwise cost more than LayerNorm's
+    memory traffic, or than attention's tensor-core work per score."""
     threshold = tl.cast(p * 65536.0 + 0.5, tl.int32)
-    groups = row_start // 8 + (col_start // 8 + tl.arange(0, BLOCK_N // 8))[None, :]
+    groups = rows * ((n_cols + 7) // 8) + (col_start // 8 + tl.arange(0, BLOCK_N // 8))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, groups)
     # Three rounds of interleaving put input t at lane bitreverse3(t), so the inputs go in bit-reversed order
     # (u0, u4, u2, u6, u1, u5, u3, u7) and lane s ends up holding u_s.
@@ -111,29 +112,22 @@ def dropout_keep(seed, row_start, col_start, p, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _dropout_mask_kernel(Out, n_rows, row_stride, p, seed, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_mask_kernel(Out, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_start = rows.to(tl.int64)[:, None] * row_stride
-    for c0 in range(0, row_stride, BLOCK_N):
+    rows64 = rows.to(tl.int64)[:, None]
+    for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(seed, row_start, c0, p, BLOCK_N)
-        tl.store(Out + row_start + cols[None, :], keep.to(tl.int8),
-                 mask=(rows[:, None] < n_rows) & (cols[None, :] < row_stride))
-
-
-def mask_row_stride(n_cols: int) -> int:
-    """Row stride of the Philox offsets of an [n_rows, n_cols] mask: n_cols rounded up to the group of 8."""
-    return (n_cols + 7) // 8 * 8
+        keep = dropout_keep(seed, rows64, n_cols, c0, p, BLOCK_N)
+        tl.store(Out + rows64 * n_cols + cols[None, :], keep.to(tl.int8),
+                 mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
 
 def keep_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
-    """The bool [n_rows, n_cols] keep-mask `dropout_keep` gives element (i, j) at offset
-    i * mask_row_stride(n_cols) + j; kernels index their elements so that this is the mask they applied.
-    For tests."""
-    stride = mask_row_stride(n_cols)
-    out = torch.empty((n_rows, stride), dtype=torch.int8, device=device)
+    """The bool [n_rows, n_cols] keep-mask `dropout_keep` gives a logical [n_rows, n_cols] mask; kernels
+    address their elements so that this is the mask they applied. For tests."""
+    out = torch.empty((n_rows, n_cols), dtype=torch.int8, device=device)
     if n_rows and n_cols:
-        block_n = min(1024, triton.next_power_of_2(stride))
-        _dropout_mask_kernel[(triton.cdiv(n_rows, 16),)](out, n_rows, stride, float(p), seed,
+        block_n = max(8, min(1024, triton.next_power_of_2(n_cols)))
+        _dropout_mask_kernel[(triton.cdiv(n_rows, 16),)](out, n_rows, n_cols, float(p), seed,
                                                           BLOCK_R=16, BLOCK_N=block_n)
-    return out[:, :n_cols].bool()
+    return out.bool()

@@ -56,10 +56,24 @@ def _tile_t(Ptr, rows, ok, stride_t, head_offset, offs_d):
 
 
 @triton.jit
-def _mask_row(h, total_tokens, q_rows, max_seqlen):
-    """Philox row offsets [BLOCK_M, 1] of the dropout mask: query token t of head h owns row h * T + t, with
-    its sequence's keys in order along it; rows are max_seqlen, rounded up to 8, apart."""
-    return ((h * total_tokens + q_rows) * ((max_seqlen + 7) // 8 * 8))[:, None]
+def _store_tile(Ptr, rows, ok, stride_t, head_offset, offs_d, value):
+    """Writes `value` (float32) as the [rows, head_dim] tile of one head of a [T, H, D] tensor where `ok`."""
+    tl.store(Ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :], value.to(Ptr.dtype.element_ty),
+             mask=ok[:, None])
+
+
+@triton.jit
+def _row_stats(LSE, Delta, h, total_tokens, q_rows, ok):
+    """The backward's per-query statistics of head h: (log2-sum-exp2, delta), each [rows] float32."""
+    lse = tl.load(LSE + h * total_tokens + q_rows, mask=ok, other=0.0)
+    return lse, tl.load(Delta + h * total_tokens + q_rows, mask=ok, other=0.0)
+
+
+@triton.jit
+def _mask_rows(h, total_tokens, q_rows):
+    """Rows [BLOCK_M, 1] of the logical [H * T, max_seqlen] dropout mask: query token t of head h owns row
+    h * T + t, with its sequence's keys in order along it."""
+    return (h * total_tokens + q_rows)[:, None]
 
 
 @triton.jit
@@ -103,7 +117,8 @@ def _attention_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n, p_drop, BLOCK_N)
+            keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop,
+                                BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -111,8 +126,7 @@ def _attention_fwd_kernel(
     out = acc / l_i[:, None]
     if HAS_DROPOUT:
         out = out / (1.0 - p_drop)
-    tl.store(O + q_rows[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=m_ok[:, None])
+    _store_tile(O, q_rows, m_ok, stride_o_t, h * stride_o_h, offs_d, out)
     tl.store(LSE + h * total_tokens + q_rows, m_i + tl.math.log2(l_i), mask=m_ok)
 
 
@@ -166,14 +180,13 @@ def _attention_bwd_dkdv_kernel(
         q_rows = (seq_start + m).to(tl.int64)
         qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
         do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
-        lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
-        delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
+        lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
         pt = tl.math.exp2(_scores(k, qt, qk_scale, DOT_PRECISION) - lse[None, :])
         pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = tl.trans(dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n * BLOCK_N,
-                                         p_drop, BLOCK_N))
+            keep = tl.trans(dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen,
+                                         start_n * BLOCK_N, p_drop, BLOCK_N))
             pt_dropped = tl.where(keep, pt / (1.0 - p_drop), 0.0)
             dpt = tl.where(keep, dpt / (1.0 - p_drop), 0.0)
         else:
@@ -182,11 +195,8 @@ def _attention_bwd_dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
     dk *= softmax_scale
-    ptr_mask = n_ok[:, None]
-    tl.store(DK + k_rows[:, None] * stride_dk_t + h * stride_dk_h + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=ptr_mask)
-    tl.store(DV + k_rows[:, None] * stride_dv_t + h * stride_dv_h + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=ptr_mask)
+    _store_tile(DK, k_rows, n_ok, stride_dk_t, h * stride_dk_h, offs_d, dk)
+    _store_tile(DV, k_rows, n_ok, stride_dv_t, h * stride_dv_h, offs_d, dv)
 
 
 @triton.jit
@@ -212,8 +222,7 @@ def _attention_bwd_dq_kernel(
     q_rows = (seq_start + offs_m).to(tl.int64)
     q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
     do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
-    lse = tl.load(LSE + h * total_tokens + q_rows, mask=m_ok, other=0.0)
-    delta = tl.load(Delta + h * total_tokens + q_rows, mask=m_ok, other=0.0)
+    lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         n = start_n + offs_n
@@ -225,13 +234,13 @@ def _attention_bwd_dq_kernel(
         p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, _mask_row(h, total_tokens, q_rows, max_seqlen), start_n, p_drop, BLOCK_N)
+            keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop,
+                                BLOCK_N)
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
     dq *= softmax_scale
-    tl.store(DQ + q_rows[:, None] * stride_dq_t + h * stride_dq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=m_ok[:, None])
+    _store_tile(DQ, q_rows, m_ok, stride_dq_t, h * stride_dq_h, offs_d, dq)
 
 
 def _config(kernel: str, head_dim: int, dtype: torch.dtype):
@@ -395,4 +404,5 @@ def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int
     """The keep-mask varlen_attention applies for this seed: bool [heads, total_tokens, max_seqlen], where entry
     (h, t, j) belongs to query token t and the j-th key of t's sequence. For tests."""
     total = int(cu_seqlens[-1])
-    return keep_mask(seed, heads * total, max_seqlen, dropout_p, cu_seqlens.device).reshape(heads, total, max_seqlen)
+    keep = keep_mask(seed, heads * total, max_seqlen, dropout_p, cu_seqlens.device)
+    return keep.view(heads, total, max_seqlen)

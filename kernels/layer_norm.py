@@ -31,12 +31,11 @@ MAX_N = 16384
 def _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed,
                  HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """s = dropout(x) + residual for a [rows, cols] tile, in float32, and the keep mask (all True without
-    dropout). Element (row, col) draws Philox offset row * N8 + col (N8: N rounded up to 8), in the forward
-    and the backward alike."""
+    dropout). The mask is the logical [M, N] one of `dropout_keep`, in the forward and the backward alike."""
     s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, rows64 * ((N + 7) // 8 * 8), 0, p, BLOCK_N)
+        keep = dropout_keep(seed, rows64, N, 0, p, BLOCK_N)
         s = tl.where(keep, s / (1.0 - p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)

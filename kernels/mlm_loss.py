@@ -44,6 +44,24 @@ class MLMLossOutput(NamedTuple):
 
 
 @triton.jit
+def _block_ptrs(Ptr, rows, row_ok, stride, cols, col_ok):
+    """Pointers and mask of the [rows, cols] block of a row-major matrix (unit stride along cols)."""
+    return Ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _load_block(Ptr, rows, row_ok, stride, cols, col_ok):
+    ptrs, mask = _block_ptrs(Ptr, rows, row_ok, stride, cols, col_ok)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_block(Ptr, rows, row_ok, stride, cols, col_ok, value):
+    ptrs, mask = _block_ptrs(Ptr, rows, row_ok, stride, cols, col_ok)
+    tl.store(ptrs, value.to(Ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _logit_tile(Hid, W, B, rows64, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
@@ -53,8 +71,7 @@ def _logit_tile(Hid, W, B, rows64, row_ok, vocab, v_ok, stride_h_n, stride_w_v, 
     for k in range(0, H, BLOCK_H):
         cols = k + tl.arange(0, BLOCK_H)
         col_ok = cols < H
-        h = tl.load(Hid + rows64[:, None] * stride_h_n + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        h = _load_block(Hid, rows64, row_ok, stride_h_n, cols, col_ok)
         wt = tl.load(W + vocab64[None, :] * stride_w_v + cols[:, None], mask=v_ok[None, :] & col_ok[:, None],
                      other=0.0)
         acc = tl.dot(h, wt, acc, input_precision=DOT_PRECISION)
@@ -146,11 +163,9 @@ def _mlm_loss_bwd_dhidden_kernel(
         v_ok = vocab < V
         dz = _dlogit_tile(Hid, W, B, Labels, Lse, G, rows, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
                           HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
-        w = tl.load(W + vocab.to(tl.int64)[:, None] * stride_w_v + out_cols[None, :],
-                    mask=v_ok[:, None] & out_ok[None, :], other=0.0)
+        w = _load_block(W, vocab, v_ok, stride_w_v, out_cols, out_ok)
         acc = tl.dot(dz.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
-    tl.store(DHid + rows.to(tl.int64)[:, None] * stride_dh_n + out_cols[None, :], acc.to(DHid.dtype.element_ty),
-             mask=row_ok[:, None] & out_ok[None, :])
+    _store_block(DHid, rows, row_ok, stride_dh_n, out_cols, out_ok, acc)
 
 
 @triton.jit
@@ -173,12 +188,10 @@ def _mlm_loss_bwd_dweight_kernel(
         row_ok = rows < N
         dz = _dlogit_tile(Hid, W, B, Labels, Lse, G, rows, row_ok, vocab, v_ok, stride_h_n, stride_w_v, H,
                           HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_H, DOT_PRECISION)
-        h = tl.load(Hid + rows.to(tl.int64)[:, None] * stride_h_n + out_cols[None, :],
-                    mask=row_ok[:, None] & out_ok[None, :], other=0.0)
+        h = _load_block(Hid, rows, row_ok, stride_h_n, out_cols, out_ok)
         acc = tl.dot(tl.trans(dz.to(h.dtype)), h, acc, input_precision=DOT_PRECISION)
         db += tl.sum(dz, axis=0)
-    tl.store(DW + vocab.to(tl.int64)[:, None] * stride_dw_v + out_cols[None, :], acc.to(DW.dtype.element_ty),
-             mask=v_ok[:, None] & out_ok[None, :])
+    _store_block(DW, vocab, v_ok, stride_dw_v, out_cols, out_ok, acc)
     if tl.program_id(1) == 0:
         tl.store(DB + vocab, db, mask=v_ok)
 
