@@ -44,6 +44,14 @@ def _sequence(CuSeqlens, b):
 
 
 @triton.jit
+def _span(seq_start, seq_len, start, BLOCK: tl.constexpr):
+    """Positions start .. start + BLOCK - 1 of a sequence: (whether each lies inside it, its packed token row
+    as int64)."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs < seq_len, (seq_start + offs).to(tl.int64)
+
+
+@triton.jit
 def _tile(Ptr, rows, ok, stride_t, head_offset, offs_d):
     """The [rows, head_dim] tile of one head of a [T, H, D] tensor; zeros where `ok` is False."""
     return tl.load(Ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -96,20 +104,15 @@ def _attention_fwd_kernel(
     seq_start, seq_len = _sequence(CuSeqlens, b)
     if start_m * BLOCK_M >= seq_len:
         return
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
-    q_rows = (seq_start + offs_m).to(tl.int64)
+    m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
     q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
-        n = start_n + offs_n
-        n_ok = n < seq_len
-        k_rows = (seq_start + n).to(tl.int64)
+        n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
         s = tl.where(n_ok[None, :], _scores(q, kt, qk_scale, DOT_PRECISION), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -163,11 +166,8 @@ def _attention_bwd_dkdv_kernel(
     seq_start, seq_len = _sequence(CuSeqlens, b)
     if start_n * BLOCK_N >= seq_len:
         return
-    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < seq_len
-    k_rows = (seq_start + offs_n).to(tl.int64)
+    n_ok, k_rows = _span(seq_start, seq_len, start_n * BLOCK_N, BLOCK_N)
     # Tiles transposed to [keys, queries], so that the owned key block is the M side of every dot (tensor-core
     # instructions want M >= 64; the walked query block is narrower): S^T = K Q^T, dP^T = V dO^T.
     k = _tile(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
@@ -175,9 +175,7 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
-        m = start_m + offs_m
-        m_ok = m < seq_len
-        q_rows = (seq_start + m).to(tl.int64)
+        m_ok, q_rows = _span(seq_start, seq_len, start_m, BLOCK_M)
         qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
         do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
         lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
@@ -215,19 +213,14 @@ def _attention_bwd_dq_kernel(
     seq_start, seq_len = _sequence(CuSeqlens, b)
     if start_m * BLOCK_M >= seq_len:
         return
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
-    q_rows = (seq_start + offs_m).to(tl.int64)
+    m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
     q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
     do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
     lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
-        n = start_n + offs_n
-        n_ok = n < seq_len
-        k_rows = (seq_start + n).to(tl.int64)
+        n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
         vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
         p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
