@@ -38,7 +38,7 @@ def make_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: 
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(seq_len)[None]
     mask = (pos < lengths[:, None]).long()
-    ids = torch.randint(1000, vocab, (batch, seq_len), generator=g) * mask
+    ids = torch.randint(min(1000, vocab // 2), vocab, (batch, seq_len), generator=g) * mask  # no special ids
     ids[:, 0] = 101
     ids[torch.arange(batch), lengths - 1] = 102
     token_type = ((pos >= (lengths[:, None] // 2)) & mask.bool()).long()

@@ -24,6 +24,7 @@ block (dQ): no atomics, deterministic results.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dot_precision, dropout_keep, keep_mask, new_seed,
                       unit_stride)
+from . import tuned
 
 HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
@@ -236,22 +238,36 @@ def _attention_bwd_dq_kernel(
     _store_tile(DQ, q_rows, m_ok, stride_dq_t, h * stride_dq_h, offs_d, dq)
 
 
-def _config(kernel: str, head_dim: int, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel "fwd", "dkdv" or "dq". Small tiles in the
-    interpreter, so short test sequences still span several blocks. On a GPU, tiles that compile for sm_90
-    without register spills under triton 3.6 and the newest triton, dropout's Philox included
-    (tests/compile_sm90.py checks every one). A program owns a wide block (128 queries in "fwd" and "dq",
-    128 keys in "dkdv"), the M side of its tensor-core dots, and walks the other side in narrower ones.
-    float32 uses exact products on the CUDA cores, whose accumulators need much smaller tiles."""
+class _Launch(NamedTuple):
+    BLOCK_M: int      # query rows of a tile
+    BLOCK_N: int      # key rows of a tile
+    num_warps: int
+    num_stages: int
+
+
+def _default_config(kernel: str, head_dim: int, dtype: torch.dtype) -> _Launch:
+    """The built-in config of kernel "fwd", "dkdv" or "dq". Small tiles in the interpreter, so short test
+    sequences still span several blocks. On a GPU, tiles that compile for sm_90 without register spills under
+    triton 3.6 and the newest triton, dropout's Philox included (tests/compile_sm90.py checks every one). A
+    program owns a wide block (128 queries in "fwd" and "dq", 128 keys in "dkdv"), the M side of its tensor-core
+    dots, and walks the other side in narrower ones. float32 uses exact products on the CUDA cores, whose
+    accumulators need much smaller tiles."""
     if INTERPRET:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
-        return {"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel]
+        return _Launch(*{"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel])
     if dtype == torch.float32:
-        return 16, 16, 4, 1
+        return _Launch(16, 16, 4, 1)
     if kernel == "fwd":
-        return (128, 64, 8, 3) if head_dim <= 64 else (128, 64, 8, 2)
+        return _Launch(128, 64, 8, 3) if head_dim <= 64 else _Launch(128, 64, 8, 2)
     if kernel == "dkdv":
-        return (32, 128, 8, 2) if head_dim <= 64 else (16, 128, 8, 2)
-    return 128, 32, 8, 2
+        return _Launch(32, 128, 8, 2) if head_dim <= 64 else _Launch(16, 128, 8, 2)
+    return _Launch(128, 32, 8, 2)
+
+
+def _config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device, max_seqlen: int) -> _Launch:
+    """The launch config: this GPU's measured one (kernels/tuned.py) where the table has it, else the default.
+    Dropout draws its bits in groups of 8 keys, so every block is at least 16 wide."""
+    return tuned.pick(f"attention.{kernel}", _default_config(kernel, head_dim, dtype), device, dtype, head_dim,
+                      max_seqlen)
 
 
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
@@ -298,7 +314,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         batch = cu_seqlens.numel() - 1
         o = torch.empty_like(q)
         lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        block_m, block_n, warps, stages = _config("fwd", dim, q.dtype)
+        block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, q.device, max_seqlen)
         if total and batch and max_seqlen:
             _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
                 q, k, v, o, lse, cu_seqlens,
@@ -325,7 +341,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         flags = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=dim)
 
         def launch(kernel: str):
-            block_m, block_n, warps, stages = _config(kernel, dim, q.dtype)
+            block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, q.device, ctx.max_seqlen)
             owned = block_n if kernel == "dkdv" else block_m
             grid = (triton.cdiv(ctx.max_seqlen, owned), batch, heads)
             return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)

@@ -11,6 +11,7 @@ rows into a [programs, N] float32 buffer, then reduced once.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from . import tuned
 from ._common import as_rows, check_device, check_float, row_bands
 
 APPROXIMATIONS = ("none", "tanh")
@@ -98,9 +100,17 @@ def _bias_gelu_bwd_kernel(
     tl.store(DB_partial + pid * N + cols, db, mask=col_ok)
 
 
-def _block_sizes(n: int) -> tuple[int, int]:
+class _Launch(NamedTuple):
+    BLOCK_M: int     # rows per program (forward) or per loop step (backward)
+    BLOCK_N: int     # columns per program
+    num_warps: int
+
+
+def _config(kernel: str, x: torch.Tensor, n: int) -> _Launch:
+    """This GPU's measured config for kernel "fwd" or "bwd" (kernels/tuned.py), else the default: tiles of
+    4,096 elements, up to 1,024 columns wide."""
     block_n = min(1024, triton.next_power_of_2(n))
-    return max(1, 4096 // block_n), block_n
+    return tuned.pick(f"bias_gelu.{kernel}", _Launch(max(1, 4096 // block_n), block_n, 8), x.device, x.dtype, n)
 
 
 class BiasGeluFunction(torch.autograd.Function):
@@ -110,11 +120,11 @@ class BiasGeluFunction(torch.autograd.Function):
         x2 = as_rows(x)
         m = x2.shape[0]
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        block_m, block_n = _block_sizes(n)
+        block_m, block_n, num_warps = _config("fwd", x2, n)
         if m:
             _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
                 x2, bias, y, x2.stride(0), y.stride(0), m, n,
-                APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+                APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
         ctx.save_for_backward(x2, bias)
         ctx.approximate, ctx.shape = approximate, shape
         return y.view(shape)
@@ -125,13 +135,13 @@ class BiasGeluFunction(torch.autograd.Function):
         m, n = x2.shape
         dy2 = as_rows(dy)
         dx = torch.empty_like(x2)
-        block_m, block_n = _block_sizes(n)
+        block_m, block_n, num_warps = _config("bwd", x2, n)
         programs, rows_per_program = row_bands(x2.device, m, block_m)
         db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
         if m:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(n, block_n))](
                 x2, bias, dy2, dx, db_partial, x2.stride(0), dy2.stride(0), dx.stride(0), m, n, rows_per_program,
-                APPROX_TANH=ctx.approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+                APPROX_TANH=ctx.approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
         db = db_partial.sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), db, None
 

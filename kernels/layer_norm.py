@@ -17,11 +17,14 @@ no contention.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
+from . import tuned
 from ._common import as_rows, check_device, check_float, dropout_keep, keep_mask, new_seed, row_bands
 
 MAX_N = 16384
@@ -124,11 +127,19 @@ def _layer_norm_bwd_kernel(
     tl.store(DB_partial + pid * N + cols, db, mask=col_ok)
 
 
-def _block_sizes(n: int) -> tuple[int, int, int]:
+class _Launch(NamedTuple):
+    BLOCK_M: int     # rows per program (forward) or per loop step (backward)
+    BLOCK_N: int     # the whole row, a power of two: fixed by N, never tuned
+    num_warps: int
+
+
+def _config(kernel: str, x: torch.Tensor, n: int) -> _Launch:
+    """This GPU's measured config for kernel "fwd" or "bwd" (kernels/tuned.py), else the default: a few rows
+    per program when rows are short, more warps for wide rows."""
     block_n = max(8, triton.next_power_of_2(n))      # dropout draws its random bits in groups of 8 columns
-    block_m = max(1, min(16, 4096 // block_n))   # a few rows per program when rows are short
-    num_warps = min(16, max(4, block_m * block_n // 1024))
-    return block_m, block_n, num_warps
+    block_m = max(1, min(16, 4096 // block_n))
+    default = _Launch(block_m, block_n, min(16, max(4, block_m * block_n // 1024)))
+    return tuned.pick(f"layer_norm.{kernel}", default, x.device, x.dtype, n, tunable=("BLOCK_M", "num_warps"))
 
 
 def _check(x, weight, bias, residual, p):
@@ -161,7 +172,7 @@ class LayerNormFunction(torch.autograd.Function):
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        block_m, block_n, num_warps = _block_sizes(n)
+        block_m, block_n, num_warps = _config("fwd", x2, n)
         if m:
             _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
                 x2, r2, weight, bias, y, mean, rstd,
@@ -181,7 +192,7 @@ class LayerNormFunction(torch.autograd.Function):
         dy2 = as_rows(dy)
         dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
         dr = torch.empty((m, n), dtype=ctx.residual_dtype, device=x2.device) if r2 is not None else None
-        block_m, block_n, num_warps = _block_sizes(n)
+        block_m, block_n, num_warps = _config("bwd", x2, n)
         programs, rows_per_program = row_bands(x2.device, m, block_m)
         dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
         db_partial = torch.zeros_like(dw_partial)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuned
 from ._common import INTERPRET, check_device, check_float, dot_precision, programs_wanted, unit_stride
 
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
@@ -220,6 +221,12 @@ def _tiles(kernel: str, h: int, dtype: torch.dtype) -> _Tiles:
             "dweight": _Tiles(64, 64, 64, block_ho, 8, 3)}[kernel]
 
 
+def _config(kernel: str, hidden: torch.Tensor) -> _Tiles:
+    """This GPU's measured tiles for `kernel` (kernels/tuned.py), else the defaults of `_tiles`."""
+    h = hidden.shape[1]
+    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, hidden.dtype), hidden.device, hidden.dtype, h)
+
+
 def _vocab_splits(device, n_row_blocks: int, vocab: int, block_v: int) -> tuple[int, int]:
     """(splits, vocabulary entries per split, a multiple of block_v) for the forward: with few labelled rows
     the row blocks alone leave SMs idle (4,915 rows at BERT pre-training shapes are 77 blocks of 64 for 132
@@ -237,7 +244,7 @@ class MaskedLMLossFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels):
         n, h = hidden.shape
         v = weight.shape[0]
-        t = _tiles("fwd", h, hidden.dtype)
+        t = _config("fwd", hidden)
         row_blocks = triton.cdiv(n, t.BLOCK_M)
         splits, per_split = _vocab_splits(hidden.device, row_blocks, v, t.BLOCK_V)
         lse_parts, target_parts, best_parts = (torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
@@ -271,12 +278,12 @@ class MaskedLMLossFunction(torch.autograd.Function):
         dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
         common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype))
         if n and ctx.needs_input_grad[0]:
-            t = _tiles("dhidden", h, hidden.dtype)
+            t = _config("dhidden", hidden)
             _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, t.BLOCK_M), triton.cdiv(h, t.BLOCK_HO))](
                 hidden, weight, bias, labels, lse, g, dhidden, hidden.stride(0), weight.stride(0),
                 dhidden.stride(0), n, v, h, **common, **t._asdict())
         if n and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            t = _tiles("dweight", h, hidden.dtype)
+            t = _config("dweight", hidden)
             _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, t.BLOCK_V), triton.cdiv(h, t.BLOCK_HO))](
                 hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
                 dweight.stride(0), n, v, h, **common, **t._asdict())

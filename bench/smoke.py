@@ -1,0 +1,300 @@
+"""`python -m bench.smoke`: every kernel forward and backward once, and one BERT training step on the triton
+backend against the torch backend; one `PASS`/`FAIL name: max error, tolerance` line per check.
+
+On a GPU the checks run at one BERT-base shape (16 sequences of Wikipedia lengths up to 128, hidden 768,
+12 heads of 64, intermediate 3072, vocabulary 30,522) in bfloat16 and float16, each check in its own worker
+process (`--jobs`), so the kernels compile on all cores at once and fill Triton's on-disk cache for the later
+stages. On a CPU the same checks run at small shapes in Triton's interpreter, in float32 and float16 (the
+interpreter computes bfloat16 dots wrongly), so CI runs them too.
+
+Each kernel check compares the kernel's outputs and the gradient of every input with a plain PyTorch reference
+run in float64 on the same rounded inputs (with the kernel's own dropout mask): the error, max |ours - ref|
+over max(|ref|, 1), must stay within twice PyTorch's own error in the same dtype plus one rounding unit
+(float32: 1e-5). The model check compares the loss and all parameter gradients (relative norm error) of the
+triton backend with the torch backend in float32, against twice the torch backend's own error at that
+precision (float32: 1e-4). The exit status is 1 if any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import sys
+import traceback
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Shapes(NamedTuple):
+    lengths: tuple        # sequence lengths (the token count is their sum)
+    heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    config: str           # bert.BertConfig preset of the model check
+    batch: int            # model check: sequences of up to seq_len tokens
+    seq_len: int
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+
+GPU = Shapes((128, 97, 64, 128, 31, 1, 110, 128, 76, 128, 55, 128, 9, 120, 128, 88), 12, 64, 3072, 30522, "base",
+             16, 128)
+CPU = Shapes((37, 0, 1, 16, 50), 2, 32, 96, 300, "tiny", 4, 32)
+
+
+class Result(NamedTuple):
+    name: str
+    dtype: str
+    passed: bool
+    error: float
+    tolerance: float
+    worst: str           # the output whose error is shown
+    detail: str = ""
+
+    def line(self) -> str:
+        head = f"{'PASS' if self.passed else 'FAIL'} {self.name} {self.dtype}"
+        if self.detail and not math.isfinite(self.error):
+            return f"{head}: {self.detail.splitlines()[0]}"
+        return f"{head}: max error {self.error:.3g} ({self.worst}), tolerance {self.tolerance:.3g}"
+
+
+def _errors(ours, ref64, same, dtype) -> tuple[float, float]:
+    """(our error, tolerance) at the reference's scale (at least 1: inputs are O(1))."""
+    ref = ref64.double()
+    if not ref.numel():
+        return 0.0, 0.0
+    scale = max(ref.abs().max().item(), 1.0)
+    if not torch.isfinite(ours).all():
+        return float("inf"), 0.0
+    err = (ours.double() - ref).abs().max().item() / scale
+    if dtype == torch.float32:
+        return err, 1e-5
+    base = (same.double() - ref).abs().max().item() / scale
+    return err, 2 * base + torch.finfo(dtype).eps
+
+
+def compare(name, dtype, inputs, ours_fn, ref_fn, names) -> Result:
+    """Run ours_fn and ref_fn (float64 and dtype) on the same rounded inputs; compare outputs and gradients."""
+    g = torch.Generator().manual_seed(1)
+    rounded = [t.to(dtype) for t in inputs]
+    runs = []
+    for fn, cast in ((ours_fn, dtype), (ref_fn, torch.float64), (ref_fn, dtype)):
+        leaves = [t.to(cast).requires_grad_() for t in rounded]
+        out = fn(*leaves)
+        if not runs:
+            dout = torch.randn(out.shape, generator=g).to(out.device)
+        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+        runs.append([out, *grads])
+    worst = max(((*_errors(o, r, s, dtype), n) for o, r, s, n in zip(*runs, names)),
+                key=lambda e: e[0] / e[1] if e[1] else (0.0 if e[0] == 0 else math.inf))
+    return Result(name, str(dtype).replace("torch.", ""), worst[0] <= worst[1], worst[0], worst[1], worst[2])
+
+
+# -- the checks -----------------------------------------------------------------------------------------------------
+
+def _randn(*shape, device, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device)
+
+
+def check_layer_norm(s: Shapes, dtype, device) -> Result:
+    import kernels
+    from kernels.layer_norm import dropout_mask
+
+    m, n, p, seed = sum(s.lengths), s.hidden, 0.1, 1234
+    keep = dropout_mask(seed, m, n, p, device)
+    inputs = [_randn(m, n, device=device, seed=i) for i in range(2)] + [1 + _randn(n, device=device, seed=2, scale=.1),
+                                                                      _randn(n, device=device, seed=3, scale=.1)]
+
+    def ours(x, r, w, b):
+        return kernels.layer_norm(x, w, b, 1e-12, residual=r, dropout_p=p, seed=seed)
+
+    def ref(x, r, w, b):
+        return F.layer_norm(x * keep / (1 - p) + r, (n,), w, b, 1e-12)
+
+    return compare("layer_norm+residual+dropout", dtype, inputs, ours, ref, ["y", "dx", "dresidual", "dw", "db"])
+
+
+def check_bias_gelu(s: Shapes, dtype, device, approximate="none") -> Result:
+    import kernels
+
+    inputs = [_randn(sum(s.lengths), s.intermediate, device=device), _randn(s.intermediate, device=device, seed=1)]
+    name = "bias_gelu" + (" tanh" if approximate == "tanh" else "")
+    return compare(name, dtype, inputs, lambda x, b: kernels.bias_gelu(x, b, approximate),
+                   lambda x, b: F.gelu(x + b, approximate=approximate), ["y", "dx", "dbias"])
+
+
+def check_bias_gelu_tanh(s: Shapes, dtype, device) -> Result:
+    return check_bias_gelu(s, dtype, device, "tanh")
+
+
+def _attention(s: Shapes, dtype, device, p: float) -> Result:
+    import kernels
+    from kernels.attention import attention_dropout_mask
+
+    total, seed = sum(s.lengths), 4321
+    cu = torch.tensor([0, *torch.tensor(s.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    max_len, scale = max(s.lengths), 1 / math.sqrt(s.head_dim)
+    keep = attention_dropout_mask(cu, s.heads, max_len, p, seed) if p else None
+
+    def ours(q, k, v):
+        return kernels.varlen_attention(q, k, v, cu, max_len, dropout_p=p, seed=seed)
+
+    def ref(q, k, v):
+        outs, start = [], 0
+        for n in s.lengths:
+            qq, kk, vv = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
+            if keep is not None:
+                probs = probs * keep[:, start:start + n, :n].to(probs.dtype) / (1 - p)
+            outs.append((probs @ vv).transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    inputs = [_randn(total, s.heads, s.head_dim, device=device, seed=i) for i in range(3)]
+    return compare("attention" + (f" dropout{p}" if p else ""), dtype, inputs, ours, ref, ["o", "dq", "dk", "dv"])
+
+
+def check_attention(s: Shapes, dtype, device) -> Result:
+    return _attention(s, dtype, device, 0.0)
+
+
+def check_attention_dropout(s: Shapes, dtype, device) -> Result:
+    return _attention(s, dtype, device, 0.1)
+
+
+def check_mlm_loss(s: Shapes, dtype, device) -> Result:
+    import kernels
+
+    rows = max(1, int(0.15 * sum(s.lengths)))
+    labels = torch.randint(0, s.vocab, (rows,), generator=torch.Generator().manual_seed(5)).to(device)
+    labels[::7] = -100
+    inputs = [_randn(rows, s.hidden, device=device), _randn(s.vocab, s.hidden, device=device, seed=1, scale=.05),
+              _randn(s.vocab, device=device, seed=2, scale=.05)]
+
+    def ref(h, w, b):  # the logits in the inputs' dtype, the softmax in float32 at least (as under autocast)
+        logits = F.linear(h, w, b)
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
+
+    return compare("mlm_loss", dtype, inputs, lambda h, w, b: kernels.masked_lm_loss(h, w, b, labels), ref,
+                   ["loss", "dhidden", "dweight", "dbias"])
+
+
+def _model_step(model, batch, device, dtype):
+    """(loss, flat gradient) of one forward + backward, under autocast for half precision."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(**batch.kwargs()).loss
+    loss.backward()
+    grads = [p.grad.flatten().double() for p in model.parameters() if p.grad is not None]
+    return loss.detach().double(), torch.cat(grads)
+
+
+def check_bert_step(s: Shapes, dtype, device) -> Result:
+    """BertForPreTraining, dropout off: the triton backend in `dtype` against the torch backend in float32."""
+    import bert
+
+    from .batches import make_batch
+
+    cfg = bert.BertConfig.preset(s.config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                 vocab_size=s.vocab)
+    torch.manual_seed(0)
+    reference = bert.BertForPreTraining(cfg.replace(backend="torch")).to(device)
+    fused = bert.BertForPreTraining(cfg.replace(backend="triton")).to(device)
+    fused.load_state_dict(reference.state_dict())
+    batch = make_batch(s.batch, s.seq_len, cfg.vocab_size, "wiki", seed=3).to(device)
+    loss32, grad32 = _model_step(reference, batch, device, torch.float32)
+    loss, grad = _model_step(fused, batch, device, dtype)
+    if dtype == torch.float32:
+        base, floor = 0.0, 1e-4
+    else:
+        loss_same, grad_same = _model_step(reference, batch, device, dtype)
+        base = max(abs(loss_same - loss32).item() / abs(loss32).item(),
+                   ((grad_same - grad32).norm() / grad32.norm()).item())
+        floor = torch.finfo(dtype).eps
+    errors = {"loss": abs(loss - loss32).item() / abs(loss32).item(),
+              "gradients": ((grad - grad32).norm() / grad32.norm()).item()}
+    worst = max(errors, key=errors.get)
+    err = errors[worst] if all(math.isfinite(e) for e in errors.values()) else float("inf")
+    tol = max(2 * base, floor)
+    return Result(f"bert step ({s.config}) triton vs torch", str(dtype).replace("torch.", ""), err <= tol, err, tol,
+                  worst)
+
+
+CHECKS = {"layer_norm": check_layer_norm, "bias_gelu": check_bias_gelu, "bias_gelu_tanh": check_bias_gelu_tanh,
+          "attention": check_attention, "attention_dropout": check_attention_dropout, "mlm_loss": check_mlm_loss,
+          "bert_step": check_bert_step}
+
+
+def run_one(check: str, dtype_name: str, device_name: str) -> Result:
+    """One check, never raising: an exception is a failure with its message."""
+    device = torch.device(device_name)
+    shapes = GPU if device.type == "cuda" else CPU
+    try:
+        return CHECKS[check](shapes, getattr(torch, dtype_name), device)
+    except Exception as e:  # a crash is a failed check, reported on its line
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return Result(check, dtype_name, False, float("inf"), 0.0, "", f"{type(e).__name__}: {first}\n"
+                      + traceback.format_exc(limit=-3))
+
+
+def run_all(device: torch.device, dtypes, checks, jobs: int) -> list[Result]:
+    work = [(c, d, str(device)) for d in dtypes for c in checks]
+    if jobs <= 1:
+        return [run_one(*w) for w in work]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        return list(pool.map(run_one, *zip(*work)))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.smoke", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "float16", "bfloat16"],
+                   help="default: bfloat16 float16 on a GPU, float32 float16 on a CPU")
+    p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    p.add_argument("--jobs", type=int, help="worker processes (default: one per check on a GPU, up to the CPU "
+                                            "count; none on a CPU)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the checks)
+        if "triton" in sys.modules:
+            print("bench.smoke: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr)
+            return 2
+    cuda = device.type == "cuda"
+    dtypes = args.dtypes or (["bfloat16", "float16"] if cuda else ["float32", "float16"])
+    jobs = args.jobs if args.jobs is not None else (min(len(dtypes) * len(args.checks), os.cpu_count() or 1)
+                                                    if cuda else 1)
+    shapes = GPU if cuda else CPU
+    print(f"# smoke on {torch.cuda.get_device_name(device) if cuda else 'cpu (Triton interpreter)'}: "
+          f"{len(shapes.lengths)} sequences, {sum(shapes.lengths)} tokens, hidden {shapes.hidden}, "
+          f"model {shapes.config}; {', '.join(dtypes)}; {jobs} worker(s)", flush=True)
+    results = run_all(device, dtypes, args.checks, jobs)
+    for r in results:
+        print(r.line())
+        if r.detail and not r.passed:
+            print("    " + "\n    ".join(r.detail.splitlines()[1:]))
+    failed = sum(not r.passed for r in results)
+    print(f"{len(results) - failed} passed, {failed} failed")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([r._asdict() for r in results], f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
