@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import e2e
+from . import e2e, precompile
 from .kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
 from .peaks import measure_peaks
 
@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="timed steps per end-to-end run (default: 10 quick, 30 full)")
     p.add_argument("--output-dir", help="where to write JSON, CSV and plots (default: bench/results/<device>/)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile this project's kernels for the run in parallel worker processes before timing "
+                        "(default: on with a GPU)")
     return p.parse_args(argv)
 
 
@@ -187,14 +190,20 @@ def main(argv=None) -> int:
         write_csv(os.path.join(out_dir, "e2e.csv"), results["e2e"])
         write_csv(os.path.join(out_dir, "kernels.csv"), results["kernels"])
 
+    variants = args.variants or default_variants(cuda)
+    specs = list(e2e_specs(args, cuda))
+    if args.padding_sweep or args.full:
+        specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
+    if args.precompile if args.precompile is not None else cuda:
+        suites = ["layer_norm_rows", "bias_gelu_rows", "attention_rows", "mlm_loss_rows"] if cuda else []
+        precompile.run(precompile.jobs(suites if args.suite in ("all", "kernels") else [],
+                                       variants if cuda and args.suite in ("all", "e2e") else [],
+                                       list({(s["config"], s["seq_len"]): s for s in specs}.values()),
+                                       not args.full, str(device)))
     if args.suite in ("all", "e2e"):
         if not cuda:
             print("CPU mode: this measures the algorithmic savings (unpadded encoder, MLM head on labelled tokens "
                   "only), not Triton, which needs a GPU.\n")
-        variants = args.variants or default_variants(cuda)
-        specs = list(e2e_specs(args, cuda))
-        if args.padding_sweep or args.full:
-            specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
         for spec in specs:
             for variant in variants:
                 if spec["padding"] != args.padding and variant not in ("hf-eager", "ours-torch", "ours-triton"):

@@ -90,6 +90,8 @@ def run_variant(variant: str, spec: dict) -> dict:
         for i in range(spec["warmup"]):
             step(batches[i % len(batches)])
         sync()
+        if not spec["steps"]:  # a warm-up only (bench.precompile): kernels compiled, nothing timed
+            return dict(row, status="warm")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times, tokens, seqs, flops = [], 0, 0, 0.0

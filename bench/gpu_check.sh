@@ -1,47 +1,148 @@
 #!/usr/bin/env bash
-# One command for a machine with one CUDA GPU: the GPU-marked tests (compiled kernels, bfloat16 included) and
-# the quick benchmark, in under 8 minutes, from a source checkout with torch and triton installed (no network;
-# pytest, transformers and matplotlib are used when present).
-#   usage: bash bench/gpu_check.sh OUT_DIR
-# A machine without pytest can be given it as a folder of pure-Python packages:
-#   pip install --no-deps --target .gpu_deps pytest pluggy iniconfig packaging pygments  (+ exceptiongroup
-#   tomli on Python < 3.11)
-# next to this checkout (.gpu_deps is git-ignored); it goes on PYTHONPATH when present.
+# The GPU check: correctness and numbers from one GPU machine in a fixed time budget. See --help.
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_check.sh OUT_DIR}
+
+usage() {
+  cat <<'EOF'
+usage: bash bench/gpu_check.sh OUT_DIR [--budget SECONDS] [--stages LIST] [--keep-raw]
+
+Runs, from a source checkout (PYTHONPATH=., no install, no network), these stages in this order:
+  smoke    python -m bench.smoke: every kernel forward and backward once at a BERT-base shape in bfloat16
+           and float16, and a BERT-base step on the triton backend against the torch backend (checks in
+           parallel processes, which also fills Triton's compile cache for the later stages)
+  tests    the GPU-marked tests, one pytest per test file, all at once (their time is mostly compilation)
+  e2e      bert-bench --suite e2e --quick: BERT-base pre-training steps, ours against Hugging Face eager,
+           Hugging Face + torch.compile and the fused Hugging Face model
+  kernels  bert-bench --suite kernels --quick: each kernel against torch eager, torch.compile and the peers
+           (varlen_attn, SDPA masked and nested, flash-attn when installed)
+  tune     python -m bench.tune: launch configs measured on this GPU for the problems the committed table
+           (kernels/configs/) lacks, written with the committed entries to the archive's configs/ folder
+Each stage gets a share of the budget (smoke 20%, tests 20%, e2e 25%, kernels 20%, tune 15%, among the stages
+chosen; time a stage leaves unused passes to the next) and is stopped when it runs over, keeping what it wrote.
+
+OUT_DIR ends up holding summary.md (targets met or not, failures, environment, the stages that were cut) and
+all.tar.gz (every log, CSV, JSON and plot, and the tuned table); both are rewritten after every stage. The raw
+files are in OUT_DIR/raw until then, and are removed after packing unless --keep-raw is given.
+
+  --budget SECONDS  total time for the stages (default 480)
+  --stages LIST     comma-separated subset, e.g. smoke or smoke,tests (default: all five)
+  --keep-raw        keep OUT_DIR/raw after packing
+
+Without a GPU it runs the same stages on the CPU: smoke in Triton's interpreter at small shapes, the GPU tests
+all skipped, the benchmarks on the torch path, tune skipped. A GPU machine without pytest can be given it as a
+folder of pure-Python packages next to this checkout (.gpu_deps, git-ignored, put on PYTHONPATH):
+  pip install --no-deps --target .gpu_deps pytest pluggy iniconfig packaging pygments
+EOF
+}
+
+command="bash bench/gpu_check.sh $*"
+out="" budget=480 stages="smoke,tests,e2e,kernels,tune" keep_raw=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
+    --stages) stages=${2:?--stages needs a list}; shift 2 ;;
+    --keep-raw) keep_raw=1; shift ;;
+    -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) [ -z "$out" ] || { echo "gpu_check.sh: one OUT_DIR only (see --help)" >&2; exit 2; }; out=$1; shift ;;
+  esac
+done
+[ -n "$out" ] || { usage >&2; exit 2; }
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget must be whole seconds, got $budget" >&2; exit 2; }
+declare -A share=([smoke]=20 [tests]=20 [e2e]=25 [kernels]=20 [tune]=15)
+IFS=, read -ra chosen <<< "$stages"
+total_share=0
+for s in "${chosen[@]}"; do
+  [ -n "${share[$s]:-}" ] || { echo "gpu_check.sh: unknown stage '$s' (smoke, tests, e2e, kernels, tune)" >&2; exit 2; }
+  total_share=$((total_share + share[$s]))
+done
+
 mkdir -p "$out" && out=$(cd "$out" && pwd)   # absolute: the script moves to the checkout's root
+raw="$out/raw"
+rm -rf "$raw" && mkdir -p "$raw/tests"
 cd "$(dirname "$0")/.."
 deps=""
 [ -d .gpu_deps ] && deps="$PWD/.gpu_deps"
 export PYTHONPATH="$PWD${deps:+:$deps}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 - <<'PY' | tee "$out/environment.txt"
-import torch, triton
-assert torch.cuda.is_available(), "no CUDA device"
-print("device", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
+python3 - "$raw/environment.json" "$command" <<'PY' || exit 1
+import json, os, platform, subprocess, sys, datetime
+import torch
+env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU: " + platform.machine() + ")",
+       "torch": torch.__version__, "cuda": torch.version.cuda or "none", "python": platform.python_version()}
+try:
+    import triton
+    env["triton"] = triton.__version__
+except ImportError:
+    env["triton"] = "not installed"
+try:
+    env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    pass
+env["command"] = sys.argv[2]
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print(" | ".join(f"{k} {v}" for k, v in env.items()))
 PY
-[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 
-# One pytest per test file, all at once: the GPU tests' time goes mostly into compiling kernel variants on the
-# CPU, which then spreads over the cores (a correctness test times nothing, so sharing the GPU is harmless).
-tests_rc=0
-if python3 -c "import pytest" 2>/dev/null; then
-  files=$(grep -l "mark.gpu" tests/test_*.py)
-  pids=()
-  for f in $files; do
-    timeout 200 python3 -m pytest "$f" -m gpu -q -p no:cacheprovider > "$out/gpu_tests_$(basename "$f" .py).log" 2>&1 &
+pack() {   # summary.md and all.tar.gz from what the stages wrote so far
+  python3 -m bench.summary "$raw" "$out/summary.md" > /dev/null 2>> "$raw/summary_errors.log"
+  cp "$out/summary.md" "$raw/summary.md" 2>/dev/null
+  tar -czf "$out/all.tar.gz.tmp" -C "$raw" . && mv "$out/all.tar.gz.tmp" "$out/all.tar.gz"
+}
+
+gpu_tests() {   # one pytest per file with GPU-marked tests, in parallel, each cut at the stage's limit
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    echo "pytest is not installed: GPU tests not run (see --help)"; return 1
+  fi
+  local limit=$1 rc=0 pids=() f
+  for f in $(grep -l "mark.gpu" tests/test_*.py); do
+    timeout --kill-after=5 "$limit" python3 -m pytest "$f" -m gpu -q -p no:cacheprovider \
+      > "$raw/tests/$(basename "$f" .py).log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do
-    wait "$pid"; rc=$?
-    [ "$rc" = 0 ] || [ "$rc" = 5 ] || tests_rc=$rc   # 5: no test selected in that file
+    wait "$pid"; local r=$?
+    [ "$r" = 0 ] || [ "$r" = 5 ] || rc=$r   # 5: no test selected in that file
   done
-  for f in $files; do
-    echo "== $f"; tail -n 25 "$out/gpu_tests_$(basename "$f" .py).log"
-  done | tee "$out/gpu_tests.log"
-else
-  echo "pytest is not installed: GPU tests skipped" | tee "$out/gpu_tests.log"
-fi
-timeout 260 python3 -m bench --quick --output-dir "$out" 2>&1 | tee "$out/bench.log"
-bench_rc=${PIPESTATUS[0]}
-echo "gpu tests exit $tests_rc, benchmark exit $bench_rc" | tee -a "$out/environment.txt"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+  tail -n 3 "$raw"/tests/*.log
+  return $rc
+}
+
+start=$(date +%s) used_share=0 failed=0
+for s in smoke tests e2e kernels tune; do
+  [[ ",$stages," == *",$s,"* ]] || continue
+  used_share=$((used_share + share[$s]))
+  now=$(date +%s)
+  allowed=$(( budget * used_share / total_share - (now - start) ))   # this stage's share plus what is left over
+  [ "$allowed" -ge 10 ] || allowed=10
+  echo "== stage $s: up to ${allowed} s"
+  t0=$(date +%s)
+  case $s in
+    smoke) timeout --kill-after=5 "$allowed" python3 -m bench.smoke --json "$raw/smoke.json" ;;
+    tests) gpu_tests "$((allowed - 5))" ;;
+    e2e) timeout --kill-after=5 "$allowed" python3 -m bench --suite e2e --quick --output-dir "$raw/e2e" ;;
+    kernels) timeout --kill-after=5 "$allowed" python3 -m bench --suite kernels --quick --output-dir "$raw/kernels" ;;
+    tune) if [ "$cuda" = 1 ]; then   # continues the committed table: the result holds old and new entries
+            mkdir -p "$raw/configs" && cp kernels/configs/*.json "$raw/configs/" 2>/dev/null
+            timeout --kill-after=5 "$allowed" python3 -m bench.tune --budget "$((allowed * 3 / 4))" \
+              --output "$raw/configs" --skip-existing
+          else
+            echo "no GPU: nothing to tune"; (exit 3)
+          fi ;;
+  esac > >(tee "$raw/$s.log") 2>&1
+  rc=$?
+  elapsed=$(( $(date +%s) - t0 ))
+  case $rc in
+    0) status=ok ;;
+    124|137) status=cut ;;
+    3) status=skipped ;;
+    *) status="failed (exit $rc)"; failed=1 ;;
+  esac
+  printf '%s\t%s\t%s\t%s\n' "$s" "$status" "$elapsed" "$allowed" >> "$raw/stages.tsv"
+  echo "== stage $s: $status after ${elapsed} s"
+  pack
+done
+cat "$out/summary.md"
+[ "$keep_raw" = 1 ] || rm -rf "$raw"
+exit $failed

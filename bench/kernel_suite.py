@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from .peaks import timeit
 
+# Set in bench.precompile's workers: each suite then runs only this project's implementations, once, untimed,
+# so that their kernels compile (in parallel processes) into Triton's on-disk cache before the timed run.
+WARM_ONLY = False
+
 
 def _fwd_bwd_times(fn, inputs, device):
     """(forward, backward, forward+backward) seconds of fn(*inputs) -> tensor."""
@@ -37,11 +41,20 @@ def _dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _rows_for(kernel, shape, impls, inputs_fn, bytes_fwd, bytes_bwd, flops_fwd, peaks, device):
+def _rows_for(kernel, shape, impls, inputs_fn, bytes_fwd, bytes_bwd, flops_fwd, peaks, device, **extra):
+    """One row per implementation; an implementation given as a string is reported as skipped for that reason."""
     cuda = device.type == "cuda"
     rows = []
     for name, fn in impls.items():
-        row = {"kernel": kernel, "shape": shape, "impl": name}
+        row = {"kernel": kernel, "shape": shape, "impl": name, "dtype": str(_dtype(device)).replace("torch.", ""),
+               **extra}
+        if isinstance(fn, str):
+            rows.append(dict(row, status=f"skipped: {fn}"))
+            continue
+        if WARM_ONLY:
+            if name.startswith("ours"):
+                fn(*inputs_fn()).float().sum().backward()
+            continue
         try:
             inputs = inputs_fn()
             if cuda:
@@ -120,7 +133,7 @@ def attention_rows(peaks, quick, device, shapes=None):
 
     from .lengths import sample_lengths
 
-    shapes = shapes or ([(64, 512, 12)] if quick else [(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)])
+    shapes = shapes or ([(256, 128, 12), (64, 512, 12)] if quick else [(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)])
     dtype, rows = _dtype(device), []
     for batch, seqlen, heads in shapes:
         for padding in (0.0, 0.25, 0.5):
@@ -146,7 +159,8 @@ def attention_rows(peaks, quick, device, shapes=None):
             if not quick:  # BERT trains with attention dropout 0.1: what it costs each side
                 padded["sdpa-masked dropout0.1"] = lambda q, k, v: F.scaled_dot_product_attention(
                     q, k, v, attn_mask=bias, dropout_p=0.1)
-            rows += _rows_for("attention", shape, padded, padded_inputs, 0, 0, flops, peaks, device)
+            extra = dict(seq_len=seqlen, padding=padding, head_dim=64)
+            rows += _rows_for("attention", shape, padded, padded_inputs, 0, 0, flops, peaks, device, **extra)
 
             def sdpa_unpadded(q, k, v):
                 nested = [torch.nested.nested_tensor_from_jagged(t, cu.long()).transpose(1, 2) for t in (q, k, v)]
@@ -158,8 +172,29 @@ def attention_rows(peaks, quick, device, shapes=None):
                                                                                    validate=False)
             if device.type == "cuda":
                 impls["sdpa-unpadded"] = sdpa_unpadded
-            rows += _rows_for("attention", shape, impls, packed_inputs, 0, 0, flops, peaks, device)
+                impls.update(packed_peers(cu, seqlen))
+            rows += _rows_for("attention", shape, impls, packed_inputs, 0, 0, flops, peaks, device, **extra)
     return rows
+
+
+def packed_peers(cu, max_seqlen) -> dict:
+    """The variable-length attentions a user could pick instead, on the same packed [tokens, heads, 64] inputs:
+    PyTorch's own (torch >= 2.10, FlashAttention kernels inside) and the flash-attn package's. An absent one is
+    the reason it is skipped."""
+    peers = {}
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        peers["torch-varlen_attn"] = f"torch.nn.attention.varlen is not in torch {torch.__version__} (needs 2.10+)"
+    else:
+        peers["torch-varlen_attn"] = lambda q, k, v: varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen)
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        peers["flash_attn-varlen"] = "flash-attn is not installed"
+    else:
+        peers["flash_attn-varlen"] = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen)
+    return peers
 
 
 def _mlm_problem(tokens, h, device, dtype):
@@ -212,6 +247,10 @@ def mlm_loss_rows(peaks, quick, device, tokens=None):
     rows = []
     for h in ((768,) if quick or not cuda else (768, 1024)):
         for name in impls:
+            if WARM_ONLY:
+                if name == "(c) ours":
+                    _mlm_impl(name, *_mlm_problem(tokens, h, device, torch.bfloat16)).backward()
+                continue
             if cuda:
                 problem = _mlm_problem(tokens, h, device, torch.bfloat16)
                 torch.cuda.synchronize()
@@ -228,5 +267,6 @@ def mlm_loss_rows(peaks, quick, device, tokens=None):
                 extra, t = in_fresh_process(_mlm_cpu_child, name, tokens, h)
                 labelled = int(tokens * 0.15)
             rows.append({"kernel": "mlm_loss", "shape": f"{tokens} tok (~{labelled} labelled) x V30522 x H{h}",
-                         "impl": name, "fwd_bwd_ms": t * 1e3, "peak_extra_MB": extra / 2**20, "status": "ok"})
+                         "impl": name, "hidden": h, "dtype": "bfloat16" if cuda else "float32",
+                         "fwd_bwd_ms": t * 1e3, "peak_extra_MB": extra / 2**20, "status": "ok"})
     return rows

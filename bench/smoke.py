@@ -245,13 +245,15 @@ def run_one(check: str, dtype_name: str, device_name: str) -> Result:
                       + traceback.format_exc(limit=-3))
 
 
-def run_all(device: torch.device, dtypes, checks, jobs: int) -> list[Result]:
+def run_all(device: torch.device, dtypes, checks, jobs: int):
+    """Yields the results in order, each as soon as it and those before it are done."""
     work = [(c, d, str(device)) for d in dtypes for c in checks]
     if jobs <= 1:
-        return [run_one(*w) for w in work]
+        yield from (run_one(*w) for w in work)
+        return
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        return list(pool.map(run_one, *zip(*work)))
+        yield from pool.map(run_one, *zip(*work))
 
 
 def parse_args(argv=None):
@@ -283,16 +285,18 @@ def main(argv=None) -> int:
     print(f"# smoke on {torch.cuda.get_device_name(device) if cuda else 'cpu (Triton interpreter)'}: "
           f"{len(shapes.lengths)} sequences, {sum(shapes.lengths)} tokens, hidden {shapes.hidden}, "
           f"model {shapes.config}; {', '.join(dtypes)}; {jobs} worker(s)", flush=True)
-    results = run_all(device, dtypes, args.checks, jobs)
-    for r in results:
-        print(r.line())
+    results = []
+    for r in run_all(device, dtypes, args.checks, jobs):
+        results.append(r)
+        print(r.line(), flush=True)
         if r.detail and not r.passed:
-            print("    " + "\n    ".join(r.detail.splitlines()[1:]))
+            print("    " + "\n    ".join(r.detail.splitlines()[1:]), flush=True)
+        if args.json:  # after every check: a run stopped at its time limit keeps what it checked
+            with open(args.json + ".tmp", "w", encoding="utf-8") as f:
+                json.dump([r._asdict() for r in results], f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
     failed = sum(not r.passed for r in results)
     print(f"{len(results) - failed} passed, {failed} failed")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([r._asdict() for r in results], f, indent=1)
     return 1 if failed else 0
 
 

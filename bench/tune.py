@@ -316,6 +316,8 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=600, help="seconds; the sweep stops between problems")
     p.add_argument("--output", default=os.path.join("kernels", "configs"),
                    help="folder of the tables (default: kernels/configs, the committed ones)")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="leave out problems the table in --output already has (a later run continues an earlier one)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="worker processes that compile candidates")
     return p.parse_args(argv)
@@ -336,6 +338,9 @@ def main(argv=None) -> int:
         return prune(problem, configs, major * 10 + minor, args.jobs, warm=True)
 
     todo = problems(args.kernels, [getattr(torch, d) for d in args.dtypes])
+    if args.skip_existing:
+        have = tuned.load_table(args.output, arch).get("kernels", {})
+        todo = [p for p in todo if p.key not in have.get(p.kernel, {})]
     print(f"# tuning {len(todo)} problems on {torch.cuda.get_device_name(device)} ({arch}), budget {args.budget:.0f} s")
     results = sweep(todo, device, args.budget, do_bench_timer, prune_fn)
     import triton

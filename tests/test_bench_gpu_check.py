@@ -1,0 +1,118 @@
+"""bench/gpu_check.sh, bench.summary and bench.targets on the CPU: the staged check runs its smoke stage in the
+interpreter and leaves a summary and one archive; targets read benchmark rows as met, not met or not measured."""
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from bench import precompile
+from bench.summary import render
+from bench.targets import TARGETS, evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
+
+
+def run(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
+    out = tmp_path / "out"
+    done = run(str(out), "--budget", "60", "--stages", "smoke")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["all.tar.gz", "summary.md"]  # raw/ packed, then removed
+    summary = (out / "summary.md").read_text()
+    assert "| smoke | ok |" in summary and f"{2 * 7} passed, 0 failed" in summary
+    assert "not measured" in summary and "## GPU tests" in summary
+    with tarfile.open(out / "all.tar.gz") as tar:
+        names = {os.path.normpath(n) for n in tar.getnames()}
+    assert {"smoke.json", "smoke.log", "stages.tsv", "environment.json", "summary.md"} <= names
+    assert "PASS attention dropout0.1 float16" in done.stdout
+
+
+def test_arguments_are_checked(tmp_path):
+    assert run("--help").returncode == 0 and "--stages" in run("--help").stdout
+    bad = run(str(tmp_path), "--stages", "smoke,nonsense")
+    assert bad.returncode == 2 and "unknown stage 'nonsense'" in bad.stderr
+    assert run(str(tmp_path), "--budget", "soon").returncode == 2
+    assert run().returncode == 2
+
+
+def test_a_cut_stage_is_reported_and_later_stages_still_run(tmp_path):
+    out = tmp_path / "out"
+    # Every stage gets at least 10 s; the GPU-test stage (pytest processes all at once) needs more than that.
+    done = run(str(out), "--budget", "1", "--stages", "tests,tune", "--keep-raw")
+    summary = (out / "summary.md").read_text()
+    assert "| tests | cut |" in summary and "Cut at their time limit" in summary, summary
+    assert "| tune | skipped |" in summary  # no GPU here: nothing to tune
+    assert done.returncode == 0 and (out / "raw" / "stages.tsv").exists()
+
+
+def rows():
+    kernels = []
+    for kernel in ("layer_norm+residual+dropout", "bias_gelu"):
+        kernels += [{"kernel": kernel, "impl": "ours", "shape": "16384x768", "status": "ok", "fwd_bwd_ms": 1.0,
+                     "fwd_bwd_GBps": 4000.0, "copy_share": 0.9},
+                    {"kernel": kernel, "impl": "torch-compile", "shape": "16384x768", "status": "ok",
+                     "fwd_bwd_ms": 0.8}]
+    att = dict(kernel="attention", seq_len=512, head_dim=64, dtype="bfloat16", status="ok")
+    kernels += [dict(att, impl="ours", padding=0.0, fwd_TFLOPs=400.0, bwd_TFLOPs=200.0, fwd_bwd_ms=1.0),
+                dict(att, impl="torch-varlen_attn", padding=0.0, fwd_bwd_ms=1.2),
+                dict(att, impl="ours", padding=0.5, fwd_bwd_ms=0.5),
+                dict(att, impl="sdpa-masked", padding=0.5, fwd_bwd_ms=1.1)]
+    mlm = dict(kernel="mlm_loss", hidden=768, dtype="bfloat16", status="ok")
+    kernels += [dict(mlm, impl="(a) full logits", peak_extra_MB=6000.0, fwd_bwd_ms=9.0),
+                dict(mlm, impl="(b) gather+linear+CE", peak_extra_MB=900.0, fwd_bwd_ms=3.0),
+                dict(mlm, impl="(c) ours", peak_extra_MB=70.0, fwd_bwd_ms=2.0)]
+    e2e = dict(config="base", seq_len=128, padding="wiki", dtype="bfloat16", batch=256, status="ok")
+    return {"kernels": kernels, "e2e": [dict(e2e, variant="hf-eager", tokens_per_s=300e3),
+                                        dict(e2e, variant="hf-compile", tokens_per_s=500e3),
+                                        dict(e2e, variant="ours-triton", tokens_per_s=900e3,
+                                             **{"speedup_vs_hf-eager": 3.0, "speedup_vs_hf-compile": 1.8})]}
+
+
+def test_targets_read_the_benchmark_rows():
+    verdicts = {v.name: v for v in evaluate(rows())}
+    assert len(verdicts) == len(TARGETS)
+    met = {name for name, v in verdicts.items() if v.met}
+    not_met = {name for name, v in verdicts.items() if v.met is False}
+    assert not_met == {"LayerNorm+residual+dropout vs torch.compile", "bias-GeLU vs torch.compile",
+                       "attention bwd, d64 s512 bf16", "MLM loss extra memory vs full logits, H768"}
+    assert len(met) + len(not_met) == len(TARGETS)
+    assert verdicts["attention vs torch varlen_attn, s512"].value.startswith("1.20x")
+    assert verdicts["BERT-base step s128 wiki bf16 throughput"].value == "900,000 tokens/s"
+    assert all(v.met is None and v.status == "not measured" for v in evaluate({}))
+
+
+def test_summary_of_a_partial_run(tmp_path):
+    import json
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "results.json").write_text(json.dumps({"kernels": rows()["kernels"]}))
+    (tmp_path / "stages.tsv").write_text("smoke\tok\t40\t72\ntests\tcut\t96\t96\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_attention.log").write_text("FAILED tests/test_attention.py::test_x - boom\n"
+                                                           "1 failed, 3 passed in 9.1s\n")
+    (tmp_path / "smoke.json").write_text(json.dumps([{"name": "mlm_loss", "dtype": "bfloat16", "passed": False,
+                                                     "error": 0.5, "tolerance": 0.01, "worst": "dweight",
+                                                     "detail": ""}]))
+    text = render(str(tmp_path))
+    assert "Cut at their time limit (partial results kept): tests." in text
+    assert "- test_attention: 1 failed, 3 passed in 9.1s" in text
+    assert "FAILED tests/test_attention.py::test_x - boom" in text
+    assert "- FAIL mlm_loss bfloat16: error 0.5, tolerance 0.01" in text
+    assert "| attention fwd, d64 s512 bf16 | >= 350 TFLOP/s | 400 TFLOP/s | met |" in text
+    assert "| BERT-base step s128 wiki bf16 throughput | >= 0.8M real tokens/s |  | not measured |" in text
+
+
+def test_precompile_runs_pieces_in_workers_and_reports_failures():
+    import math
+
+    errors = precompile.run([(math.sqrt, 4.0), (math.sqrt, -1.0)], workers=2, log=lambda *_: None)
+    assert len(errors) == 1 and "ValueError" in errors[0]
+    pieces = precompile.jobs(["attention_rows"], ["hf-eager", "ours-triton"], [{"config": "base", "seq_len": 128}],
+                             True, "cuda")
+    assert [p[0].__name__ for p in pieces] == ["_warm_suite", "_warm_variant"]

@@ -1,0 +1,41 @@
+"""bench.smoke on the CPU: every check passes in the interpreter at small shapes, and a wrong kernel or a
+crashing check is reported as a FAIL line (never an exception), with exit status 1."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from bench import smoke  # noqa: E402
+
+
+def test_every_check_passes_on_the_cpu(tmp_path, capsys):
+    path = tmp_path / "smoke.json"
+    assert smoke.main(["--json", str(path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    results = json.loads(path.read_text())
+    assert len(results) == 2 * len(smoke.CHECKS) and all(r["passed"] for r in results)
+    assert {r["dtype"] for r in results} == {"float32", "float16"}
+    assert out.count("PASS ") == len(results) and "0 failed" in out
+    for r in results:
+        assert 0 <= r["error"] <= r["tolerance"]
+
+
+def test_a_wrong_kernel_fails_its_check():
+    x = torch.randn(5, 8)
+    good = smoke.compare("same", torch.float32, [x], lambda t: t * 2, lambda t: t * 2, ["y", "dx"])
+    bad = smoke.compare("off", torch.float32, [x], lambda t: t * 2.001, lambda t: t * 2, ["y", "dx"])
+    nan = smoke.compare("nan", torch.float16, [x], lambda t: t * float("nan"), lambda t: t * 2, ["y", "dx"])
+    assert good.passed and not bad.passed and not nan.passed
+    assert bad.line().startswith("FAIL off float32: max error") and "tolerance 1e-05" in bad.line()
+
+
+def test_a_crashing_check_is_a_fail_line(monkeypatch, capsys):
+    def broken(shapes, dtype, device):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setitem(smoke.CHECKS, "broken", broken)
+    assert smoke.main(["--checks", "broken", "--dtypes", "float32", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL broken float32: RuntimeError: out of resources: shared memory" in out
+    assert "1 failed" in out

@@ -1,0 +1,117 @@
+"""bench.tune: the sweep in the interpreter at tiny shapes with an injected timer, the verification of the winner,
+the table it writes (read back by the launchers), and the pruning by compile check (without a GPU)."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from bench import tune  # noqa: E402
+from kernels import tuned  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def fake_timer(times):
+    """Runs the timed call once (so it really launches) and returns the next of `times`."""
+    it = iter(times)
+
+    def timer(fn):
+        fn()
+        return next(it)
+    return timer
+
+
+TINY = [tune.Problem("layer_norm.bwd", torch.float32, 40, None, (21, 40)),
+        tune.Problem("bias_gelu.fwd", torch.float16, 48, None, (9, 48)),
+        tune.Problem("attention.dkdv", torch.float32, 16, 40, (3, 40, 2)),
+        tune.Problem("mlm_loss.dweight", torch.float32, 32, None, (10, 32, 200))]
+
+
+@pytest.mark.parametrize("problem", TINY, ids=str)
+def test_sweep_picks_the_fastest_verified_config(problem):
+    default = tune.default_launch(problem.kernel, problem.dtype, problem.size)._asdict()
+    fields = list(tune.candidates(problem.kernel)[0])
+    other = {k: default[k] for k in fields}
+    other["BLOCK_M"] = default["BLOCK_M"] * 2
+    configs = [other, {"num_warps": 2}]
+    entry = tune.tune_problem(problem, CPU, fake_timer([5.0, 1.0, 3.0]), configs=configs)
+    assert entry["config"] == dict({k: default[k] for k in fields}, num_warps=2)
+    assert entry["ms"] == 1.0 and entry["default_ms"] == 3.0 and entry["candidates"] == 3
+
+
+def test_a_winner_whose_output_differs_is_dropped(monkeypatch):
+    problem = TINY[0]
+    real = tune.run_with
+
+    def corrupt(problem, config, run, what):
+        out = real(problem, config, run, what)
+        return [o * 1.01 for o in out] if what == "outputs" and config["BLOCK_M"] == 1 else out
+
+    monkeypatch.setattr(tune, "run_with", corrupt)
+    entry = tune.tune_problem(problem, CPU, fake_timer([1.0, 2.0, 3.0]),
+                              configs=[{"BLOCK_M": 1, "num_warps": 4}, {"BLOCK_M": 2, "num_warps": 4}])
+    assert entry["config"] == {"BLOCK_M": 2, "num_warps": 4} and entry["pruned"] == 1
+
+
+def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "candidates", lambda kernel: [{"num_warps": 2}])
+    results = tune.sweep(TINY[:2], CPU, budget=1e9, timer=fake_timer([1.0, 2.0] * 2), prune_fn=None,
+                         log=lambda *_: None)
+    assert set(results) == {"layer_norm.bwd", "bias_gelu.fwd"}
+    assert tune.sweep(TINY, CPU, budget=-1, timer=None, prune_fn=None, log=lambda *_: None) == {}
+    path = tune.write_table(str(tmp_path), "sm_90", results, {"device": "test"})
+    table = json.load(open(path))
+    assert table["format"] == tuned.FORMAT and table["device"] == "test"
+    assert table["kernels"]["layer_norm.bwd"]["float32/40/all"]["config"] == {"num_warps": 2}
+    # Merging keeps earlier entries.
+    tune.write_table(str(tmp_path), "sm_90", {"attention.fwd": {"bfloat16/64/s512": {"config": {"BLOCK_M": 64}}}},
+                     {})
+    table = json.load(open(path))
+    assert set(table["kernels"]) == {"layer_norm.bwd", "bias_gelu.fwd", "attention.fwd"}
+    assert [p.name for p in tmp_path.iterdir()] == ["sm_90.json"]  # no temporary left behind
+    # The launcher reads it back, as on an sm_90 GPU.
+    monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(tuned, "INTERPRET", False)
+    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")
+    tuned.clear_cache()
+    try:
+        default = tune.default_launch("layer_norm.bwd", torch.float32, 40)
+        picked = tuned.pick("layer_norm.bwd", default, torch.device("cuda"), torch.float32, 40)
+        assert picked == default._replace(num_warps=2)
+    finally:
+        tuned.clear_cache()
+
+
+def test_problems_cover_bert_shapes_most_used_first():
+    todo = tune.problems(tune.FAMILIES, [torch.bfloat16, torch.float16])
+    assert todo[0].dtype == torch.bfloat16 and todo[-1].dtype == torch.float16
+    keys = {(p.kernel, p.key) for p in todo}
+    for key in [("attention.fwd", "bfloat16/64/s128"), ("attention.dq", "float16/64/s512"),
+                ("layer_norm.bwd", "bfloat16/1024/all"), ("bias_gelu.fwd", "bfloat16/4096/all"),
+                ("mlm_loss.dhidden", "bfloat16/768/all")]:
+        assert key in keys
+    for p in todo:  # every candidate set only varies what the launcher lets a table tune
+        assert set(tune.candidates(p.kernel)[0]) <= set(tune.default_launch(p.kernel, p.dtype, p.size)._fields)
+
+
+def test_pruning_compiles_candidates_for_sm90_without_a_gpu():
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    problem = tune.Problem("attention.fwd", torch.bfloat16, 64, 512, (4, 512, 12))
+    good = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    too_big = {"BLOCK_M": 256, "BLOCK_N": 256, "num_warps": 4, "num_stages": 3}
+    narrow = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    kept, pruned = tune.prune(problem, [good, too_big, narrow], 90, jobs=2, warm=False)
+    assert kept == [good]
+    assert "shared memory" in pruned[json.dumps(too_big, sort_keys=True)]
+    assert "wgmma" in pruned[json.dumps(narrow, sort_keys=True)]
+
+
+def test_main_without_a_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert tune.main(["--budget", "1"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""kernels.tuned: the per-GPU launch-config table, its lookup and its fallback to the launchers' defaults."""
+import json
+
+import pytest
+import torch
+
+kernels = pytest.importorskip("kernels")
+from kernels import tuned  # noqa: E402
+from kernels.layer_norm import _config as ln_config  # noqa: E402
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """A table folder for an 'sm_90' GPU that the lookup reads as if a CUDA device were present."""
+    monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(tuned, "INTERPRET", False)
+    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")
+    tuned.clear_cache()
+    yield tmp_path
+    tuned.clear_cache()
+
+
+def write(folder, kernels_entries, fmt=tuned.FORMAT):
+    (folder / "sm_90.json").write_text(json.dumps({"format": fmt, "arch": "sm_90", "kernels": kernels_entries}))
+
+
+CUDA = torch.device("cuda")  # never used for memory: the lookup only reads its type
+
+
+def test_buckets_and_keys():
+    assert [tuned.bucket(n) for n in (None, 1, 128, 129, 512, 513)] == ["all", "s128", "s128", "s256", "s512",
+                                                                          "s1024"]
+    assert tuned.entry_key(torch.bfloat16, 64, "s512") == "bfloat16/64/s512"
+
+
+def test_table_entry_replaces_the_tunable_fields(table_dir):
+    default = ln_config("fwd", torch.empty(1, 768, device="meta"), 768)
+    write(table_dir, {"layer_norm.fwd": {"bfloat16/768/all": {"config": {"BLOCK_M": 2, "num_warps": 16}}}})
+    picked = tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768, tunable=("BLOCK_M", "num_warps"))
+    assert picked == default._replace(BLOCK_M=2, num_warps=16)
+    # Another size, dtype, kernel or a CPU tensor: the default.
+    assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 1024) == default
+    assert tuned.pick("layer_norm.fwd", default, CUDA, torch.float16, 768) == default
+    assert tuned.pick("layer_norm.bwd", default, CUDA, torch.bfloat16, 768) == default
+    assert tuned.pick("layer_norm.fwd", default, torch.device("cpu"), torch.bfloat16, 768) == default
+
+
+def test_nearest_sequence_bucket(table_dir):
+    entries = {"bfloat16/64/s128": {"config": {"BLOCK_M": 64}}, "bfloat16/64/s512": {"config": {"BLOCK_M": 128}}}
+    write(table_dir, {"attention.fwd": entries})
+    default = kernels.attention._default_config("fwd", 64, torch.bfloat16)._replace(BLOCK_M=16)
+    pick = lambda n: tuned.pick("attention.fwd", default, CUDA, torch.bfloat16, 64, n).BLOCK_M  # noqa: E731
+    assert [pick(n) for n in (40, 128, 200, 300, 512, 4096)] == [64, 64, 64, 128, 128, 128]
+
+
+def test_bad_entries_and_tables_fall_back_with_a_warning(table_dir):
+    default = ln_config("fwd", torch.empty(1, 768, device="meta"), 768)
+    write(table_dir, {"layer_norm.fwd": {"bfloat16/768/all": {"config": {"BLOCK_M": 3}},
+                                         "float16/768/all": {"config": {"BLOCK_N": 64}}}})
+    with pytest.warns(UserWarning, match="ignoring the launch config"):
+        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768, tunable=("BLOCK_M",)) == default
+    with pytest.warns(UserWarning, match="ignoring the launch config"):  # BLOCK_N is fixed by the row width
+        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.float16, 768, tunable=("BLOCK_M",)) == default
+    write(table_dir, {}, fmt=99)
+    tuned.clear_cache()
+    with pytest.warns(UserWarning, match="ignoring launch-config table"):
+        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768) == default
+    (table_dir / "sm_90.json").write_text("{not json")
+    tuned.clear_cache()
+    with pytest.warns(UserWarning, match="ignoring launch-config table"):
+        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768) == default
+
+
+def test_forced_config_reaches_the_launcher_and_gives_the_same_result(device):
+    x = torch.randn(37, 48, device=device)
+    w, b = torch.randn(48, device=device), torch.randn(48, device=device)
+    expected = kernels.layer_norm(x, w, b)
+    calls = []
+    original = tuned.pick
+
+    def spy(kernel, default, *args, **kw):
+        picked = original(kernel, default, *args, **kw)
+        calls.append((kernel, picked))
+        return picked
+
+    with tuned.forced("layer_norm.fwd", {"BLOCK_M": 1, "num_warps": 1}):
+        tuned.pick = spy
+        try:
+            y = kernels.layer_norm(x, w, b)
+        finally:
+            tuned.pick = original
+    assert calls and calls[0][0] == "layer_norm.fwd" and calls[0][1].BLOCK_M == 1
+    torch.testing.assert_close(y, expected)
+    assert "layer_norm.fwd" not in tuned._forced
+
+
+def test_committed_tables_are_valid():
+    """Every committed table parses, and each entry only sets fields its launcher lets the table tune."""
+    import glob
+    import os
+
+    from bench.tune import candidates, default_launch
+
+    for path in glob.glob(os.path.join(os.path.dirname(tuned.__file__), "configs", "*.json")):
+        table = json.load(open(path))
+        assert table["format"] == tuned.FORMAT
+        for kernel, entries in table["kernels"].items():
+            for key, entry in entries.items():
+                dtype, size, seq_bucket = key.split("/")
+                assert set(entry["config"]) <= set(candidates(kernel)[0]), (path, kernel, key)
+                default_launch(kernel, getattr(torch, dtype), int(size))._replace(**entry["config"])
