@@ -71,6 +71,12 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t itself when contiguous (or None), else a contiguous copy: for the vectors (weights, biases, cu_seqlens)
+    whose kernels index them as plain arrays, so a strided or expanded view is never read as raw memory."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., N] -> [M, N] with unit stride along N (copies only when it must)."""
     return unit_stride(t.reshape(-1, t.shape[-1]))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dot_precision, dropout_keep, keep_mask, new_seed,
+from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, keep_mask, new_seed,
                       unit_stride)
 from . import tuned
 
@@ -374,7 +374,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if dropout_p > 0 and seed is None:
         seed = new_seed()
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-    return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), scale, int(seed or 0))
+    return VarlenAttentionFunction.apply(q, k, v, dense(cu_seqlens), int(max_seqlen), float(dropout_p), scale, int(seed or 0))
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import nn
 
 from . import tuned
-from ._common import as_rows, check_device, check_float, row_bands
+from ._common import as_rows, check_device, check_float, dense, row_bands
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -31,28 +31,35 @@ def _tanh_u2(z):
 
     The tanh form is evaluated through sigmoids: 1 + tanh(u) = 2 sigmoid(2u) and 1 - tanh^2(u) =
     4 sigmoid(2u) sigmoid(-2u); the second sigmoid is computed, not taken as 1 - sigmoid(2u), to keep its
-    relative precision where sigmoid(2u) rounds to 1."""
-    u2 = 1.5957691216057308 * (z + 0.044715 * z * z * z)
+    relative precision where sigmoid(2u) rounds to 1. z is clamped to +-8 first: beyond it tanh(u) is +-1 in
+    float32 (|2u| > 49), and the cube of a huge z would overflow."""
+    zc = tl.minimum(tl.maximum(z, -8.0), 8.0)
+    u2 = 1.5957691216057308 * (zc + 0.044715 * zc * zc * zc)
     return tl.minimum(tl.maximum(u2, -40.0), 40.0)
 
 
 @triton.jit
 def _gelu(z, APPROX_TANH: tl.constexpr):
+    """Saturates as PyTorch does: 0 below z = -8 (tanh) or where erf is -1, z above."""
     if APPROX_TANH:
-        return z * tl.sigmoid(_tanh_u2(z))
+        return tl.where(z < -8.0, 0.0, tl.where(z > 8.0, z, z * tl.sigmoid(_tanh_u2(z))))
     else:
         return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
 
 
 @triton.jit
 def _gelu_grad(z, APPROX_TANH: tl.constexpr):
+    """0 and 1 in the saturated tails (the tanh form's z^3 and the erf form's z * exp(-z^2/2) never overflow)."""
     if APPROX_TANH:
-        u2 = _tanh_u2(z)
+        zc = tl.minimum(tl.maximum(z, -8.0), 8.0)
+        u2 = _tanh_u2(zc)
         s, s_neg = tl.sigmoid(u2), tl.sigmoid(-u2)
-        return s + 2.0 * z * s * s_neg * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+        grad = s + 2.0 * zc * s * s_neg * 0.7978845608028654 * (1.0 + 0.134145 * zc * zc)
+        return tl.where(z < -8.0, 0.0, tl.where(z > 8.0, 1.0, grad))
     else:
-        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
-        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+        zc = tl.minimum(tl.maximum(z, -40.0), 40.0)
+        cdf = 0.5 * (1.0 + tl.erf(zc * 0.7071067811865476))
+        return cdf + zc * 0.3989422804014327 * tl.exp(-0.5 * zc * zc)
 
 
 @triton.jit
@@ -157,7 +164,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
         raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected (N,) with N = x's last dimension "
                          f"(x has shape {tuple(x.shape)})")
     check_device(op, x=x, bias=bias)
-    return BiasGeluFunction.apply(x, bias, approximate)
+    return BiasGeluFunction.apply(x, dense(bias), approximate)
 
 
 class LinearGeLU(nn.Linear):

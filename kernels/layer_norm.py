@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import nn
 
 from . import tuned
-from ._common import as_rows, check_device, check_float, dropout_keep, keep_mask, new_seed, row_bands
+from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, new_seed, row_bands
 
 MAX_N = 16384
 
@@ -222,7 +222,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     _check(x, weight, bias, residual, p)
     if p > 0 and seed is None:
         seed = new_seed()
-    return LayerNormFunction.apply(x, weight, bias, residual, float(eps), p, int(seed or 0))
+    return LayerNormFunction.apply(x, dense(weight), dense(bias), residual, float(eps), p, int(seed or 0))
 
 
 def dropout_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:

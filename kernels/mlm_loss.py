@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import tuned
-from ._common import INTERPRET, check_device, check_float, dot_precision, programs_wanted, unit_stride
+from ._common import INTERPRET, check_device, check_float, dense, dot_precision, programs_wanted, unit_stride
 
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -334,7 +334,7 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
                              f"got values in [{lo}, {hi}]")
     h, w = unit_stride(hidden[rows]), unit_stride(weight)
-    per_row, hit = MaskedLMLossFunction.apply(h, w, bias, picked.to(torch.int64).contiguous())
+    per_row, hit = MaskedLMLossFunction.apply(h, w, dense(bias), picked.to(torch.int64).contiguous())
     if reduction == "mean":
         loss = per_row.sum() / max(rows.numel(), 1)
     elif reduction == "sum":

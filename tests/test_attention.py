@@ -165,3 +165,23 @@ def test_gpu_compiled(dtype, dim):
 def test_gpu_dropout_and_long_sequences(dtype):
     run_case([200, 63], 2, 64, dtype, torch.device("cuda"), p=0.1, seed=3)
     run_case([8192, 1000], 1, 64, dtype, torch.device("cuda"))
+
+
+def test_strided_cu_seqlens_and_expanded_heads(device):
+    """A strided int32 view of cu_seqlens is read as its values, never as raw memory; expanded q/k/v work too."""
+    lengths = [5, 0, 9, 1]
+    total, heads, dim = sum(lengths), 2, 16
+    cu = cu_of(lengths, device)
+    wide = torch.stack([cu, torch.full_like(cu, 10**6)], 1).reshape(-1)  # every other entry is garbage
+    strided = wide[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, cu)
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randn(total, 1, dim, generator=g).to(device).requires_grad_() for _ in range(3)]
+    views = [b.expand(total, heads, dim) for b in base]
+    out = kernels.varlen_attention(*views, strided, max(lengths))
+    grads = torch.autograd.grad(out.pow(2).sum(), base)
+    ref = reference(*[v.double() for v in views], lengths, 1 / math.sqrt(dim))
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), base)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), r.double(), rtol=1e-5, atol=1e-5)

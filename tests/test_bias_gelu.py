@@ -90,3 +90,35 @@ def test_bad_inputs(device, call, err, match):
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gpu_compiled(dtype, approximate):
     run_case((8192, 3072), dtype, torch.device("cuda"), approximate)
+
+
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_strided_and_expanded_bias(device, layout):
+    n = 40
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, n, generator=g).to(device)
+    base = torch.randn(2 * n if layout == "strided" else 1, generator=g).to(device).requires_grad_()
+
+    def view():
+        return base[::2] if layout == "strided" else base.expand(n)
+
+    y = kernels.bias_gelu(x, view())
+    (grad,) = torch.autograd.grad(y.pow(2).sum(), base)
+    ref = F.gelu(x.double() + view().double())
+    (ref_grad,) = torch.autograd.grad(ref.pow(2).sum(), base)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_saturates_for_huge_inputs(device, approximate):
+    """GeLU(z) -> 0 and its slope -> 0 as z -> -inf, GeLU(z) -> z and slope -> 1 as z -> +inf, as in PyTorch: no
+    -inf, NaN or overflowing cube on the way."""
+    z = torch.tensor([-3e38, -1e20, -1e15, -1e6, -50.0, -9.0, 9.0, 50.0, 1e6, 1e15, 1e20, 3e38], device=device)
+    x = z.clone().requires_grad_()
+    y = kernels.bias_gelu(x[None], torch.zeros(z.numel(), device=device), approximate)[0]
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    expected = F.gelu(z.double(), approximate=approximate).float()
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(dx, (z > 0).float(), rtol=0, atol=1e-6)

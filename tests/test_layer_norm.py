@@ -181,3 +181,24 @@ def test_fuse_layer_norms_swaps_in_place_and_shares_parameters(device):
     assert isinstance(model[1], kernels.LayerNorm) and isinstance(model[2][0], kernels.LayerNorm)
     assert model[1].weight is weight and model[2][0].eps == 1e-3
     assert torch.allclose(model(x), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_strided_and_expanded_weight_and_bias(device, layout):
+    """The kernel indexes weight and bias as plain arrays: views must be read as what they mean."""
+    n = 24
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, n, generator=g).to(device)
+    if layout == "strided":
+        bases = [torch.randn(2 * n, generator=g).to(device).requires_grad_() for _ in range(2)]
+        views = lambda: (bases[0][::2], bases[1][1::2])  # noqa: E731
+    else:
+        bases = [torch.randn(1, generator=g).to(device).requires_grad_() for _ in range(2)]
+        views = lambda: (bases[0].expand(n), bases[1].expand(n))  # noqa: E731
+    y = kernels.layer_norm(x, *views())
+    grads = torch.autograd.grad(y.pow(2).sum(), bases)
+    ref = F.layer_norm(x.double(), (n,), *(v.double() for v in views()))
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), bases)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-4)

@@ -197,3 +197,29 @@ def test_gpu_memory_stays_small():
     extra = torch.cuda.max_memory_allocated() - base
     grads = sum(t.numel() * t.element_size() for t in (hidden, weight, bias))
     assert extra < grads + n * v * 2 // 10   # the gradients, plus far less than one bf16 [n, v] tensor
+
+
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_strided_and_expanded_weight_and_bias(device, layout):
+    n, v, h = 7, 40, 16
+    hidden, weight, bias, labels = make(n, v, h, seed=5)
+    if layout == "strided":
+        w_base, b_base = weight.t().contiguous().to(device).requires_grad_(), bias.repeat(2).to(device).requires_grad_()
+
+        def views():
+            return w_base.t(), b_base[::2]
+    else:
+        w_base, b_base = weight[:1].to(device).requires_grad_(), bias[:1].to(device).requires_grad_()
+
+        def views():
+            return w_base.expand(v, h), b_base.expand(v)
+
+    hid = hidden.to(device)
+    loss = kernels.masked_lm_loss(hid, *views(), labels.to(device))
+    grads = torch.autograd.grad(loss, [w_base, b_base])
+    w, b = views()
+    ref = F.cross_entropy(F.linear(hid.double(), w.double(), b.double()), labels.to(device))
+    ref_grads = torch.autograd.grad(ref, [w_base, b_base])
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), r.double(), rtol=1e-5, atol=1e-6)
