@@ -35,19 +35,41 @@ def _warn(reason: str) -> None:
     ops.warn_once(f"fuse_hf_bert: {reason}")
 
 
+def _backend(t: torch.Tensor) -> str:
+    """'triton' where the kernels run on t's device (CUDA; the CPU under TRITON_INTERPRET=1); else 'torch', so a
+    fused model moved to the CPU still runs (the same math, in PyTorch), with one warning."""
+    if t.is_cuda or (t.device.type == "cpu" and ops._kernels().attention.INTERPRET):
+        return "triton"
+    _warn(f"tensors on {t.device.type}: the fused layers run their PyTorch path there (the Triton kernels need a "
+          "CUDA device)")
+    return "torch"
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm holding the original module's own Parameters; LayerNorm(dropout(x) + residual) in one
+    kernel where the kernels run."""
+
+    @classmethod
+    def from_module(cls, ln: nn.LayerNorm) -> "FusedLayerNorm":
+        fused = cls(ln.normalized_shape, eps=ln.eps, elementwise_affine=False, bias=False)
+        fused.elementwise_affine, fused.weight, fused.bias = ln.elementwise_affine, ln.weight, ln.bias
+        return fused.train(ln.training)
+
+    def forward(self, x, residual=None, dropout_p: float = 0.0):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
+                              dropout_p=dropout_p if self.training else 0.0, backend=_backend(x))
+
+
 class FusedSelfOutput(nn.Module):
     """BertSelfOutput / BertOutput: LayerNorm(dropout(dense(x)) + residual) with one fused kernel."""
 
     def __init__(self, orig: nn.Module):
         super().__init__()
         self.dense, self.dropout = orig.dense, orig.dropout
-        self.LayerNorm = ops._kernels().LayerNorm.from_module(orig.LayerNorm)
+        self.LayerNorm = FusedLayerNorm.from_module(orig.LayerNorm)
 
     def forward(self, hidden_states, input_tensor):
-        p = self.dropout.p if self.training else 0.0
-        ln = self.LayerNorm
-        return ops.layer_norm(self.dense(hidden_states), ln.weight, ln.bias, ln.eps, residual=input_tensor,
-                              dropout_p=p, backend="triton")
+        return self.LayerNorm(self.dense(hidden_states), residual=input_tensor, dropout_p=self.dropout.p)
 
 
 class FusedIntermediate(nn.Module):
@@ -59,7 +81,7 @@ class FusedIntermediate(nn.Module):
 
     def forward(self, hidden_states):
         return ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate,
-                             backend="triton")
+                             backend=_backend(hidden_states))
 
 
 class FusedPredictionHeadTransform(FusedIntermediate):
@@ -67,22 +89,31 @@ class FusedPredictionHeadTransform(FusedIntermediate):
 
     def __init__(self, orig: nn.Module, approximate: str):
         super().__init__(orig, approximate)
-        self.LayerNorm = ops._kernels().LayerNorm.from_module(orig.LayerNorm)
+        self.LayerNorm = FusedLayerNorm.from_module(orig.LayerNorm)
 
     def forward(self, hidden_states):
         return self.LayerNorm(super().forward(hidden_states))
 
 
-def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor:
-    """[batch, seq] key mask from whatever BertModel handed its encoder: None, a 2-D mask, or a 4-D boolean or
-    additive mask (a key is kept if any query may attend to it)."""
+def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
+    """[batch, seq] key mask from whatever BertModel handed its encoder: None, a 2-D mask, or a 3-D/4-D boolean
+    or additive mask. None when the mask is not one key mask shared by every query and head (a causal or
+    per-query mask): the fused attention cannot express it."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
     if attention_mask.dim() == 2:
         return attention_mask != 0
     m = attention_mask
     allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
-    return allowed.expand(batch, -1, -1, seqlen).any(dim=1).any(dim=1)
+    if allowed.dim() == 3:
+        allowed = allowed[:, None]
+    if allowed.dim() != 4 or allowed.shape[-1] != seqlen:
+        return None
+    allowed = allowed.expand(batch, -1, -1, seqlen)
+    keys = allowed[:, :1, :1, :]
+    if allowed.shape[1] * allowed.shape[2] > 1 and not bool((allowed == keys).all()):  # one sync, padded inputs
+        return None
+    return keys[:, 0, 0, :]
 
 
 class FusedBertEncoder(nn.Module):
@@ -98,6 +129,10 @@ class FusedBertEncoder(nn.Module):
                 **kwargs):
         wants = {k for k in ("output_attentions", "output_hidden_states")
                  if kwargs.get(k, getattr(self.config, k, False))}
+        batch, seqlen, hidden = hidden_states.shape
+        keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
+        if keys is None:
+            wants.add("an attention mask that differs between queries (not a key-padding mask)")
         if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
             _warn(f"{', '.join(sorted(wants)) or 'cross-attention/cache'} requested: this call runs the original "
                   "(unfused) attention code")
@@ -105,14 +140,13 @@ class FusedBertEncoder(nn.Module):
                                           encoder_attention_mask, **kwargs)
         from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
-        batch, seqlen, hidden = hidden_states.shape
-        u = unpad_mask(_key_mask(attention_mask, batch, seqlen, hidden_states.device))
+        u = unpad_mask(keys)
         x = unpad(hidden_states, u)
         for layer in self.layer:
             sa = layer.attention.self
             q, k, v = ops.project_qkv(x, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size)
             p = sa.dropout.p if self.training else 0.0
-            ctx = ops.varlen_attention(q, k, v, u, dropout_p=p, backend="triton")
+            ctx = ops.varlen_attention(q, k, v, u, dropout_p=p, backend=_backend(x))
             x = layer.attention.output(ctx.reshape(x.shape[0], hidden), x)
             x = layer.output(layer.intermediate(x), x)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=pad(x, u))
@@ -128,7 +162,7 @@ def _replace(record: list, parent: nn.Module, name: str, new: nn.Module) -> None
 def _fuse_bert_model(bert: nn.Module, record: list) -> None:
     cfg = bert.config
     approximate = ACTIVATIONS.get(cfg.hidden_act) if isinstance(cfg.hidden_act, str) else None
-    _replace(record, bert.embeddings, "LayerNorm", ops._kernels().LayerNorm.from_module(bert.embeddings.LayerNorm))
+    _replace(record, bert.embeddings, "LayerNorm", FusedLayerNorm.from_module(bert.embeddings.LayerNorm))
     for layer in bert.encoder.layer:
         _replace(record, layer.attention, "output", FusedSelfOutput(layer.attention.output))
         _replace(record, layer, "output", FusedSelfOutput(layer.output))
@@ -164,7 +198,7 @@ def _fused_mlm_forward(self, input_ids=None, attention_mask=None, token_type_ids
     rows = (labels != -100).nonzero().squeeze(1)
     head = self.cls.predictions
     h = head.transform(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[rows])
-    loss = ops.masked_lm_loss(h, head.decoder.weight, head.decoder.bias, labels[rows], backend="triton").loss
+    loss = ops.masked_lm_loss(h, head.decoder.weight, head.decoder.bias, labels[rows], backend=_backend(h)).loss
     if hasattr(self.cls, "seq_relationship"):
         from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 

@@ -91,6 +91,25 @@ def check_labels(labels, high, name, shape, keep=None, ignore_index=-100):
         raise ValueError(f"{name} sets {on_pad} padded position(s) (attention_mask == 0); use {ignore_index} there")
 
 
+def cross_entropy(logits, labels, ignore_index=-100):
+    """Mean cross-entropy (float32) over the rows whose label is not ignore_index; 0, with zero gradients, when
+    there are none (an all-ignored or empty batch), where F.cross_entropy's mean over nothing is NaN. No sync."""
+    total = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+    return total / (labels != ignore_index).sum().clamp_min(1)
+
+
+def check_positions(positions, keep, name):
+    """QA start/end positions: each in [0, seq_len] (seq_len and beyond: ignored) and never on padding."""
+    if positions.is_floating_point() or tuple(positions.shape) != (keep.shape[0],):
+        raise ValueError(f"{name} must be integer positions of shape ({keep.shape[0]},), got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    inside = (positions >= 0) & (positions < keep.shape[1])
+    at = positions.clamp(0, max(keep.shape[1] - 1, 0))
+    on_pad = int((inside & ~keep.bool().gather(1, at[:, None]).squeeze(1)).sum()) if keep.numel() else 0
+    if on_pad:
+        raise ValueError(f"{name} points at {on_pad} padded position(s) (attention_mask == 0)")
+
+
 # ---- modules -------------------------------------------------------------------------------------
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
@@ -393,7 +412,7 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
             out.mlm_loss, out.mlm_correct, out.prediction_logits = mlm
         if next_sentence_label is not None:
             check_labels(next_sentence_label, 2, "next_sentence_label", (u.batch,))
-            out.nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
+            out.nsp_loss = cross_entropy(nsp_logits, next_sentence_label)
         losses = [l for l in (out.mlm_loss, out.nsp_loss) if l is not None]
         out.loss = sum(losses) if losses else None
         return out
@@ -441,7 +460,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
             else:
                 check_labels(labels, self.num_labels, "labels", (u.batch,), ignore_index=-100)
-                loss = F.cross_entropy(logits.float(), labels)
+                loss = cross_entropy(logits, labels)
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
@@ -464,11 +483,7 @@ class BertForTokenClassification(BertPreTrainedModel):
         loss = None
         if labels is not None:
             check_labels(labels, self.num_labels, "labels", (u.batch, u.seqlen), keep=_MLMMixin._keep(u))
-            packed = unpad(labels, u)
-            if (packed != -100).any():
-                loss = F.cross_entropy(logits.float(), packed)
-            else:
-                loss = logits.sum() * 0.0
+            loss = cross_entropy(logits, unpad(labels, u))
         return TokenClassifierOutput(loss=loss, logits=pad(logits, u))
 
 
@@ -494,9 +509,11 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         start_logits, end_logits = logits.float().unbind(-1)
         loss = None
         if start_positions is not None and end_positions is not None:
+            for name, positions in (("start_positions", start_positions), ("end_positions", end_positions)):
+                check_positions(positions.view(-1), _MLMMixin._keep(u), name)
             ignored = u.seqlen  # HF's convention: positions clamped to seq_len are ignored
             start = start_positions.view(-1).clamp(0, ignored)
             end = end_positions.view(-1).clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
-                    + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
+            loss = (cross_entropy(start_logits, start, ignore_index=ignored)
+                    + cross_entropy(end_logits, end, ignore_index=ignored)) / 2
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

@@ -1,5 +1,6 @@
 """bert.hf.fuse_hf_bert on transformers models: same outputs and gradients, reversible, instance-local."""
 import copy
+import os
 import warnings
 
 import pytest
@@ -204,3 +205,61 @@ def test_gpu_half_precision_within_twice_the_original_error(dtype):
     err_orig = (orig.float() - exact)[keep].abs().max().item()
     err_fused = (fused.float() - exact)[keep].abs().max().item()
     assert err_fused <= 2 * err_orig + 1e-3, (err_fused, err_orig)
+
+
+def test_masks_the_kernel_cannot_express_take_the_original_path():
+    """A 4-D mask that differs between queries (causal) runs the original attention, warned; a 2-D mask or a
+    4-D mask that is one key mask for every query still fuses."""
+    bert_ops._warned.clear()
+    torch.manual_seed(0)
+    ref = transformers.BertModel(transformers.BertConfig(**TINY)).eval()
+    fused = fuse_hf_bert(copy.deepcopy(ref))
+    ids, mask, _ = random_batch(99, seed=8)
+    batch, seqlen = ids.shape
+    keys = mask.bool()[:, None, None, :]
+    causal = torch.tril(torch.ones(seqlen, seqlen, dtype=torch.bool))[None, None] & keys
+    calls = []
+    original = fused.encoder.layer[0].attention.self.forward
+    fused.encoder.layer[0].attention.self.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    with torch.no_grad():
+        for m, expect_original in ((mask, False), (keys.expand(batch, 1, seqlen, seqlen), False), (causal, True)):
+            calls.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = fused(input_ids=ids, attention_mask=m).last_hidden_state
+            assert bool(calls) == expect_original  # the original self-attention module ran only for the causal mask
+            assert any("differs between queries" in str(w.message) for w in caught) == expect_original
+            expected = ref(input_ids=ids, attention_mask=m).last_hidden_state
+            assert rel_err(out[mask.bool()], expected[mask.bool()]) <= TOL
+
+
+def test_fused_model_on_the_cpu_without_the_interpreter_runs_the_pytorch_path(tmp_path):
+    """Without TRITON_INTERPRET the kernels cannot take CPU tensors: the fused modules fall back, warned once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "cpu.py"
+    script.write_text(f"""
+import copy, os, sys, warnings
+sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
+import torch, transformers
+from bert.hf import fuse_hf_bert
+from hf_utils import random_batch, rel_err, mlm_labels
+torch.manual_seed(0)
+ref = transformers.BertForMaskedLM(transformers.BertConfig(**{TINY!r})).eval()
+fused = fuse_hf_bert(copy.deepcopy(ref))
+ids, mask, tt = random_batch(99, seed=3)
+labels = mlm_labels(ids, mask, 99)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    fused(input_ids=ids, attention_mask=mask, labels=labels)
+expected = ref(input_ids=ids, attention_mask=mask, labels=labels)
+messages = [str(w.message) for w in caught if "PyTorch path" in str(w.message)]
+print(len(messages), rel_err(out.loss, expected.loss))
+""")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned, err = done.stdout.split()
+    assert warned == "1" and float(err) <= TOL

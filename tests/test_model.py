@@ -292,6 +292,38 @@ def test_bad_labels_raise_clear_errors(tiny_model):
         tiny_model(ids, mask, tt, next_sentence_label=torch.tensor([0, 2]))
 
 
+def test_qa_positions_on_padding_raise():
+    model = bert.BertForQuestionAnswering(bert.BertConfig.preset("tiny", vocab_size=99, backend="torch"))
+    ids, mask, tt = random_batch(99, batch=2, seqlen=9, lengths=[9, 4])
+    with pytest.raises(ValueError, match=r"start_positions points at 1 padded position\(s\)"):
+        model(ids, mask, tt, start_positions=torch.tensor([2, 6]), end_positions=torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="end_positions points at 1 padded"):
+        model(ids, mask, tt, start_positions=torch.tensor([2, 1]), end_positions=torch.tensor([3, 4]))
+    # seq_len and beyond mean "not in this window" (ignored), as in HF.
+    out = model(ids, mask, tt, start_positions=torch.tensor([2, 9]), end_positions=torch.tensor([3, 12]))
+    assert torch.isfinite(out.loss) and out.loss.item() < 1e30
+
+
+@pytest.mark.parametrize("cls,labels", [
+    (bert.BertForSequenceClassification, lambda b, s: {"labels": torch.full((b,), -100)}),
+    (bert.BertForPreTraining, lambda b, s: {"labels": torch.full((b, s), -100),
+                                            "next_sentence_label": torch.full((b,), -100)}),
+    (bert.BertForTokenClassification, lambda b, s: {"labels": torch.full((b, s), -100)}),
+    (bert.BertForQuestionAnswering, lambda b, s: {"start_positions": torch.full((b,), s),
+                                                  "end_positions": torch.full((b,), s)}),
+], ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize("batch", [3, 0])
+def test_no_labelled_example_gives_zero_loss_and_zero_gradients(cls, labels, batch):
+    """All labels ignored, or an empty batch: loss 0 (not NaN) and gradients of zero."""
+    model = cls(bert.BertConfig.preset("tiny", vocab_size=99, backend="torch"))
+    ids = torch.randint(0, 99, (batch, 8))
+    out = model(ids, torch.ones_like(ids), **labels(batch, 8))
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
 def test_all_padding_row_and_no_labels_give_finite_outputs(tiny_model):
     ids, mask, tt = random_batch(99, batch=3, seqlen=8, lengths=[8, 0, 3])
     labels = torch.full_like(ids, -100)
