@@ -28,7 +28,6 @@ import json
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from typing import Callable, NamedTuple
 
@@ -269,6 +268,7 @@ def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, c
 
 def write_table(folder: str, arch: str, results: dict, meta: dict) -> str:
     """Merge {kernel: {key: entry}} into <folder>/<arch>.json, atomically; returns the path."""
+    from bert.checkpoint import atomic_write
     from kernels import tuned
 
     os.makedirs(folder, exist_ok=True)
@@ -278,12 +278,12 @@ def write_table(folder: str, arch: str, results: dict, meta: dict) -> str:
     table.update(meta)
     for kernel, entries in results.items():
         table["kernels"].setdefault(kernel, {}).update(entries)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{arch}.", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    atomic_write(path, write)
     tuned.clear_cache()
     return path
 

@@ -27,13 +27,22 @@ class LoadingInfo:
     unexpected_keys: list[str] = field(default_factory=list)   # in the checkpoint, unused by this model
 
 
+def default_file_mode() -> int:
+    """The permissions open() gives a new file under the current umask (mkstemp's are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write(path: str, write) -> None:
-    """Call write(tmp_path), then rename tmp_path to path; the temporary file is removed on failure."""
+    """Call write(tmp_path), then rename tmp_path to path; the temporary file is removed on failure. The file
+    gets the permissions any other new file would."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, default_file_mode())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

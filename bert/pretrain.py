@@ -29,6 +29,8 @@ from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, ite
     micro_batch, tokenize_corpus
 from .model import BertForPreTraining
 from .optim import linear_schedule, param_groups
+from .checkpoint import atomic_write
+from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 PRESETS = ("tiny", "mini", "base", "large")
@@ -80,8 +82,89 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None, help="where the tokenised corpus is cached "
                                                      "(default OUTPUT_DIR/cache)")
     p.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in an OUTPUT_DIR that already holds one (its log and checkpoints are "
+                        "deleted)")
+    p.add_argument("--allow-config-changes", action="store_true",
+                   help="with --resume: continue although settings differ from the saved run's (listed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(p)
     return p
+
+
+# Settings that make a run what it is: --resume compares them with the checkpoint's (the others only say how
+# it runs: workers, logging cadence, caching).
+RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "grad_accum", "steps",
+                "lr", "warmup", "weight_decay", "max_grad_norm", "precision", "mlm_probability",
+                "whole_word_masking", "eval_fraction", "seed", "max_documents")
+
+
+def validate_args(args) -> None:
+    """Everything that can be checked before any work (tokenising a corpus can take hours)."""
+    check_numbers(args, positive=("max_seq_len", "batch_size", "grad_accum", "steps", "lr", "keep_checkpoints",
+                                  "eval_batches", "num_proc", "train_tokenizer", "max_documents"),
+                  non_negative=("warmup", "weight_decay", "max_grad_norm", "save_every", "eval_every",
+                                "num_workers"),
+                  fractions=("eval_fraction",))
+    if not 0 < args.mlm_probability <= 1:
+        raise ValueError(f"--mlm-probability must be in (0, 1], got {args.mlm_probability}")
+    if args.max_seq_len < 8:
+        raise ValueError(f"--max-seq-len must be at least 8 ([CLS] A [SEP] B [SEP] needs room), got "
+                         f"{args.max_seq_len}")
+    if args.config not in PRESETS and not os.path.isfile(args.config):
+        raise ValueError(f"--config {args.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
+    check_source("--data", args.data, hub_prefix="hf:")
+    if args.tokenizer and not os.path.exists(args.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
+        raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
+
+
+def run_settings(args) -> dict:
+    return {k: getattr(args, k) for k in RUN_SETTINGS}
+
+
+def prepare_output_dir(args) -> None:
+    """A fresh run refuses an OUTPUT_DIR that holds another run (its log, checkpoints or model), unless
+    --overwrite, which deletes the old log and checkpoints so a later --resume cannot pick them up."""
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.resume:
+        return
+    old = [n for n in ("log.jsonl", "checkpoints", "model.safetensors") if os.path.exists(os.path.join(args.output_dir, n))]
+    if old and not args.overwrite:
+        raise ValueError(f"{args.output_dir} already holds a run ({', '.join(old)}); pass --resume to continue it "
+                         "or --overwrite to start a new one there")
+    for name in ("log.jsonl", "checkpoints", "tensorboard", "tokenizer"):
+        path = os.path.join(args.output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def check_resumed_settings(saved: dict | None, args) -> None:
+    """Refuse to continue a run under other settings than it was started with, listing every difference."""
+    if saved is None:
+        return
+    changed = {k: (saved.get(k), v) for k, v in run_settings(args).items() if k in saved and saved[k] != v}
+    if changed and not args.allow_config_changes:
+        listed = "; ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"--resume: the settings differ from the saved run's: {listed}. Use the saved settings, "
+                         "or pass --allow-config-changes to continue anyway")
+
+
+def truncate_log(path: str, step: int) -> None:
+    """Drop the log rows written after the checkpoint a run resumes from (they will be written again)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(rows)
+
+    atomic_write(path, write)
 
 
 # ---- distributed helpers -------------------------------------------------------------------------
@@ -203,7 +286,8 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, names[-1]) if names else None
 
 
-def save_checkpoint(output_dir, model, optimizer, scheduler, scaler, state: dict, keep: int) -> str:
+def save_checkpoint(output_dir, model, optimizer, scheduler, scaler, state: dict, keep: int,
+                    settings: dict | None = None) -> str:
     """Write into a temporary directory, then rename it: a checkpoint is either complete or absent."""
     root = checkpoint_dir(output_dir)
     os.makedirs(root, exist_ok=True)
@@ -215,7 +299,7 @@ def save_checkpoint(output_dir, model, optimizer, scheduler, scaler, state: dict
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                **state}, os.path.join(tmp, "training_state.pt"))
+                "run_settings": json.dumps(settings), **state}, os.path.join(tmp, "training_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
@@ -309,15 +393,20 @@ def train(args) -> TrainResult:
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    validate_args(args)
     d = setup_distributed(device.type)
-    os.makedirs(args.output_dir, exist_ok=True)
+    if d.main:
+        prepare_output_dir(args)
+    if d.world > 1:
+        dist.barrier()
     torch.manual_seed(args.seed)
 
     tokenizer = resolve_tokenizer(args, d)
     special = SpecialIds.from_tokenizer(tokenizer)
     cfg = build_config(args, tokenizer.get_vocab_size())
-    if d.main:
-        save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
+    if d.main:  # next to config.json too, so OUTPUT_DIR is a complete model for bert-finetune --model
+        for where in (os.path.join(args.output_dir, "tokenizer"), args.output_dir):
+            save_tokenizer(tokenizer, where)
     corpus = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,
@@ -348,6 +437,7 @@ def train(args) -> TrainResult:
 
         model.load_hf_state_dict(read_state_dict(resume))
         saved = torch.load(os.path.join(resume, "training_state.pt"), map_location="cpu", weights_only=True)
+        check_resumed_settings(json.loads(saved.get("run_settings") or "null"), args)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         if scaler is not None and saved.get("scaler"):
@@ -361,6 +451,8 @@ def train(args) -> TrainResult:
     model.train()
 
     log_path = os.path.join(args.output_dir, "log.jsonl")
+    if d.main:
+        truncate_log(log_path, state["step"])
     writer = None
     if d.main:
         try:
@@ -435,8 +527,11 @@ def train(args) -> TrainResult:
                 if stopping:
                     last["stopped"] = True
                 if args.eval_every and state["step"] % args.eval_every == 0 and d.main:
-                    last.update(evaluate(model, corpus, collator, max(1, args.batch_size // d.world),
-                                         args.eval_batches, device, amp))
+                    scores = evaluate(model, corpus, collator, max(1, args.batch_size // d.world),
+                                      args.eval_batches, device, amp)
+                    last.update(scores)
+                    if scores:
+                        say(progress, f"step {state['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
                 if d.main:
                     log.write(json.dumps(last) + "\n")
                     log.flush()
@@ -452,12 +547,12 @@ def train(args) -> TrainResult:
                 if stopping or done or (args.save_every and state["step"] % args.save_every == 0):
                     if d.main:
                         save_checkpoint(args.output_dir, model, optimizer, scheduler, scaler, state,
-                                        args.keep_checkpoints)
+                                        args.keep_checkpoints, run_settings(args))
                     if d.world > 1:
                         dist.barrier()
                 if stopping:
-                    if progress:
-                        progress.write(f"stopped by signal at step {state['step']}; checkpoint saved")
+                    if d.main:
+                        say(progress, f"stopped by signal at step {state['step']}; checkpoint saved")
                     break
                 if done:
                     break
@@ -472,21 +567,34 @@ def train(args) -> TrainResult:
         writer.close()
     if d.main and not last.get("stopped"):
         model.save_pretrained(args.output_dir)
+        print(f"saved to {args.output_dir}", flush=True)
     if d.world > 1:
         dist.barrier()
     return TrainResult(last, model)
 
 
+def say(progress, message: str) -> None:
+    """A console line that does not break the progress bar (and shows without one)."""
+    if progress:
+        progress.write(message)
+    else:
+        print(message, flush=True)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        last = train(args).metrics
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if last:
-        print(json.dumps(last))
-    return 0
+
+    def body():
+        try:
+            last = train(args).metrics
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if last:
+            print(json.dumps(last))
+        return 0
+
+    return run("bert-pretrain", body, args.debug)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,24 @@ def _finish(tok: Tokenizer, source: str) -> Tokenizer:
     return tok
 
 
+def _lines(paths) -> Iterable[str]:
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            yield from f
+
+
+def _continuation_pieces(tok: Tokenizer, texts: Iterable[str]) -> list[str]:
+    """'##c' for every character that continues a word, in sorted order. The trainer numbers these pieces in the
+    order it meets them while iterating a hash map, which differs from run to run; ties between merges are then
+    broken differently, and even the set of learned pieces changes. Given up front (as reserved tokens) they get
+    fixed ids, and training becomes deterministic: one command, one vocab.txt."""
+    chars: set[str] = set()
+    for text in texts:
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
+            chars.update(word[1:])
+    return ["##" + c for c in sorted(chars)]
+
+
 def bert_wordpiece(vocab: dict[str, int] | None = None, lowercase: bool = True, strip_accents: bool | None = None,
                    tokenize_chinese_chars: bool = True) -> Tokenizer:
     """A BERT WordPiece pipeline (normaliser, pre-tokeniser, model, decoder) around `vocab`."""
@@ -87,21 +105,25 @@ def train_tokenizer(files_or_iterator: str | Iterable[str], vocab_size: int, out
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size must leave room beyond the {len(SPECIAL_TOKENS)} special tokens")
     tok = bert_wordpiece(lowercase=lowercase)
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                        limit_alphabet=limit_alphabet, special_tokens=SPECIAL_TOKENS,
-                                        continuing_subword_prefix="##", show_progress=show_progress)
     if isinstance(files_or_iterator, (str, os.PathLike)):
         files_or_iterator = [files_or_iterator]
         if not os.path.isfile(files_or_iterator[0]):
             raise FileNotFoundError(f"no such text file: {files_or_iterator[0]}")
-    if isinstance(files_or_iterator, (list, tuple)) and files_or_iterator and all(
-            isinstance(p, (str, os.PathLike)) and os.path.isfile(p) for p in files_or_iterator):
+    files = isinstance(files_or_iterator, (list, tuple)) and files_or_iterator and all(
+        isinstance(p, (str, os.PathLike)) and os.path.isfile(p) for p in files_or_iterator)
+    texts = None if files else list(files_or_iterator)  # read twice: the pieces below, then the training
+    pieces = _continuation_pieces(tok, _lines(files_or_iterator) if files else texts)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                        limit_alphabet=limit_alphabet, special_tokens=SPECIAL_TOKENS + pieces,
+                                        continuing_subword_prefix="##", show_progress=show_progress)
+    if files:
         tok.train([os.fspath(p) for p in files_or_iterator], trainer)
     else:
-        tok.train_from_iterator(files_or_iterator, trainer)
-    if tok.get_vocab_size() <= len(SPECIAL_TOKENS):
+        tok.train_from_iterator(texts, trainer)
+    if tok.get_vocab_size() <= len(SPECIAL_TOKENS) + len(pieces):
         raise ValueError("the training text produced no vocabulary (is it empty?)")
-    tok = _finish(tok, "the trained vocabulary")
+    # Rebuilt so that only BERT's own special tokens are matched whole in text.
+    tok = _finish(bert_wordpiece(tok.get_vocab(), lowercase=lowercase), "the trained vocabulary")
     if output_dir is not None:
         save_tokenizer(tok, output_dir, lowercase=lowercase)
     return tok

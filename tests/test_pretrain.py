@@ -140,7 +140,7 @@ def test_bad_inputs(tmp_path, corpus):
     empty.write_text("\n\n")
     with pytest.raises(ValueError, match="has no text|no vocabulary"):
         train(args_for(tmp_path, str(empty)))
-    with pytest.raises(FileNotFoundError, match="no corpus files"):
+    with pytest.raises(FileNotFoundError, match="missing.txt: no such file or directory"):
         train(args_for(tmp_path, str(tmp_path / "missing.txt"), out="m"))
     with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
         train(args_for(tmp_path, corpus, "--max-seq-len", "1024", out="long"))
@@ -160,3 +160,69 @@ def test_help_documents_every_option(capsys):
     for option in ("--config", "--data", "--tokenizer", "--train-tokenizer", "--max-seq-len", "--batch-size",
                    "--steps", "--lr", "--output-dir", "--resume", "--backend"):
         assert option in text
+
+
+def test_output_dir_of_a_run_is_protected_and_resume_checks_settings(tmp_path, corpus):
+    train(args_for(tmp_path, corpus, "--steps", "4", "--save-every", "2"))
+    with pytest.raises(ValueError, match="already holds a run .*--resume .*--overwrite"):
+        train(args_for(tmp_path, corpus, "--steps", "4"))
+    with pytest.raises(ValueError, match=r"--batch-size was 16, now 8; --lr was 0.0005, now 0.001"):
+        train(args_for(tmp_path, corpus, "--steps", "4", "--resume", "--batch-size", "8", "--lr", "1e-3"))
+    # An explicit override continues; a fresh run with --overwrite starts over (old checkpoints gone).
+    train(args_for(tmp_path, corpus, "--steps", "6", "--resume", "--allow-config-changes"))
+    assert [r["step"] for r in read_log(tmp_path / "run" / "log.jsonl")] == list(range(1, 7))
+    train(args_for(tmp_path, corpus, "--steps", "3", "--save-every", "0", "--overwrite"))
+    assert [r["step"] for r in read_log(tmp_path / "run" / "log.jsonl")] == [1, 2, 3]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["step-00000003"]
+
+
+def test_resume_from_an_earlier_checkpoint_rewrites_the_later_log_rows(tmp_path, corpus):
+    train(args_for(tmp_path, corpus, "--steps", "6", "--save-every", "3"))
+    first = read_log(tmp_path / "run" / "log.jsonl")
+    step3 = str(tmp_path / "run" / "checkpoints" / "step-00000003")
+    train(args_for(tmp_path, corpus, "--steps", "6", "--save-every", "3", "--resume", step3))
+    again = read_log(tmp_path / "run" / "log.jsonl")
+    assert [r["step"] for r in again] == list(range(1, 7))  # rows 4-6 written once, not twice
+    assert [r["mlm_loss"] for r in again] == [r["mlm_loss"] for r in first]
+
+
+def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path, corpus):
+    from bert.tokenizer import load_tokenizer
+
+    train(args_for(tmp_path, corpus, "--steps", "2", out="x"))
+    train(args_for(tmp_path, corpus, "--steps", "2", out="y"))
+    for name in ("vocab.txt", "tokenizer.json", "config.json", "model.safetensors"):
+        assert (tmp_path / "x" / name).exists(), name
+    assert (tmp_path / "x" / "vocab.txt").read_text() == (tmp_path / "y" / "vocab.txt").read_text()
+    assert load_tokenizer(tmp_path / "x").get_vocab_size() == bert.BertConfig.from_json_file(tmp_path / "x").vocab_size
+    assert read_log(tmp_path / "x" / "log.jsonl")[0]["mlm_loss"] == read_log(tmp_path / "y" / "log.jsonl")[0]["mlm_loss"]
+    mode = os.stat(tmp_path / "x" / "model.safetensors").st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+    (["--steps", "-1"], "--steps must be positive"),
+    (["--config", "nonsense"], "neither a preset (tiny, mini, base, large)"),
+    (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
+    (["--mlm-probability", "0"], "--mlm-probability must be in (0, 1]"),
+])
+def test_arguments_are_checked_before_any_work_with_one_line(tmp_path, corpus, capsys, flags, message):
+    from bert.pretrain import main
+
+    argv = ["--data", corpus, "--train-tokenizer", "200", "--output-dir", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bert-pretrain: error: ") and message in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "tokenizer").exists()  # nothing was done
+    with pytest.raises(ValueError):
+        main(argv + flags + ["--debug"])
+
+
+def test_missing_local_data_fails_at_once(tmp_path, capsys):
+    from bert.pretrain import main
+
+    assert main(["--data", "no/such/corpus.txt", "--train-tokenizer", "200", "--output-dir", str(tmp_path)]) == 2
+    assert "--data no/such/corpus.txt: no such file or directory" in capsys.readouterr().err

@@ -130,3 +130,15 @@ def test_bad_tokenizer_inputs(tmp_path):
         train_tokenizer(str(tmp_path / "nope.txt"), vocab_size=100)
     with pytest.raises(ValueError, match="no vocabulary"):
         train_tokenizer([], vocab_size=100)
+
+
+def test_training_is_deterministic(tmp_path):
+    """The same text gives the same vocabulary, ids included, every time (ties between merges too)."""
+    texts = [f"the {w} sat on the {v} mat with a {u}" for w, v, u in zip(
+        ["cat", "dog", "bat", "rat", "cow", "hen"] * 5, ["red", "tan", "blue", "gray", "pink"] * 6,
+        ["hat", "bag", "cap", "box", "jar", "pot"] * 5)]
+    vocabs = [train_tokenizer(texts, vocab_size=60).get_vocab() for _ in range(4)]
+    assert all(v == vocabs[0] for v in vocabs[1:])
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(texts))
+    assert train_tokenizer(str(path), vocab_size=60).get_vocab() == vocabs[0]  # files and iterators alike
