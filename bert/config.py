@@ -24,6 +24,18 @@ _PRESETS = {
 }
 
 
+def read_json_object(path) -> dict:
+    """A JSON object from a file; an error naming the file when it is empty, not JSON or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 @dataclass
 class BertConfig:
     vocab_size: int = 30522
@@ -152,8 +164,7 @@ class BertConfig:
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json at {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), **overrides)
+        return cls.from_dict(read_json_object(path), **overrides)
 
     def to_json_string(self, architectures: list[str] | None = None) -> str:
         d = self.to_dict()

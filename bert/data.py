@@ -14,6 +14,8 @@ import json
 import os
 import random
 import re
+import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -42,11 +44,24 @@ def corpus_files(source: str) -> list[str]:
     return [p for p in paths if os.path.isfile(p)]
 
 
+def read_text(path: str) -> str:
+    """A corpus file's text; an error naming the file when it is not UTF-8 text."""
+    with open(path, "rb") as f:
+        data = f.read()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{path}: binary data (a NUL byte at offset {nul}), not a text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
 def _text_file_documents(path: str) -> Iterator[list[str]]:
     """Plain text: documents are separated by blank lines. WikiText: each `= Title =` line starts a document,
     `= = Section = =` lines are dropped, and blank lines only separate paragraphs."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    lines = read_text(path).splitlines()
     wikitext = sum(1 for line in lines[:2000] if _TOP_HEADING.match(line)) >= 1
     doc: list[str] = []
     for line in lines:
@@ -84,17 +99,16 @@ def iter_documents(source: str, text_field: str = "text", hf_split: str = "train
         raise FileNotFoundError(f"no corpus files at {source}")
     for path in paths:
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[text_field]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field") from e
-                    sentences = _text_sentences(text)
-                    if sentences:
-                        yield sentences
+            for lineno, line in enumerate(read_text(path).splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field") from e
+                sentences = _text_sentences(text)
+                if sentences:
+                    yield sentences
         else:
             yield from _text_file_documents(path)
 
@@ -123,7 +137,14 @@ def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_pr
     key = _fingerprint(source, tokenizer, {"max_documents": max_documents, "v": 1})
     path = os.path.join(cache_dir, f"tokenized-{key}") if cache_dir else None
     if path and os.path.isdir(path):
-        return datasets.load_from_disk(path)
+        try:
+            return datasets.load_from_disk(path)
+        except Exception as e:  # a cache from an older datasets or a damaged disk: rebuild, never fail on it
+            warnings.warn(f"the tokenised-corpus cache {path} cannot be read ({type(e).__name__}: {e}); "
+                          "rebuilding it")
+            shutil.rmtree(path, ignore_errors=True)
+    if next(iter_documents(source), None) is None:  # datasets cannot even infer a schema from nothing
+        raise ValueError(f"the corpus at {source} has no text")
 
     def gen():
         for i, doc in enumerate(iter_documents(source)):
@@ -151,8 +172,13 @@ def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_pr
     tokenized = docs.map(encode, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
                          remove_columns=["text"], desc="tokenising")
     tokenized = tokenized.filter(lambda row: len(row["sentences"]) > 0)
-    if path:
-        tokenized.save_to_disk(path)
+    if path:  # written under a temporary name, then renamed: a killed run leaves no half-written cache
+        tmp = f"{path}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenized.save_to_disk(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        tokenized = datasets.load_from_disk(path)
     return tokenized
 
 

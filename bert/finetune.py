@@ -21,6 +21,9 @@ import random
 
 import torch
 
+from . import cli
+from .cli import add_debug_flag, check_numbers, check_source
+from .config import read_json_object
 from .metrics import accuracy_and_macro_f1, ner_scores, squad_scores
 from .model import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
 from .optim import linear_schedule, param_groups
@@ -57,7 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="hot-op implementation")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(p)
     return p
+
+
+def validate_args(args) -> None:
+    """Everything that can be checked before loading a model or reading data."""
+    check_numbers(args, positive=("epochs", "max_steps", "lr", "batch_size", "eval_batch_size", "max_seq_len",
+                                  "doc_stride", "max_answer_len", "n_best", "max_train_examples",
+                                  "max_eval_examples"),
+                  non_negative=("weight_decay",), fractions=("warmup",))
+    if not args.train and not args.eval:
+        raise ValueError("give --train and/or --eval data")
+    if args.task == "qa" and args.doc_stride >= args.max_seq_len:
+        raise ValueError(f"--doc-stride {args.doc_stride} must be smaller than --max-seq-len {args.max_seq_len}")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise FileNotFoundError(f"--model {args.model}: no config.json there (expected a save_pretrained directory)")
+    if args.tokenizer and not os.path.exists(args.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    check_source("--train", args.train)
+    check_source("--eval", args.eval)
 
 
 def pad_batch(features: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -94,6 +116,8 @@ class Task:
 
     def read(self, source, split, limit):
         data = self.reader(source, split)
+        if not data:
+            raise ValueError(f"{source}: no {'training' if split == 'train' else 'evaluation'} examples")
         return data[:limit] if limit else data
 
     def labels_from(self, train_data, model_config: dict) -> dict[int, str] | None:
@@ -168,17 +192,15 @@ def write_predictions(task: Task, data, predictions, path: str) -> None:
 
 def run(args) -> dict:
     """Fine-tune and evaluate; returns the metrics. Used by the CLI and by tests."""
+    validate_args(args)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     task = Task(args.task, args, tokenizer)
-    if not args.train and not args.eval:
-        raise ValueError("give --train and/or --eval data")
     train_data = task.read(args.train, "train", args.max_train_examples) if args.train else []
     eval_data = task.read(args.eval, "eval", args.max_eval_examples) if args.eval else []
-    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-        model_config = json.load(f)
+    model_config = read_json_object(os.path.join(args.model, "config.json"))
     id2label = task.labels_from(train_data or eval_data, model_config)
     overrides = {"backend": args.backend}
     if id2label is not None:
@@ -232,6 +254,8 @@ def run(args) -> dict:
         if task.name == "qa":
             feats, windows = feats
         scores, predictions = task.evaluate(model, eval_data, feats, device, id2label, windows)
+        print("evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items() if isinstance(v, (int, float))),
+              flush=True)
         metrics.update({f"eval_{k}": v for k, v in scores.items()}, eval_examples=len(eval_data))
         write_predictions(task, eval_data, predictions, os.path.join(args.output_dir, "predictions.txt"
                                                                      if task.name != "qa" else "predictions.json"))
@@ -239,14 +263,19 @@ def run(args) -> dict:
     save_tokenizer(tokenizer, args.output_dir)
     with open(os.path.join(args.output_dir, "metrics.json"), "w", encoding="utf-8") as f:
         json.dump(metrics, f, indent=2)
+    print(f"saved to {args.output_dir}", flush=True)
     return metrics
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    metrics = run(build_parser().parse_args(argv))
-    print(json.dumps(metrics, indent=2))
-    return 0
+    args = build_parser().parse_args(argv)
+
+    def body():
+        print(json.dumps(run(args), indent=2))
+        return 0
+
+    return cli.run("bert-finetune", body, args.debug)
 
 
 if __name__ == "__main__":

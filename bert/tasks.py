@@ -56,9 +56,22 @@ def read_classification(source: str, split: str) -> list[TextExample]:
                 continue
             if len(row) < len(header):
                 raise ValueError(f"{source}:{lineno}: expected {len(header)} tab-separated columns, got {len(row)}")
-            out.append(TextExample(row[a].strip(), row[b].strip() if b is not None else None,
-                                   row[cols["label"]].strip(), f"{source}:{lineno}"))
+            label = row[cols["label"]].strip()
+            if not label:
+                raise ValueError(f"{source}:{lineno}: empty label")
+            out.append(TextExample(row[a].strip(), row[b].strip() if b is not None else None, label,
+                                   f"{source}:{lineno}"))
+    _check_label_kinds(out, source)
     return out
+
+
+def _check_label_kinds(examples: list[TextExample], source: str) -> None:
+    """Integer labels (0/1, 0-4...) or names, not a mix: a stray 'positive' in a 0/1 file is a typo, not a class."""
+    numeric = [e.label.lstrip("-").isdigit() for e in examples]
+    if any(numeric) and not all(numeric):
+        odd = next(e for e, n in zip(examples, numeric) if n != (sum(numeric) * 2 >= len(numeric)))
+        kind = "integer" if sum(numeric) * 2 >= len(numeric) else "name"
+        raise ValueError(f"{odd.where}: label {odd.label!r}, but the other labels in {source} are {kind}s")
 
 
 def _hf_classification(name: str, split: str) -> list[TextExample]:
@@ -96,7 +109,7 @@ def read_conll(source: str, split: str) -> list[NerSentence]:
     """CoNLL-2003: `word POS chunk NER` per line, blank lines between sentences, -DOCSTART- lines skipped."""
     if not os.path.exists(source):
         return _hf_conll(source, split)
-    sentences, words, tags, start = [], [], [], 1
+    sentences, words, tags, start, columns = [], [], [], 1, None
     with open(source, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             parts = line.split()
@@ -107,6 +120,10 @@ def read_conll(source: str, split: str) -> list[NerSentence]:
                 continue
             if len(parts) < 2:
                 raise ValueError(f"{source}:{lineno}: expected 'word ... tag' columns, got {line.strip()!r}")
+            columns = columns or len(parts)  # every token line has as many columns as the first one
+            if len(parts) != columns:
+                raise ValueError(f"{source}:{lineno}: {len(parts)} columns where the file's first token line has "
+                                 f"{columns} (the tag is the last column): {line.strip()!r}")
             if not words:
                 start = lineno
             words.append(parts[0])
@@ -163,24 +180,40 @@ def read_squad(source: str, split: str) -> list[QAExample]:
         return _hf_squad(source, split)
     with open(source, encoding="utf-8") as f:
         try:
-            data = json.load(f)["data"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{source}: not a SQuAD v1.1 JSON file (need a top-level 'data' list)") from e
+            data_root = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{source}: not a SQuAD v1.1 JSON file ({e})") from None
     out = []
-    for article in data:
-        for para in article["paragraphs"]:
-            context = para["context"]
-            for qa in para["qas"]:
-                where = f"{source}: question {qa.get('id')!r}"
-                answers = qa.get("answers", [])
+    for a, article in enumerate(_field(data_root, "data", list, source)):
+        for p, para in enumerate(_field(article, "paragraphs", list, f"{source}: article {a}")):
+            where_para = f"{source}: article {a} paragraph {p}"
+            context = _field(para, "context", str, where_para)
+            for qa in _field(para, "qas", list, where_para):
+                qid = qa.get("id") if isinstance(qa, dict) else None
+                where = f"{source}: question {qid!r}" if qid is not None else f"{where_para}: a question"
+                _field(qa, "id", str, where)
+                answers = _field(qa, "answers", list, where) if isinstance(qa, dict) and "answers" in qa else []
                 for ans in answers:
-                    start, text = ans["answer_start"], ans["text"]
+                    start, text = _field(ans, "answer_start", int, where), _field(ans, "text", str, where)
                     if context[start:start + len(text)] != text:
                         raise ValueError(f"{where}: answer_start {start} does not match the answer text {text!r} "
                                          f"(context has {context[start:start + len(text)]!r} there)")
-                out.append(QAExample(qa["id"], qa["question"], context, [a["text"] for a in answers],
-                                     answers[0]["answer_start"] if answers else None, where))
+                out.append(QAExample(qa["id"], _field(qa, "question", str, where), context,
+                                     [a["text"] for a in answers], answers[0]["answer_start"] if answers else None,
+                                     where))
     return out
+
+
+def _field(obj, key: str, kind: type, where: str):
+    """obj[key], which must exist and be of `kind` (a bool is not an int): else an error saying where."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if key not in obj:
+        raise ValueError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: field {key!r} must be a {kind.__name__}, got {type(value).__name__} {value!r:.40}")
+    return value
 
 
 def _hf_squad(name: str, split: str) -> list[QAExample]:

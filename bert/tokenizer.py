@@ -87,8 +87,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise FileNotFoundError(f"{path} has neither tokenizer.json nor vocab.txt")
     settings = {}
     if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            settings = json.load(f)
+        from .config import read_json_object
+
+        settings = read_json_object(config_path)
     tok = bert_wordpiece(_read_vocab(vocab_path), lowercase=settings.get("do_lower_case", True),
                          strip_accents=settings.get("strip_accents"),
                          tokenize_chinese_chars=settings.get("tokenize_chinese_chars", True))

@@ -175,3 +175,37 @@ def test_special_ids_need_mask():
     tok = Tokenizer(WordLevel({"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4}, unk_token="[UNK]"))
     with pytest.raises(ValueError, match=r"lacks \['\[MASK\]'\]"):
         SpecialIds.from_tokenizer(tok)
+
+
+def test_corpus_that_is_not_utf8_text_names_the_file(tmp_path):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("first line\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt:2: not UTF-8 text \(byte 0xe9"):
+        list(iter_documents(str(latin)))
+    binary = tmp_path / "blob.jsonl"
+    binary.write_bytes(b"\x00\x01\x02binary")
+    with pytest.raises(ValueError, match=r"blob.jsonl: binary data"):
+        list(iter_documents(str(binary)))
+
+
+def test_empty_corpus_with_a_given_tokenizer_names_the_corpus(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
+    with pytest.raises(ValueError, match=r"the corpus at .*empty.txt has no text"):
+        tokenize_corpus(str(empty), tok, cache_dir=str(tmp_path / "cache"))
+
+
+def test_an_unreadable_cache_is_rebuilt(tmp_path):
+    """A run killed while writing the cache leaves at most a temporary directory; a damaged cache is rebuilt."""
+    path = write_corpus(tmp_path / "c.txt", n_docs=6, sentences=4)
+    tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
+    first = list(tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))["sentences"])  # read before damaging
+    (cached,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokenized-")]
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
+    for f in cached.iterdir():  # as if killed mid-write: files cut short
+        f.write_bytes(f.read_bytes()[:10])
+    with pytest.warns(UserWarning, match="cannot be read"):
+        again = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
+    assert list(again["sentences"]) == first
+    assert list(tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))["sentences"]) == first

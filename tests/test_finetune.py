@@ -117,3 +117,43 @@ def test_pretraining_checkpoint_gets_a_new_head(tmp_path, checkpoint, caplog):
         run(args("classify", checkpoint, str(tmp_path / "d.tsv"), str(tmp_path / "d.tsv"), tmp_path / "o",
                  "--max-steps", "1", "--backend", "torch"))
     assert "classifier.weight" in caplog.text and "cls.seq_relationship.weight" in caplog.text
+
+
+def test_bad_command_lines_fail_at_once_with_one_line(tmp_path, checkpoint, capsys):
+    from bert.finetune import main
+
+    train = tmp_path / "train.tsv"
+    train.write_text("sentence\tlabel\njohn is good\t1\nmary is bad\t0\n")
+    header_only = tmp_path / "header.tsv"
+    header_only.write_text("sentence\tlabel\n")
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_text("")
+    base = ["classify", "--model", checkpoint, "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    cases = [
+        (["--train", "no/such/train.tsv"], "--train no/such/train.tsv: no such file or directory"),
+        (["--train", str(train), "--batch-size", "0"], "--batch-size must be positive, got 0"),
+        (["--train", str(train), "--eval", str(header_only)], "header.tsv: no evaluation examples"),
+        (["--train", str(empty)], "empty.tsv:1: empty file"),
+        ([], "give --train and/or --eval data"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("bert-finetune: error: ") and message in err and "Traceback" not in err, err
+    bad_model = ["classify", "--model", str(tmp_path / "badcfg"), "--tokenizer", checkpoint, "--train", str(train),
+                 "--output-dir", str(tmp_path / "out")]
+    assert main(bad_model) == 2
+    assert "badcfg/config.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_messages_show_without_a_progress_bar(tmp_path, checkpoint, capsys):
+    from bert.finetune import main
+
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{n} is good\t1\n{n} is bad\t0\n" for n in NAMES))
+    assert main(["classify", "--model", checkpoint, "--train", str(data), "--eval", str(data), "--max-steps", "2",
+                 "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation: accuracy" in out and f"saved to {tmp_path / 'out'}" in out

@@ -108,3 +108,36 @@ def test_squad_reader_checks_answer_start(tmp_path):
     f.write_text(json.dumps(data))
     (ex,) = read_squad(str(f), "train")
     assert ex.answers == ["New York"] and ex.answer_start == 14
+
+
+def test_malformed_labels_and_columns_name_file_and_line(tmp_path):
+    mixed = tmp_path / "mixed.tsv"
+    mixed.write_text("sentence\tlabel\na\t1\nb\t0\nc\tpositive\nd\t1\n")
+    with pytest.raises(ValueError, match=r"mixed.tsv:4: label 'positive', but the other labels .* are integers"):
+        read_classification(str(mixed), "train")
+    empty_label = tmp_path / "empty_label.tsv"
+    empty_label.write_text("sentence\tlabel\na\t1\nb\t\n")
+    with pytest.raises(ValueError, match=r"empty_label.tsv:3: empty label"):
+        read_classification(str(empty_label), "train")
+    conll = tmp_path / "c.txt"
+    conll.write_text("John NNP B-NP B-PER\nlives VBZ B-VP\n")  # the second line lost its NER column
+    with pytest.raises(ValueError, match=r"c.txt:2: 3 columns where the file's first token line has 4"):
+        read_conll(str(conll), "train")
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda qa: qa["answers"][0].update(answer_start="14"), r"question 'q1': field 'answer_start' must be a int"),
+    (lambda qa: qa.pop("id"), r"article 0 paragraph 0: a question: missing field 'id'"),
+    (lambda qa: qa.update(question=None), r"question 'q1': field 'question' must be a str"),
+    (lambda qa: qa.update(answers={"text": "x"}), r"question 'q1': field 'answers' must be a list"),
+])
+def test_squad_fields_of_the_wrong_type_or_missing(tmp_path, change, message):
+    qa = {"id": "q1", "question": "where?", "answers": [{"answer_start": 14, "text": "New York"}]}
+    change(qa)
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"data": [{"paragraphs": [{"context": "John lives in New York.", "qas": [qa]}]}]}))
+    with pytest.raises(ValueError, match=message):
+        read_squad(str(f), "train")
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"s.json: not a SQuAD v1.1 JSON file"):
+        read_squad(str(f), "train")
