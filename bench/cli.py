@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -58,8 +59,10 @@ def parse_args(argv=None):
     mode.add_argument("--quick", dest="full", action="store_false", help="few shapes and steps (default)")
     mode.add_argument("--full", dest="full", action="store_true", help="all shapes, more steps")
     p.set_defaults(full=False)
-    p.add_argument("--steps", type=int, help="timed steps per end-to-end run (default: 10 quick, 30 full)")
-    p.add_argument("--output-dir", help="where to write JSON, CSV and plots (default: bench/results/<device>/)")
+    p.add_argument("--steps", type=int, help="timed steps per end-to-end run (default: 10 quick on a GPU, 5 on a "
+                                             "CPU, 30 full)")
+    p.add_argument("--output-dir", help="where to write JSON, CSV and plots (default: "
+                                        "./bert-bench-results/<device>/, outside the source tree)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile this project's kernels for the run in parallel worker processes before timing "
@@ -67,8 +70,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def default_variants(cuda: bool) -> list[str]:
-    names = ["hf-eager", "hf-compile", "ours-torch"]
+def default_variants(cuda: bool, full: bool = False) -> list[str]:
+    """On a CPU the quick run leaves out torch.compile (minutes of compilation for a number --full still gives)."""
+    names = ["hf-eager", "hf-compile", "ours-torch"] if cuda or full else ["hf-eager", "ours-torch"]
     if cuda:
         names.append("ours-triton")
     try:
@@ -89,7 +93,8 @@ def e2e_specs(args, cuda: bool):
             batch = args.batch or ((256 if seq_len <= 128 else 64) // (2 if config == "large" else 1) if cuda else 32)
             yield {"config": config, "seq_len": seq_len, "batch": batch, "padding": args.padding,
                    "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "device": "cuda" if cuda else "cpu",
-                   "warmup": 3, "steps": args.steps or (30 if args.full else 10)}
+                   "warmup": 3 if cuda or args.full else 2,
+                   "steps": args.steps or (30 if args.full else 10 if cuda else 5)}
 
 
 def markdown(rows, columns) -> str:
@@ -112,17 +117,19 @@ def add_speedups(rows):
                 r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / base["tokens_per_s"]
 
 
-def plot(rows, out_dir):
+def plot(rows, out_dir) -> list[str]:
+    """speedup.png (when there is a speedup to show) and padding.png (when at least two padding levels were run);
+    returns the names written."""
     try:
         import matplotlib
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
-        return
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok, written = [r for r in rows if r.get("status") == "ok"], []
     main = [r for r in ok if r["padding"] == rows[0]["padding"] and "speedup_vs_hf-eager" in r]
     if main:
         fig, ax = plt.subplots(figsize=(8, 4))
@@ -135,8 +142,9 @@ def plot(rows, out_dir):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "speedup.png"), dpi=120)
         plt.close(fig)
+        written.append("speedup.png")
     sweep = [r for r in ok if r["padding"] != "wiki"]
-    if sweep:
+    if len({r["padding"] for r in sweep}) >= 2:  # one level is a point, not a curve
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in sorted({(r["variant"], r["config"], r["seq_len"]) for r in sweep}):
             pts = sorted((float(r["padding"]), r["tokens_per_s"]) for r in sweep
@@ -149,24 +157,99 @@ def plot(rows, out_dir):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "padding.png"), dpi=120)
         plt.close(fig)
+        written.append("padding.png")
+    return written
 
 
-def write_csv(path, rows):
+def write_csv(path, rows) -> bool:
     if not rows:
-        return
+        return False
     cols = sorted({k for r in rows for k in r if k != "traceback"})
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    return True
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+class Plan(NamedTuple):
+    variants: list
+    specs: list
+    kernels: bool
+    e2e: bool
+
+
+def make_plan(args, cuda: bool) -> Plan:
+    variants = args.variants or default_variants(cuda, args.full)
+    variants = [v for v in variants if cuda or v not in ("ours-triton", "hf-fused")]
+    specs = list(e2e_specs(args, cuda))
+    if args.padding_sweep or args.full:
+        specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
+    return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"))
+
+
+def describe(plan: Plan, cuda: bool, full: bool) -> str:
+    """What the run will do and roughly how long it takes (the estimate is a rule of thumb, not a measurement)."""
+    runs = sum(1 for s in plan.specs for v in plan.variants if _runs(v, s, plan))
+    lines = []
+    if plan.e2e:
+        shapes = sorted({f"{s['config']} s{s['seq_len']} b{s['batch']}" for s in plan.specs})
+        lines.append(f"end to end: {', '.join(plan.variants)} on {', '.join(shapes)}, {plan.specs[0]['steps']} timed "
+                     f"steps each, {runs} runs in fresh processes")
+    if plan.kernels:
+        lines.append("kernels: LayerNorm, bias-GeLU, attention (with peers), MLM loss" if cuda
+                     else "kernels: the MLM-loss time and memory table (the Triton kernels need a GPU)")
+    per_run = (60 if full else 25) if cuda else (40 if full else 20)
+    minutes = (runs * per_run + (120 if plan.kernels and cuda else 30 if plan.kernels else 0)) / 60
+    more = "" if full else "; --full adds more shapes, torch.compile variants on a CPU, the padding sweep and steps"
+    return "Plan: " + "; ".join(lines) + f". Roughly {minutes:.0f}-{2 * minutes:.0f} min here{more}.\n"
+
+
+def _runs(variant: str, spec: dict, plan: Plan) -> bool:
+    """Padding-sweep specs run only the variants whose curve the plot shows."""
+    return spec["padding"] == plan.specs[0]["padding"] or variant in ("hf-eager", "ours-torch", "ours-triton")
+
+
+def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
+    if not cuda:
+        print("CPU mode: this measures the algorithmic savings (unpadded encoder, MLM head on labelled tokens "
+              "only), not Triton, which needs a GPU.\n")
+    for spec in plan.specs:
+        for variant in (v for v in plan.variants if _runs(v, spec, plan)):
+            row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
+            tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
+            print(f"  {variant:12s} {spec['config']} s{spec['seq_len']} b{spec['batch']} "
+                  f"pad={spec['padding']}: {tail}", flush=True)
+            if row.get("status") == "ok":
+                row["MFU"] = row["TFLOPs"] / peaks["matmul_TFLOPs"]
+            results["e2e"].append(row)
+            save()
+    add_speedups(results["e2e"])
+    print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
+    print(markdown(results["e2e"], ["variant", "config", "seq_len", "batch", "padding", "dtype", "step_ms",
+                                    "tokens_per_s", "seqs_per_s", "MFU", "peak_mem_MB", "speedup_vs_hf-eager",
+                                    "speedup_vs_hf-compile", "status"]))
+    print("\nMFU: model FLOPs on real tokens (MLM head on labelled tokens) over the measured matmul peak; "
+          "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
+
+
+def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
+    rows = results["kernels"]
+    rows += mlm_loss_rows(peaks, not args.full, device)
+    save()
+    if device.type == "cuda":
+        for fn in (layer_norm_rows, bias_gelu_rows, attention_rows):
+            rows += fn(peaks, not args.full, device)
+            save()
+    else:
+        print("The per-kernel timings need a GPU; on this CPU only the MLM-loss table runs.\n")
+    print("## Kernels\n")
+    print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
+                          "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "status"]))
+
+
+def run_metadata(device, argv) -> dict:
     cuda = device.type == "cuda"
-    out_dir = args.output_dir or os.path.join("bench", "results", device_name(device))
-    os.makedirs(out_dir, exist_ok=True)
     command = "bert-bench " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {"device": torch.cuda.get_device_name(device) if cuda else device_name(device),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -177,70 +260,43 @@ def main(argv=None) -> int:
         meta["triton"] = triton.__version__
     except ImportError:
         pass
+    return meta
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    out_dir = args.output_dir or os.path.join("bert-bench-results", device_name(device))
+    os.makedirs(out_dir, exist_ok=True)
+    meta = run_metadata(device, argv)
+    plan = make_plan(args, cuda)
     print(f"# bert-bench on {meta['device']} ({meta['date']})\n")
+    print(describe(plan, cuda, args.full))
     meta["peaks"] = peaks = measure_peaks(device)
     print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
           f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
-    results = {"meta": meta, "e2e": [], "kernels": []}
+    results, written = {"meta": meta, "e2e": [], "kernels": []}, set()
 
     def save():
         """Written after every row, so a run cut short (a time limit) still leaves what it measured."""
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2, default=str)
-        write_csv(os.path.join(out_dir, "e2e.csv"), results["e2e"])
-        write_csv(os.path.join(out_dir, "kernels.csv"), results["kernels"])
+        written.add("results.json")
+        for name in ("e2e", "kernels"):
+            if write_csv(os.path.join(out_dir, f"{name}.csv"), results[name]):
+                written.add(f"{name}.csv")
 
-    variants = args.variants or default_variants(cuda)
-    specs = list(e2e_specs(args, cuda))
-    if args.padding_sweep or args.full:
-        specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
     if args.precompile if args.precompile is not None else cuda:
         suites = ["layer_norm_rows", "bias_gelu_rows", "attention_rows", "mlm_loss_rows"] if cuda else []
-        precompile.run(precompile.jobs(suites if args.suite in ("all", "kernels") else [],
-                                       variants if cuda and args.suite in ("all", "e2e") else [],
-                                       list({(s["config"], s["seq_len"]): s for s in specs}.values()),
+        precompile.run(precompile.jobs(suites if plan.kernels else [], plan.variants if cuda and plan.e2e else [],
+                                       list({(s["config"], s["seq_len"]): s for s in plan.specs}.values()),
                                        not args.full, str(device)))
-    if args.suite in ("all", "e2e"):
-        if not cuda:
-            print("CPU mode: this measures the algorithmic savings (unpadded encoder, MLM head on labelled tokens "
-                  "only), not Triton, which needs a GPU.\n")
-        for spec in specs:
-            for variant in variants:
-                if spec["padding"] != args.padding and variant not in ("hf-eager", "ours-torch", "ours-triton"):
-                    continue
-                if variant in ("ours-triton", "hf-fused") and not cuda:
-                    continue
-                row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
-                tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
-                print(f"  {variant:12s} {spec['config']} s{spec['seq_len']} b{spec['batch']} "
-                      f"pad={spec['padding']}: {tail}", flush=True)
-                if row.get("status") == "ok":
-                    row["MFU"] = row["TFLOPs"] / peaks["matmul_TFLOPs"]
-                results["e2e"].append(row)
-                save()
-        add_speedups(results["e2e"])
-        print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
-        print(markdown(results["e2e"], ["variant", "config", "seq_len", "batch", "padding", "dtype", "step_ms",
-                                        "tokens_per_s", "seqs_per_s", "MFU", "peak_mem_MB", "speedup_vs_hf-eager",
-                                        "speedup_vs_hf-compile", "status"]))
-        print("\nMFU: model FLOPs on real tokens (MLM head on labelled tokens) over the measured matmul peak; "
-              "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
-
-    if args.suite in ("all", "kernels"):
-        rows = results["kernels"]
-        rows += mlm_loss_rows(peaks, not args.full, device)
-        save()
-        if cuda:
-            for fn in (layer_norm_rows, bias_gelu_rows, attention_rows):
-                rows += fn(peaks, not args.full, device)
-                save()
-        else:
-            print("The per-kernel timings need a GPU; on this CPU only the MLM-loss memory table runs.\n")
-        print("## Kernels\n")
-        print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
-                              "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "status"]))
-
+    if plan.e2e:
+        run_e2e(plan, peaks, cuda, results, save)
+    if plan.kernels:
+        run_kernels(args, peaks, device, results, save)
     save()
-    plot(results["e2e"], out_dir)
-    print(f"\nWrote {out_dir}/results.json, e2e.csv, kernels.csv and plots.")
+    written |= set(plot(results["e2e"], out_dir))
+    print(f"\nWrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)}")
     return 0

@@ -86,5 +86,36 @@ def test_padding_plot(tmp_path):
     rows = [{"variant": v, "config": "mini", "seq_len": 128, "padding": str(p), "status": "ok",
              "tokens_per_s": 1000.0 * (1 + p) * (2 if v == "ours-torch" else 1)}
             for v in ("hf-eager", "ours-torch") for p in (0.0, 0.25, 0.5)]
-    plot(rows, str(tmp_path))
+    assert plot(rows, str(tmp_path)) == ["padding.png"]
     assert (tmp_path / "padding.png").stat().st_size > 0
+
+
+def test_cli_defaults_outside_the_source_tree_and_says_only_what_it_wrote(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
+                 "--variants", "hf-eager", "ours-torch", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    (out,) = (tmp_path / "bert-bench-results").iterdir()
+    assert out.name.startswith("cpu")
+    assert sorted(p.name for p in out.iterdir()) == ["e2e.csv", "results.json", "speedup.png"]
+    assert f"Wrote e2e.csv, results.json, speedup.png to {out}" in text
+    assert text.index("Plan: end to end: hf-eager, ours-torch on tiny s32 b4, 1 timed steps each, 2 runs") \
+        < text.index("Measured peaks")
+    assert "Roughly" in text and "--full adds" in text
+
+
+def test_padding_plot_needs_two_levels(tmp_path):
+    rows = [{"variant": "ours-torch", "config": "mini", "seq_len": 128, "padding": "0.25", "status": "ok",
+             "tokens_per_s": 1000.0}]
+    assert plot(rows, str(tmp_path)) == []
+    assert not (tmp_path / "padding.png").exists()
+
+
+def test_quick_cpu_default_leaves_out_compile():
+    from bench.cli import default_variants, e2e_specs, parse_args
+
+    assert default_variants(False) == ["hf-eager", "ours-torch"]
+    assert "hf-compile" in default_variants(False, full=True) and "hf-compile" in default_variants(True)
+    (spec,) = e2e_specs(parse_args([]), cuda=False)
+    assert (spec["config"], spec["steps"], spec["warmup"]) == ("mini", 5, 2)
