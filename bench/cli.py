@@ -15,10 +15,14 @@ import re
 import sys
 from typing import NamedTuple
 
+import numpy as np
 import torch
+
+from bert.cli import add_debug_flag
 
 from . import e2e, precompile
 from .kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
+from .lengths import sample_lengths
 from .peaks import measure_peaks
 
 
@@ -67,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile this project's kernels for the run in parallel worker processes before timing "
                         "(default: on with a GPU)")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -264,7 +269,15 @@ def run_metadata(device, argv) -> dict:
 
 
 def main(argv=None) -> int:
+    from bert.cli import run
+
     args = parse_args(argv)
+    return run("bert-bench", lambda: bench(args, argv), args.debug)
+
+
+def bench(args, argv) -> int:
+    if args.padding != "wiki":
+        sample_lengths(1, 8, args.padding, np.random.default_rng(0))  # a bad --padding fails before any work
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     out_dir = args.output_dir or os.path.join("bert-bench-results", device_name(device))

@@ -119,3 +119,9 @@ def test_quick_cpu_default_leaves_out_compile():
     assert "hf-compile" in default_variants(False, full=True) and "hf-compile" in default_variants(True)
     (spec,) = e2e_specs(parse_args([]), cuda=False)
     assert (spec["config"], spec["steps"], spec["warmup"]) == ("mini", 5, 2)
+
+
+def test_bad_padding_is_one_line_before_any_work(capsys):
+    assert main(["--padding", "0.7", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bert-bench: error: padding must be 'wiki' or a fraction") and "Traceback" not in err

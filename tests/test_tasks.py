@@ -110,19 +110,18 @@ def test_squad_reader_checks_answer_start(tmp_path):
     assert ex.answers == ["New York"] and ex.answer_start == 14
 
 
-def test_malformed_labels_and_columns_name_file_and_line(tmp_path):
-    mixed = tmp_path / "mixed.tsv"
-    mixed.write_text("sentence\tlabel\na\t1\nb\t0\nc\tpositive\nd\t1\n")
-    with pytest.raises(ValueError, match=r"mixed.tsv:4: label 'positive', but the other labels .* are integers"):
-        read_classification(str(mixed), "train")
-    empty_label = tmp_path / "empty_label.tsv"
-    empty_label.write_text("sentence\tlabel\na\t1\nb\t\n")
-    with pytest.raises(ValueError, match=r"empty_label.tsv:3: empty label"):
-        read_classification(str(empty_label), "train")
-    conll = tmp_path / "c.txt"
-    conll.write_text("John NNP B-NP B-PER\nlives VBZ B-VP\n")  # the second line lost its NER column
-    with pytest.raises(ValueError, match=r"c.txt:2: 3 columns where the file's first token line has 4"):
-        read_conll(str(conll), "train")
+@pytest.mark.parametrize("name,text,reader,match", [
+    ("mixed.tsv", "sentence\tlabel\na\t1\nb\t0\nc\tpositive\nd\t1\n", read_classification,
+     r"mixed.tsv:4: label 'positive', but the other labels .* are integers"),
+    ("empty_label.tsv", "sentence\tlabel\na\t1\nb\t\n", read_classification, r"empty_label.tsv:3: empty label"),
+    ("c.txt", "John NNP B-NP B-PER\nlives VBZ B-VP\n", read_conll,  # the second line lost its NER column
+     r"c.txt:2: 3 columns where the file's first token line has 4"),
+])
+def test_malformed_labels_and_columns_name_file_and_line(tmp_path, name, text, reader, match):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        reader(str(path), "train")
 
 
 @pytest.mark.parametrize("change,message", [
