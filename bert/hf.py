@@ -1,38 +1,52 @@
-"""Fuse a Hugging Face BERT in place: `fuse_hf_bert(model)` and `unfuse_hf_bert(model)`.
+"""Fuse Hugging Face encoders in place: `fuse(model)`, `unfuse(model)`, `fuse_report(model)`.
 
-Only the given model instance changes; transformers' classes and other instances are untouched. The fused
-modules hold the very Parameter objects of the modules they replace, so state_dict keys and values, optimizers
-and save_pretrained keep working, and unfusing restores the original modules with whatever they learned.
+`fuse` finds every encoder inside any model (a bare BertModel, a task model, a sentence-transformers wrapper)
+and swaps its modules for fused ones, in this model instance only: transformers' classes and other instances are
+untouched. The fused modules hold the very Parameter objects of the modules they replace, so state_dict keys and
+values, optimizers and save_pretrained keep working, and `unfuse` restores the original modules with whatever
+they learned. `fuse_hf_bert` / `unfuse_hf_bert` are the same calls under their first names.
 
-What is fused, per BertModel found inside the model (BertModel itself, the BertFor* heads, a
-sentence-transformers wrapper...):
-  * every LayerNorm -> kernels.LayerNorm; "dense -> dropout -> + residual -> LayerNorm" (BertSelfOutput,
-    BertOutput) -> one fused LayerNorm call;
-  * intermediate dense + GeLU -> the matmul without bias, then kernels.bias_gelu;
-  * the encoder: padding removed once per forward, every layer's attention run by kernels.varlen_attention on
-    the packed tokens, padding restored at the end (padded positions of last_hidden_state are then 0);
-  * BertForMaskedLM / BertForPreTraining given labels: the MLM loss by kernels.masked_lm_loss on the labelled
-    positions only; the vocabulary logits are then not formed (their `logits` / `prediction_logits` are None).
-What cannot be fused keeps the original module, with one warning naming the reason; a call that asks for
-output_attentions or output_hidden_states runs the original encoder code path.
+Encoders are recognised by structure (submodule names), not class, so a family's copies and custom subclasses
+are covered. An encoder model is a module with `embeddings` and an `encoder` or `transformer` holding a `layer`
+list; its layers are
+  * BERT-like (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA...): attention.self.{query,key,value},
+    attention.output.{dense,dropout,LayerNorm}, intermediate.{dense,intermediate_act_fn},
+    output.{dense,dropout,LayerNorm};
+  * DistilBERT-like: attention.{q_lin,k_lin,v_lin,out_lin}, sa_layer_norm, ffn.{lin1,activation,lin2,dropout},
+    output_layer_norm.
+What is fused:
+  * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
+  * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
+    matmul without bias, then bias + GeLU in one kernel;
+  * the encoder: padding removed once per forward, every layer's attention run by the varlen kernel on packed
+    tokens, padding restored at the end (padded positions of last_hidden_state are then 0);
+  * MLM heads given labels (BERT's cls.predictions, RoBERTa's lm_head, ELECTRA's generator, DistilBERT's
+    vocab_*): the loss by the masked-only kernel at labelled positions; the vocabulary logits are then not formed.
+What cannot be fused keeps the original module with one warning naming the reason, and `fuse_report` lists it:
+attention the kernel cannot express (relative or disentangled positions, a head_dim it lacks, decoders), an
+activation without a kernel, layers of an unknown structure. A call asking for output_attentions or
+output_hidden_states, or with a mask that differs between queries, runs the original encoder code.
 """
 from __future__ import annotations
 
+import math
 import types
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .config import ACTIVATIONS
 from .padding import pad, unpad, unpad_mask
 
 _ORIGINALS = "_bertfuse_originals"
+_REPORT = "_bertfuse_report"
 
 
 def _warn(reason: str) -> None:
-    ops.warn_once(f"fuse_hf_bert: {reason}")
+    ops.warn_once(f"fuse: {reason}")
 
 
 def _backend(t: torch.Tensor) -> str:
@@ -45,6 +59,31 @@ def _backend(t: torch.Tensor) -> str:
     return "torch"
 
 
+def _get(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def _has(module, *paths: str) -> bool:
+    return all(_get(module, p) is not None for p in paths)
+
+
+def gelu_kind(act) -> str | None:
+    """'none' (erf) or 'tanh' for a GeLU activation module of transformers or torch; None for anything else."""
+    name = type(act).__name__
+    if isinstance(act, nn.GELU):
+        return act.approximate
+    if name == "GELUActivation" and not getattr(act, "use_gelu_python", False):
+        return "none"
+    if name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"):
+        return "tanh" if name != "FastGELUActivation" else None  # fast: another constant
+    return None
+
+
+# ---- fused modules ------------------------------------------------------------------------------
 class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm holding the original module's own Parameters; LayerNorm(dropout(x) + residual) in one
     kernel where the kernels run."""
@@ -60,8 +99,22 @@ class FusedLayerNorm(nn.LayerNorm):
                               dropout_p=dropout_p if self.training else 0.0, backend=_backend(x))
 
 
+class FusedLinearGeLU(nn.Module):
+    """A Linear whose output goes through GeLU, as one module with the Linear's own `weight` and `bias` (same
+    state_dict keys): the matmul without bias, then GeLU(x + bias) in one kernel. The activation module it
+    absorbs is replaced by nn.Identity."""
+
+    def __init__(self, linear: nn.Linear, approximate: str):
+        super().__init__()
+        self.weight, self.bias, self.approximate = linear.weight, linear.bias, approximate
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):
+        return ops.bias_gelu(F.linear(x, self.weight), self.bias, self.approximate, backend=_backend(x))
+
+
 class FusedSelfOutput(nn.Module):
-    """BertSelfOutput / BertOutput: LayerNorm(dropout(dense(x)) + residual) with one fused kernel."""
+    """BertSelfOutput / BertOutput and their copies: LayerNorm(dropout(dense(x)) + residual), one fused kernel."""
 
     def __init__(self, orig: nn.Module):
         super().__init__()
@@ -72,31 +125,8 @@ class FusedSelfOutput(nn.Module):
         return self.LayerNorm(self.dense(hidden_states), residual=input_tensor, dropout_p=self.dropout.p)
 
 
-class FusedIntermediate(nn.Module):
-    """BertIntermediate: the matmul without bias, then GeLU(x + bias) in one kernel."""
-
-    def __init__(self, orig: nn.Module, approximate: str):
-        super().__init__()
-        self.dense, self.approximate = orig.dense, approximate
-
-    def forward(self, hidden_states):
-        return ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, self.approximate,
-                             backend=_backend(hidden_states))
-
-
-class FusedPredictionHeadTransform(FusedIntermediate):
-    """BertPredictionHeadTransform: dense + GeLU fused, then the fused LayerNorm."""
-
-    def __init__(self, orig: nn.Module, approximate: str):
-        super().__init__(orig, approximate)
-        self.LayerNorm = FusedLayerNorm.from_module(orig.LayerNorm)
-
-    def forward(self, hidden_states):
-        return self.LayerNorm(super().forward(hidden_states))
-
-
 def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
-    """[batch, seq] key mask from whatever BertModel handed its encoder: None, a 2-D mask, or a 3-D/4-D boolean
+    """[batch, seq] key mask from whatever the model handed its encoder: None, a 2-D mask, or a 3-D/4-D boolean
     or additive mask. None when the mask is not one key mask shared by every query and head (a causal or
     per-query mask): the fused attention cannot express it."""
     if attention_mask is None:
@@ -116,133 +146,299 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
     return keys[:, 0, 0, :]
 
 
-class FusedBertEncoder(nn.Module):
-    """BertEncoder on packed tokens with the varlen attention kernel; same `layer` ModuleList (same keys)."""
+def _bert_layer(layer, x, u, training: bool):
+    sa = layer.attention.self
+    q, k, v = ops.project_qkv(x, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size)
+    ctx = ops.varlen_attention(q, k, v, u, dropout_p=sa.dropout.p if training else 0.0, backend=_backend(x))
+    x = layer.attention.output(ctx.reshape(x.shape), x)
+    return layer.output(layer.intermediate(x), x)
 
-    def __init__(self, orig: nn.Module, config):
+
+def _distilbert_layer(layer, x, u, training: bool):
+    at, ffn = layer.attention, layer.ffn
+    q, k, v = ops.project_qkv(x, at.q_lin, at.k_lin, at.v_lin, at.n_heads, at.attention_head_size)
+    ctx = ops.varlen_attention(q, k, v, u, dropout_p=at.dropout.p if training else 0.0, backend=_backend(x))
+    x = layer.sa_layer_norm(at.out_lin(ctx.reshape(x.shape)), residual=x)
+    return layer.output_layer_norm(ffn.lin2(ffn.activation(ffn.lin1(x))), residual=x, dropout_p=ffn.dropout.p)
+
+
+LAYERS = {"bert": _bert_layer, "distilbert": _distilbert_layer}
+
+
+class FusedEncoder(nn.Module):
+    """An encoder on packed tokens with the varlen attention kernel; the same `layer` ModuleList (same keys)."""
+
+    def __init__(self, orig: nn.Module, kind: str, config):
         super().__init__()
-        self.layer = orig.layer
-        self.config = config
-        self._original_forward = type(orig).forward
+        self.layer, self.kind, self.config = orig.layer, kind, config
+        object.__setattr__(self, "_original", orig)  # not a submodule: its parameters are already ours
 
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                **kwargs):
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
         wants = {k for k in ("output_attentions", "output_hidden_states")
                  if kwargs.get(k, getattr(self.config, k, False))}
-        batch, seqlen, hidden = hidden_states.shape
+        batch, seqlen, _ = hidden_states.shape
         keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
         if keys is None:
             wants.add("an attention mask that differs between queries (not a key-padding mask)")
         if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
             _warn(f"{', '.join(sorted(wants)) or 'cross-attention/cache'} requested: this call runs the original "
                   "(unfused) attention code")
-            return self._original_forward(self, hidden_states, attention_mask, encoder_hidden_states,
-                                          encoder_attention_mask, **kwargs)
-        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+            self._original.train(self.training)
+            return self._original(hidden_states, attention_mask=attention_mask,
+                                  encoder_hidden_states=encoder_hidden_states, **kwargs) \
+                if encoder_hidden_states is not None else self._original(hidden_states, attention_mask, **kwargs)
+        from transformers import modeling_outputs as outputs
 
         u = unpad_mask(keys)
         x = unpad(hidden_states, u)
         for layer in self.layer:
-            sa = layer.attention.self
-            q, k, v = ops.project_qkv(x, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size)
-            p = sa.dropout.p if self.training else 0.0
-            ctx = ops.varlen_attention(q, k, v, u, dropout_p=p, backend=_backend(x))
-            x = layer.attention.output(ctx.reshape(x.shape[0], hidden), x)
-            x = layer.output(layer.intermediate(x), x)
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=pad(x, u))
+            x = LAYERS[self.kind](layer, x, u, self.training)
+        # What the original encoder returns: BERT-like models read `.cache` from it too.
+        output = outputs.BaseModelOutput if self.kind == "distilbert" else \
+            outputs.BaseModelOutputWithPastAndCrossAttentions
+        return output(last_hidden_state=pad(x, u))
 
 
-def _replace(record: list, parent: nn.Module, name: str, new: nn.Module) -> None:
-    old = getattr(parent, name)
-    new.train(old.training)
-    record.append((parent, name, old))
-    setattr(parent, name, new)
+# ---- recognising what is inside a model -------------------------------------------------------
+BERT_LAYER = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+              "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+DISTILBERT_LAYER = ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm",
+                    "ffn.lin1", "ffn.lin2", "output_layer_norm")
+# (Linear, activation) child pairs whose parent applies the activation right after the Linear.
+LINEAR_ACT = (("dense", "intermediate_act_fn"), ("dense", "transform_act_fn"), ("lin1", "activation"),
+              ("dense", "activation"), ("vocab_transform", "activation"))
 
 
-def _fuse_bert_model(bert: nn.Module, record: list) -> None:
-    cfg = bert.config
-    approximate = ACTIVATIONS.get(cfg.hidden_act) if isinstance(cfg.hidden_act, str) else None
-    _replace(record, bert.embeddings, "LayerNorm", FusedLayerNorm.from_module(bert.embeddings.LayerNorm))
-    for layer in bert.encoder.layer:
-        _replace(record, layer.attention, "output", FusedSelfOutput(layer.attention.output))
-        _replace(record, layer, "output", FusedSelfOutput(layer.output))
-        if approximate is None:
-            _warn(f"hidden_act {cfg.hidden_act!r} has no fused kernel; the intermediate layers stay unfused")
-        else:
-            _replace(record, layer, "intermediate", FusedIntermediate(layer.intermediate, approximate))
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+def layer_kind(layer: nn.Module) -> str | None:
+    if _has(layer, *BERT_LAYER):
+        return "bert"
+    if _has(layer, *DISTILBERT_LAYER):
+        return "distilbert"
+    return None
+
+
+def _is_output_block(m: nn.Module) -> bool:
+    """dense -> dropout -> + input -> LayerNorm, by its children (BertSelfOutput, BertOutput and their copies)."""
+    names = {n for n, _ in m.named_children()}
+    return names == {"dense", "dropout", "LayerNorm"} and isinstance(m.dense, nn.Linear) and isinstance(
+        m.LayerNorm, nn.LayerNorm) and isinstance(m.dropout, nn.Dropout)
+
+
+def encoder_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(path, encoder model, name of its encoder child) for every encoder model inside `model`."""
+    found = []
+    for path, m in model.named_modules():
+        for child in ("encoder", "transformer"):
+            enc = getattr(m, child, None)
+            if _has(m, "embeddings") and isinstance(getattr(enc, "layer", None), nn.ModuleList) and len(enc.layer):
+                found.append((path or type(model).__name__, m, child))
+    return found
+
+
+@dataclass
+class EncoderReport:
+    path: str                        # where the encoder model sits inside the fused model
+    family: str                      # its class name
+    layers: str                      # "bert", "distilbert" or "unknown"
+    fused: list[str] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)   # (what, why)
+
+    def __str__(self):
+        kept = "; ".join(f"{w} ({why})" for w, why in self.kept) or "nothing"
+        return f"{self.path} ({self.family}, {self.layers} layers): fused {', '.join(self.fused) or 'nothing'}; " \
+               f"kept {kept}"
+
+
+def _attention_problems(enc_model: nn.Module, kind: str, layer: nn.Module) -> list[str]:
+    cfg = getattr(enc_model, "config", None)
+    at = layer.attention.self if kind == "bert" else layer.attention
+    head_dim = at.attention_head_size
     reasons = []
     if head_dim not in ops._kernels().attention.HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} is not supported by the attention kernel")
-    if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+    if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
+        reasons.append(f"an attention scale other than 1/sqrt(head_dim) ({at.scaling})")
+    if getattr(cfg, "position_embedding_type", "absolute") not in (None, "absolute"):
         reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
         reasons.append("a decoder / cross-attention configuration")
+    return reasons
+
+
+# ---- fusing ------------------------------------------------------------------------------------
+class _Fuser:
+    """Swaps modules, recording (parent, name, old) so that unfuse can put every one back."""
+
+    def __init__(self):
+        self.record: list = []
+
+    def replace(self, parent: nn.Module, name: str, new: nn.Module) -> None:
+        old = getattr(parent, name)
+        new.train(old.training)
+        self.record.append((parent, name, old))
+        setattr(parent, name, new)
+
+    def linear_gelus(self, root: nn.Module, report: EncoderReport) -> int:
+        """Every (Linear, GeLU) child pair of LINEAR_ACT under root: one fused module, the activation an Identity.
+        Other activations (the pooler's tanh) are not this kernel's business; a GeLU it lacks is reported."""
+        fused = 0
+        for path, m in list(root.named_modules()):
+            for lin, act in LINEAR_ACT:
+                linear, activation = getattr(m, lin, None), getattr(m, act, None)
+                if not (type(linear) is nn.Linear and isinstance(activation, nn.Module)) or linear.bias is None:
+                    continue
+                kind = gelu_kind(activation)
+                if kind is None:
+                    if "gelu" in type(activation).__name__.lower():
+                        report.kept.append((f"{path}.{lin}", f"{type(activation).__name__} has no kernel"))
+                        _warn(f"{report.family}: activation {type(activation).__name__} has no fused kernel; "
+                              f"{path}.{lin} stays unfused")
+                    continue
+                self.replace(m, lin, FusedLinearGeLU(linear, kind))
+                self.replace(m, act, nn.Identity())
+                fused += 1
+        return fused
+
+    def output_blocks(self, root: nn.Module) -> int:
+        blocks = [(p, name) for p in list(root.modules()) for name, c in p.named_children() if _is_output_block(c)]
+        for parent, name in blocks:
+            self.replace(parent, name, FusedSelfOutput(getattr(parent, name)))
+        return len(blocks)
+
+    def layer_norms(self, root: nn.Module) -> int:
+        lns = [(p, name) for p in list(root.modules()) for name, c in p.named_children()
+               if type(c) is nn.LayerNorm and len(c.normalized_shape) == 1]
+        for parent, name in lns:
+            self.replace(parent, name, FusedLayerNorm.from_module(getattr(parent, name)))
+        return len(lns)
+
+
+def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
+    encoder = getattr(model, child)
+    kinds = {layer_kind(layer) for layer in encoder.layer}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    report = EncoderReport(path, type(model).__name__, kind or "unknown")
+    n_blocks = fuser.output_blocks(model)
+    n_gelus = fuser.linear_gelus(model, report)
+    n_norms = fuser.layer_norms(model)
+    report.fused.append(f"{n_norms + n_blocks} LayerNorms ({n_blocks} with dense dropout + residual)")
+    if n_gelus:
+        report.fused.append(f"{n_gelus} Linear + GeLU")
+    reasons = ["the layers' structure is not one the fused attention knows"] if kind is None else \
+        _attention_problems(model, kind, encoder.layer[0])
     if reasons:
-        _warn("attention stays unfused: " + "; ".join(reasons))
+        report.kept.append(("attention", "; ".join(reasons)))
+        _warn(f"{report.family} at {path}: attention stays unfused: {'; '.join(reasons)}")
     else:
-        _replace(record, bert, "encoder", FusedBertEncoder(bert.encoder, cfg))
+        fuser.replace(model, child, FusedEncoder(encoder, kind, getattr(model, "config", None)))
+        report.fused.append("attention (varlen, padding removed once)")
+    return report
 
 
-def _fused_mlm_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                       labels=None, next_sentence_label=None, **kwargs):
-    """BertForMaskedLM / BertForPreTraining forward that, given labels, never forms the vocabulary logits."""
-    original = self._bertfuse_forward
-    if labels is None:
-        kw = dict(kwargs, next_sentence_label=next_sentence_label) if next_sentence_label is not None else kwargs
-        return original(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                        position_ids=position_ids, **kw)
-    out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                    position_ids=position_ids, return_dict=True, **kwargs)
-    labels = labels.view(-1)
+# ---- masked-LM heads given labels: the loss at labelled rows only, no vocabulary logits --------------------
+class MLMHead(NamedTuple):
+    """Paths, inside the task model, of a family's MLM head: dense -> GeLU -> LayerNorm -> decoder (tied)."""
+    dense: str
+    act: str | None          # None: the head calls an erf GeLU function, not a module (RoBERTa's lm_head)
+    norm: str
+    decoder: str
+
+
+MLM_HEADS = (
+    MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
+            "cls.predictions.transform.LayerNorm", "cls.predictions.decoder"),                    # BERT
+    MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder"),                      # RoBERTa family
+    MLMHead("generator_predictions.dense", "generator_predictions.activation", "generator_predictions.LayerNorm",
+            "generator_lm_head"),                                                                 # ELECTRA
+    MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),              # DistilBERT
+)
+
+
+def _mlm_head(task: nn.Module) -> MLMHead | None:
+    for head in MLM_HEADS:
+        if _has(task, head.dense, head.norm, head.decoder) and (head.act is None or _has(task, head.act)) \
+                and isinstance(_get(task, head.decoder), nn.Linear):
+            return head
+    return None
+
+
+def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Tensor:
+    dense = _get(task, head.dense)
+    if isinstance(dense, FusedLinearGeLU):   # the activation was absorbed (an Identity now)
+        x = dense(x)
+    elif head.act is None:
+        x = ops.bias_gelu(F.linear(x, dense.weight), dense.bias, "none", backend=_backend(x))
+    else:
+        x = _get(task, head.act)(dense(x))
+    return _get(task, head.norm)(x)
+
+
+def _fused_mlm_forward(self, input_ids=None, attention_mask=None, labels=None, next_sentence_label=None,
+                       **kwargs):
+    """A masked-LM task model's forward that, given labels, never forms the vocabulary logits."""
+    head, base = self._bertfuse_mlm
+    if labels is None or kwargs.get("output_attentions") or kwargs.get("output_hidden_states") \
+            or kwargs.get("return_dict") is False:
+        if next_sentence_label is not None:
+            kwargs["next_sentence_label"] = next_sentence_label
+        return self._bertfuse_forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+    kwargs.pop("return_dict", None)
+    out = getattr(self, base)(input_ids, attention_mask=attention_mask, **kwargs)
+    hidden, labels = out[0], labels.reshape(-1)
     rows = (labels != -100).nonzero().squeeze(1)
-    head = self.cls.predictions
-    h = head.transform(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[rows])
-    loss = ops.masked_lm_loss(h, head.decoder.weight, head.decoder.bias, labels[rows], backend=_backend(h)).loss
-    if hasattr(self.cls, "seq_relationship"):
+    h = _head_transform(self, head, hidden.reshape(-1, hidden.shape[-1])[rows])
+    decoder = _get(self, head.decoder)
+    loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=_backend(h)).loss
+    if _has(self, "cls.seq_relationship"):  # BERT pre-training: next-sentence prediction as well
         from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-        nsp_logits = self.cls.seq_relationship(out.pooler_output)
-        total = None
+        nsp_logits = self.cls.seq_relationship(out[1])
         if next_sentence_label is not None:
-            total = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), next_sentence_label.view(-1))
-        return BertForPreTrainingOutput(loss=total, prediction_logits=None, seq_relationship_logits=nsp_logits)
+            loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), next_sentence_label.view(-1))
+        return BertForPreTrainingOutput(loss=loss, prediction_logits=None, seq_relationship_logits=nsp_logits)
     from transformers.modeling_outputs import MaskedLMOutput
 
     return MaskedLMOutput(loss=loss, logits=None)
 
 
-def fuse_hf_bert(model: nn.Module) -> nn.Module:
-    """Fuse the transformers BERT(s) inside `model` in place (see the module docstring); returns `model`."""
-    from transformers.models.bert import modeling_bert as hf
+def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports) -> list:
+    """The task models around each encoder model: their GeLUs and LayerNorms, and the masked-only MLM loss."""
+    patched = []
+    for (path, enc_model, _), report in zip(encoders, reports):
+        for task in model.modules():
+            base = next((name for name, c in task.named_children() if c is enc_model), None)
+            if base is None:
+                continue
+            n = fuser.linear_gelus(task, report) + fuser.layer_norms(task)
+            if n:
+                report.fused.append(f"{n} head modules ({type(task).__name__})")
+            head = _mlm_head(task)
+            if head is not None and task not in patched:
+                task._bertfuse_forward, task._bertfuse_mlm = task.forward, (head, base)
+                task.forward = types.MethodType(_fused_mlm_forward, task)
+                patched.append(task)
+                report.fused.append(f"MLM loss at labelled positions ({type(task).__name__})")
+    return patched
 
+
+# ---- the public calls -------------------------------------------------------------------------
+def fuse(model: nn.Module) -> nn.Module:
+    """Fuse every encoder inside `model` in place (see the module docstring); returns `model`."""
     if getattr(model, _ORIGINALS, None):
         return model  # already fused
-    record: list = []
-    found = [m for m in model.modules() if isinstance(m, hf.BertModel)]
-    if not found:
-        raise ValueError(f"fuse_hf_bert: no transformers BertModel inside {type(model).__name__}")
-    for bert in found:
-        _fuse_bert_model(bert, record)
-    for m in model.modules():
-        if isinstance(m, hf.BertPredictionHeadTransform):
-            act = getattr(m.transform_act_fn, "approximate", None)
-            name = type(m.transform_act_fn).__name__
-            approximate = ACTIVATIONS.get(getattr(found[0].config, "hidden_act", ""), None)
-            if approximate is None or (act is not None and act != approximate):
-                _warn(f"prediction head activation {name} has no fused kernel; the head transform stays unfused")
-                continue
-            parent = next(p for p in model.modules() if any(c is m for c in p.children()))
-            _replace(record, parent, "transform", FusedPredictionHeadTransform(m, approximate))
-    heads = [m for m in model.modules() if isinstance(m, (hf.BertForMaskedLM, hf.BertForPreTraining))]
-    for head in heads:
-        head._bertfuse_forward = head.forward
-        head.forward = types.MethodType(_fused_mlm_forward, head)
-    object.__setattr__(model, _ORIGINALS, (record, heads))
+    encoders = encoder_parts(model)
+    if not encoders:
+        raise ValueError(f"fuse: no encoder inside {type(model).__name__} (looked for a module with `embeddings` "
+                         "and an `encoder` or `transformer` holding a `layer` list)")
+    fuser = _Fuser()
+    reports = [_fuse_encoder_model(fuser, *part) for part in encoders]
+    heads = _fuse_heads(fuser, model, encoders, reports)
+    object.__setattr__(model, _ORIGINALS, (fuser.record, heads))
+    object.__setattr__(model, _REPORT, reports)
     return model
 
 
-def unfuse_hf_bert(model: nn.Module) -> nn.Module:
+def unfuse(model: nn.Module) -> nn.Module:
     """Put back the original modules (which share the fused ones' Parameters); returns `model`."""
     saved = getattr(model, _ORIGINALS, None)
     if not saved:
@@ -251,8 +447,16 @@ def unfuse_hf_bert(model: nn.Module) -> nn.Module:
     for parent, name, old in reversed(record):
         old.train(getattr(parent, name).training)
         setattr(parent, name, old)
-    for head in heads:
-        del head.forward
-        del head._bertfuse_forward
+    for task in heads:
+        del task.forward, task._bertfuse_forward, task._bertfuse_mlm
     object.__delattr__(model, _ORIGINALS)
+    object.__delattr__(model, _REPORT)
     return model
+
+
+def fuse_report(model: nn.Module) -> list[EncoderReport]:
+    """Per encoder of a fused model: what was fused and what was kept, with the reason ([] if not fused)."""
+    return list(getattr(model, _REPORT, []))
+
+
+fuse_hf_bert, unfuse_hf_bert = fuse, unfuse  # their first names

@@ -1,0 +1,216 @@
+"""bert.hf.fuse across the BERT family: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA (generator with a projected
+embedding, discriminator), DistilBERT (learned and sinusoidal positions), on small random configurations built
+offline, float32 in the interpreter, padded inputs of uneven lengths: outputs, the MLM loss and every parameter
+gradient against the unfused model; the kernels really called; unfuse bit-identical; state_dict unchanged;
+float16 autocast; families whose attention the kernel cannot express; sentence-transformers; transformers.Trainer."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_utils import TOL, grad_errors, random_batch, rel_err
+
+transformers = pytest.importorskip("transformers")
+kernels = pytest.importorskip("kernels")
+import bert.ops as bert_ops  # noqa: E402
+from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
+
+SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
+             max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+DISTIL = dict(vocab_size=99, dim=64, n_layers=2, n_heads=4, hidden_dim=100, max_position_embeddings=40,
+              dropout=0.0, attention_dropout=0.0)
+PAD = {"roberta": 1, "xlm-roberta": 1, "camembert": 1}  # the RoBERTa family pads with id 1, positions after it
+
+
+def build(family: str, head: str = "ForMaskedLM"):
+    torch.manual_seed(0)
+    if family.startswith("distilbert"):
+        cfg = transformers.DistilBertConfig(**DISTIL, sinusoidal_pos_embds=family.endswith("sinusoidal"))
+        return getattr(transformers, "DistilBert" + head)(cfg).eval()
+    if family == "electra":
+        cfg = transformers.ElectraConfig(**SMALL, embedding_size=32)  # projected up to the hidden size
+        return getattr(transformers, "Electra" + head)(cfg).eval()
+    name = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert", "bert": "Bert"}[family]
+    cfg = getattr(transformers, name + "Config")(**SMALL, pad_token_id=PAD.get(family, 0))
+    return getattr(transformers, name + head)(cfg).eval()
+
+
+def batch(family, seed=3):
+    ids, mask, _ = random_batch(99, batch=3, seqlen=17, lengths=[17, 9, 2], seed=seed, pairs=False)
+    ids = ids.clamp_min(3).masked_fill(mask == 0, PAD.get(family, 0))  # special ids only where they belong
+    labels = torch.where((torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.3) & mask.bool(),
+                         ids, -100)
+    labels[0, 1] = ids[0, 1]
+    return ids, mask, labels
+
+
+class Calls:
+    """Counts the kernel calls the fused model makes (a silent fallback to PyTorch would make none)."""
+
+    def __init__(self, monkeypatch):
+        self.counts = {}
+        for name in ("layer_norm", "bias_gelu", "varlen_attention", "masked_lm_loss"):
+            original = getattr(kernels, name)
+
+            def counted(*a, _name=name, _original=original, **k):
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                return _original(*a, **k)
+            monkeypatch.setattr(kernels, name, counted)
+
+
+FAMILIES = ["roberta", "xlm-roberta", "camembert", "electra", "distilbert", "distilbert-sinusoidal"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_fused_matches_original(family, monkeypatch):
+    ref = build(family)
+    fused = fuse(copy.deepcopy(ref))
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    assert list(fused.state_dict()) == list(before)
+    ids, mask, labels = batch(family)
+    keep = mask.bool()
+    calls = Calls(monkeypatch)
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert set(calls.counts) == {"layer_norm", "bias_gelu", "varlen_attention", "masked_lm_loss"}, calls.counts
+    assert b.logits is None and rel_err(b.loss, a.loss) <= TOL
+    a.loss.backward()
+    b.loss.backward()
+    errs = grad_errors(fused, ref)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, (worst, errs[worst])
+    with torch.no_grad():  # without labels: the original head over the fused encoder, logits formed
+        la = ref(input_ids=ids, attention_mask=mask).logits
+        lb = fused(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(lb[keep], la[keep]) <= TOL
+    unfuse(fused)
+    with torch.no_grad():
+        assert torch.equal(fused(input_ids=ids, attention_mask=mask).logits, la)
+    assert all(torch.equal(v, before[k]) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])
+def test_family_under_float16_autocast(family):
+    ref = build(family)
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, labels = batch(family, seed=5)
+    with torch.autocast("cpu", dtype=torch.float16):
+        a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(a.loss.item() - b.loss.item()) < 1e-2 * abs(a.loss.item())
+    a.loss.backward()
+    b.loss.backward()
+    ga = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
+    gb = torch.cat([p.grad.flatten() for p in fused.parameters() if p.grad is not None])
+    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.999
+
+
+@pytest.mark.parametrize("family,head", [("roberta", "ForSequenceClassification"),
+                                         ("electra", "ForPreTraining"), ("electra", "ForSequenceClassification"),
+                                         ("distilbert", "ForSequenceClassification"),
+                                         ("xlm-roberta", "ForTokenClassification")])
+def test_task_heads_of_the_families(family, head):
+    ref = build(family, head)
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, _ = batch(family, seed=7)
+    kw = {"ForSequenceClassification": dict(labels=torch.tensor([0, 1, 0])),
+          "ForPreTraining": dict(labels=torch.randint(0, 2, ids.shape)),
+          "ForTokenClassification": dict(labels=torch.randint(0, 2, ids.shape).masked_fill(mask == 0, -100))}[head]
+    a = ref(input_ids=ids, attention_mask=mask, **kw)
+    b = fused(input_ids=ids, attention_mask=mask, **kw)
+    if head == "ForPreTraining":  # ELECTRA's discriminator: a loss over real tokens only, as HF computes it
+        assert rel_err(b.logits[mask.bool()], a.logits[mask.bool()]) <= TOL
+    assert rel_err(b.loss, a.loss) <= TOL
+    a.loss.backward()
+    b.loss.backward()
+    errs = grad_errors(fused, ref)
+    assert max(errs.values()) <= TOL, max(errs, key=errs.get)
+
+
+def test_report_lists_what_was_fused_and_kept():
+    model = fuse(build("electra", "ForMaskedLM"))
+    (report,) = fuse_report(model)
+    assert report.path == "electra" and report.family == "ElectraModel" and report.layers == "bert"
+    text = str(report)
+    assert "attention (varlen" in text and "Linear + GeLU" in text and "MLM loss at labelled positions" in text
+    assert report.kept == []
+    unfuse(model)
+    assert fuse_report(model) == []
+
+
+def test_a_custom_subclass_is_matched_by_structure():
+    class MyEncoder(transformers.RobertaModel):
+        pass
+
+    torch.manual_seed(0)
+    ref = MyEncoder(transformers.RobertaConfig(**SMALL, pad_token_id=1)).eval()
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, _ = batch("roberta")
+    with torch.no_grad():
+        a, b = ref(input_ids=ids, attention_mask=mask), fused(input_ids=ids, attention_mask=mask)
+    assert rel_err(b.last_hidden_state[mask.bool()], a.last_hidden_state[mask.bool()]) <= TOL
+    assert "attention (varlen, padding removed once)" in fuse_report(fused)[0].fused
+
+
+@pytest.mark.parametrize("name", ["DebertaV2", "MPNet"])
+def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name):
+    """Disentangled (DeBERTa) or relative-bias (MPNet) attention stays; LayerNorm and GeLU still fuse."""
+    bert_ops._warned.clear()
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name + "Config")(**SMALL)
+    ref = getattr(transformers, name + "Model")(cfg).eval()
+    with pytest.warns(UserWarning, match="attention stays unfused"):
+        fused = fuse(copy.deepcopy(ref))
+    (report,) = fuse_report(fused)
+    assert report.layers == "unknown" and report.kept[0][0] == "attention"
+    assert "Linear + GeLU" in str(report) and "LayerNorms" in str(report)
+    ids, mask, _ = batch("bert")
+    with torch.no_grad():
+        a, b = ref(input_ids=ids, attention_mask=mask), fused(input_ids=ids, attention_mask=mask)
+    assert rel_err(b.last_hidden_state[mask.bool()], a.last_hidden_state[mask.bool()]) <= TOL
+
+
+def _sentence_transformer(tmp_path, family):
+    st = pytest.importorskip("sentence_transformers")
+    from bert.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([f"word{i} and word{i + 1} went to town {i}" for i in range(50)], vocab_size=99)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    model = build(family, "Model")
+    model.config.pad_token_id = fast.pad_token_id
+    model.save_pretrained(tmp_path / family)
+    fast.save_pretrained(tmp_path / family)
+    with warnings.catch_warnings():  # "no sentence-transformers model found, creating one with mean pooling"
+        warnings.simplefilter("ignore")
+        return st.SentenceTransformer(str(tmp_path / family), device="cpu")
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_sentence_transformers_on_bert_and_roberta(tmp_path, family):
+    model = _sentence_transformer(tmp_path, family)
+    sentences = ["word1 and word2", "word3 went to town 4 and word5 and word6 went to town 7", "town"]
+    ref = model.encode(sentences, convert_to_tensor=True)
+    fuse(model)
+    assert "attention (varlen, padding removed once)" in fuse_report(model)[0].fused
+    assert rel_err(model.encode(sentences, convert_to_tensor=True), ref) <= TOL
+    unfuse(model)
+    assert torch.equal(model.encode(sentences, convert_to_tensor=True), ref)
+
+
+def test_one_training_step_through_transformers_trainer(tmp_path):
+    pytest.importorskip("accelerate")
+    model = fuse(build("roberta"))
+    ids, mask, labels = batch("roberta")
+    rows = [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(ids, mask, labels)]
+    before = model.roberta.encoder.layer[0].attention.self.query.weight.detach().clone()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=3,
+                                          learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                                          logging_steps=1, disable_tqdm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = transformers.Trainer(model=model, args=args, train_dataset=rows).train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(model.roberta.encoder.layer[0].attention.self.query.weight, before)
+    assert "MLM loss at labelled positions (RobertaForMaskedLM)" in fuse_report(model)[0].fused
