@@ -28,7 +28,12 @@ class Batch:
     def to(self, device) -> "Batch":
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
-    def kwargs(self) -> dict:
+    def kwargs(self, family: str = "bert") -> dict:
+        """The model's keyword arguments. RoBERTa: MLM only, one segment, padding id 1 (its positions count
+        only non-padding ids)."""
+        if family == "roberta":
+            return {"input_ids": self.input_ids.masked_fill(self.attention_mask == 0, 1),
+                    "attention_mask": self.attention_mask, "labels": self.labels}
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from bert.cli import add_debug_flag
 
-from . import e2e, precompile
+from . import e2e, encode, precompile
 from .kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
 from .lengths import sample_lengths
 from .peaks import measure_peaks
@@ -43,8 +43,16 @@ def device_name(device: torch.device) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bert-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["all", "e2e", "kernels"], default="all",
-                   help="what to run (default: all; the kernel suite needs a GPU, except the MLM-loss memory table)")
+    p.add_argument("--suite", choices=["all", "e2e", "kernels", "encode"], default="all",
+                   help="what to run (default: all = e2e and kernels; the kernel suite needs a GPU, except the "
+                        "MLM-loss table; encode: forward-only inference of Hugging Face models, eager, compiled "
+                        "and fused)")
+    p.add_argument("--families", nargs="+", choices=["bert", "roberta"],
+                   help="end-to-end model families: roberta adds RobertaForMaskedLM, eager, compiled and fused, at "
+                        "the first shape (default: bert; bert roberta with --full on a GPU)")
+    p.add_argument("--encode-models", nargs="+", choices=list(encode.SHAPES),
+                   help="model shapes of the encode suite (default: bert-base minilm roberta-base on a GPU, minilm "
+                        "on a CPU)")
     p.add_argument("--config", nargs="+", choices=["tiny", "mini", "base", "large"],
                    help="model sizes for the end-to-end suite (default: base [quick] or base large [full] on a GPU, "
                         "mini on a CPU)")
@@ -96,7 +104,8 @@ def e2e_specs(args, cuda: bool):
     for config in configs:
         for seq_len in seq_lens:
             batch = args.batch or ((256 if seq_len <= 128 else 64) // (2 if config == "large" else 1) if cuda else 32)
-            yield {"config": config, "seq_len": seq_len, "batch": batch, "padding": args.padding,
+            yield {"family": "bert", "config": config, "seq_len": seq_len, "batch": batch,
+                   "padding": args.padding,
                    "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "device": "cuda" if cuda else "cpu",
                    "warmup": 3 if cuda or args.full else 2,
                    "steps": args.steps or (30 if args.full else 10 if cuda else 5)}
@@ -113,13 +122,15 @@ def markdown(rows, columns) -> str:
     return "\n".join(lines)
 
 
-def add_speedups(rows):
+def add_speedups(rows, keys=("family", "config", "seq_len", "batch", "padding", "dtype"),
+                 metric="tokens_per_s"):
+    """speedup_vs_<ref> on every ok row: its metric over the same-shaped row of each reference variant."""
     for r in rows:
         for ref in ("hf-eager", "hf-compile"):
             base = next((b for b in rows if b["variant"] == ref and b.get("status") == "ok" and all(
-                b[k] == r[k] for k in ("config", "seq_len", "batch", "padding", "dtype"))), None)
+                b.get(k) == r.get(k) for k in keys)), None)
             if base and r.get("status") == "ok":
-                r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / base["tokens_per_s"]
+                r[f"speedup_vs_{ref}"] = r[metric] / base[metric]
 
 
 def plot(rows, out_dir) -> list[str]:
@@ -182,6 +193,7 @@ class Plan(NamedTuple):
     specs: list
     kernels: bool
     e2e: bool
+    encode: list       # encode-suite specs (empty unless --suite encode)
 
 
 def make_plan(args, cuda: bool) -> Plan:
@@ -190,12 +202,17 @@ def make_plan(args, cuda: bool) -> Plan:
     specs = list(e2e_specs(args, cuda))
     if args.padding_sweep or args.full:
         specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
-    return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"))
+    if "roberta" in (args.families or (["roberta"] if cuda and args.full else [])):
+        specs += [dict(s, family="roberta") for s in specs[:1]]  # the fused RoBERTa against its own baselines
+    encode_specs = list(encode.specs(cuda, args.full, args.seq_len[0] if args.seq_len else None,
+                                     [args.batch] if args.batch else None, args.encode_models)) \
+        if args.suite == "encode" else []
+    return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"), encode_specs)
 
 
 def describe(plan: Plan, cuda: bool, full: bool) -> str:
     """What the run will do and roughly how long it takes (the estimate is a rule of thumb, not a measurement)."""
-    runs = sum(1 for s in plan.specs for v in plan.variants if _runs(v, s, plan))
+    runs = sum(1 for s in plan.specs for v in plan.variants if _runs(v, s, plan)) if plan.e2e else 0
     lines = []
     if plan.e2e:
         shapes = sorted({f"{s['config']} s{s['seq_len']} b{s['batch']}" for s in plan.specs})
@@ -204,6 +221,10 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
     if plan.kernels:
         lines.append("kernels: LayerNorm, bias-GeLU, attention (with peers), MLM loss" if cuda
                      else "kernels: the MLM-loss time and memory table (the Triton kernels need a GPU)")
+    if plan.encode:
+        shapes = sorted({f"{s['model']} b{s['batch']}" for s in plan.encode})
+        lines.append(f"encode: {', '.join(plan.encode[0]['variants'])} on {', '.join(shapes)}")
+        runs += sum(len(s["variants"]) for s in plan.encode)
     per_run = (60 if full else 25) if cuda else (40 if full else 20)
     minutes = (runs * per_run + (120 if plan.kernels and cuda else 30 if plan.kernels else 0)) / 60
     more = "" if full else "; --full adds more shapes, torch.compile variants on a CPU, the padding sweep and steps"
@@ -211,7 +232,9 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
 
 
 def _runs(variant: str, spec: dict, plan: Plan) -> bool:
-    """Padding-sweep specs run only the variants whose curve the plot shows."""
+    """Padding-sweep specs run only the variants whose curve the plot shows; RoBERTa only the transformers ones."""
+    if spec["family"] == "roberta":
+        return variant.startswith("hf")
     return spec["padding"] == plan.specs[0]["padding"] or variant in ("hf-eager", "ours-torch", "ours-triton")
 
 
@@ -223,7 +246,8 @@ def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
         for variant in (v for v in plan.variants if _runs(v, spec, plan)):
             row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
             tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
-            print(f"  {variant:12s} {spec['config']} s{spec['seq_len']} b{spec['batch']} "
+            family = "" if spec["family"] == "bert" else f"{spec['family']} "
+            print(f"  {variant:12s} {family}{spec['config']} s{spec['seq_len']} b{spec['batch']} "
                   f"pad={spec['padding']}: {tail}", flush=True)
             if row.get("status") == "ok":
                 row["MFU"] = row["TFLOPs"] / peaks["matmul_TFLOPs"]
@@ -231,11 +255,26 @@ def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
             save()
     add_speedups(results["e2e"])
     print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
-    print(markdown(results["e2e"], ["variant", "config", "seq_len", "batch", "padding", "dtype", "step_ms",
-                                    "tokens_per_s", "seqs_per_s", "MFU", "peak_mem_MB", "speedup_vs_hf-eager",
-                                    "speedup_vs_hf-compile", "status"]))
+    print(markdown(results["e2e"], ["variant", "family", "config", "seq_len", "batch", "padding", "dtype",
+                                    "step_ms", "tokens_per_s", "seqs_per_s", "MFU", "peak_mem_MB",
+                                    "speedup_vs_hf-eager", "speedup_vs_hf-compile", "status"]))
     print("\nMFU: model FLOPs on real tokens (MLM head on labelled tokens) over the measured matmul peak; "
           "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
+
+
+def run_encode(plan: Plan, results: dict, save) -> None:
+    for spec in plan.encode:
+        for variant in spec["variants"]:
+            row = e2e.in_fresh_process(encode.run_variant, variant, spec)
+            tail = f"{row['sentences_per_s']:,.1f} sentences/s" if row.get("status") == "ok" else row["status"]
+            print(f"  {variant:10s} {spec['model']} b{spec['batch']}: {tail}", flush=True)
+            results["encode"].append(row)
+            save()
+    add_speedups(results["encode"], keys=("model", "batch", "seq_len", "dtype"), metric="sentences_per_s")
+    print("\n## Encoding (forward only, no gradients)\n")
+    print(markdown(results["encode"], ["variant", "model", "batch", "seq_len", "dtype", "latency_ms",
+                                       "sentences_per_s", "tokens_per_s", "speedup_vs_hf-eager",
+                                       "speedup_vs_hf-compile", "status"]))
 
 
 def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
@@ -289,14 +328,14 @@ def bench(args, argv) -> int:
     meta["peaks"] = peaks = measure_peaks(device)
     print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
           f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
-    results, written = {"meta": meta, "e2e": [], "kernels": []}, set()
+    results, written = {"meta": meta, "e2e": [], "kernels": [], "encode": []}, set()
 
     def save():
         """Written after every row, so a run cut short (a time limit) still leaves what it measured."""
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2, default=str)
         written.add("results.json")
-        for name in ("e2e", "kernels"):
+        for name in ("e2e", "kernels", "encode"):
             if write_csv(os.path.join(out_dir, f"{name}.csv"), results[name]):
                 written.add(f"{name}.csv")
 
@@ -309,6 +348,8 @@ def bench(args, argv) -> int:
         run_e2e(plan, peaks, cuda, results, save)
     if plan.kernels:
         run_kernels(args, peaks, device, results, save)
+    if plan.encode:
+        run_encode(plan, results, save)
     save()
     written |= set(plot(results["e2e"], out_dir))
     print(f"\nWrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)}")

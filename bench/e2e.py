@@ -36,7 +36,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _build(variant: str, cfg, device):
+def _build(variant: str, cfg, device, family: str = "bert"):
     import torch
 
     import bert
@@ -44,9 +44,14 @@ def _build(variant: str, cfg, device):
     if variant.startswith("hf"):
         import transformers
 
-        hf_cfg = transformers.BertConfig(**cfg.to_dict())
+        if family == "roberta":  # RoBERTa's pre-training: MLM only, its own vocabulary and position offset
+            hf_cfg = transformers.RobertaConfig(**dict(cfg.to_dict(), vocab_size=50265, max_position_embeddings=514,
+                                                       type_vocab_size=1, pad_token_id=1))
+        else:
+            hf_cfg = transformers.BertConfig(**cfg.to_dict())
         hf_cfg._attn_implementation = "sdpa"
-        model = transformers.BertForPreTraining(hf_cfg).to(device)
+        cls = transformers.RobertaForMaskedLM if family == "roberta" else transformers.BertForPreTraining
+        model = cls(hf_cfg).to(device)
         if variant == "hf-fused":
             from bert.hf import fuse_hf_bert
 
@@ -59,14 +64,21 @@ def _build(variant: str, cfg, device):
 
 
 def run_variant(variant: str, spec: dict) -> dict:
-    """Runs in a child process; returns one result row."""
+    """Runs in a child process; returns one result row. On a CPU, fused transformers models run their PyTorch
+    path even where TRITON_INTERPRET is set (a benchmark of the interpreter would say nothing)."""
+    import os
+    import sys
+
+    if spec["device"] == "cpu" and "triton" not in sys.modules:  # a fresh process: nothing to undo
+        os.environ.pop("TRITON_INTERPRET", None)
     import torch
 
     import bert
 
     from .batches import make_batch
 
-    row = {"variant": variant, **{k: spec[k] for k in ("config", "seq_len", "batch", "padding", "dtype")}}
+    spec = {"family": "bert", **spec}
+    row = {"variant": variant, **{k: spec[k] for k in ("family", "config", "seq_len", "batch", "padding", "dtype")}}
     try:
         device = torch.device(spec["device"])
         torch.manual_seed(0)
@@ -74,14 +86,14 @@ def run_variant(variant: str, spec: dict) -> dict:
         base_mem = rss_mb() if device.type == "cpu" else 0.0
         batches = [make_batch(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
                    for s in range(4)]
-        model = _build(variant, cfg, device).train()
+        model = _build(variant, cfg, device, spec["family"]).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if spec["dtype"] == "bfloat16" else torch.autocast(
             device.type, enabled=False)
 
         def step(b):
             with amp:
-                out = model(**b.kwargs())
+                out = model(**b.kwargs(spec["family"]))
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -12,7 +12,8 @@ Runs, from a source checkout (PYTHONPATH=., no install, no network), these stage
            parallel processes, which also fills Triton's compile cache for the later stages)
   tests    the GPU-marked tests, one pytest per test file, all at once (their time is mostly compilation)
   e2e      bert-bench --suite e2e --quick: BERT-base pre-training steps, ours against Hugging Face eager,
-           Hugging Face + torch.compile and the fused Hugging Face model
+           Hugging Face + torch.compile and the fused Hugging Face model (two thirds of the stage); then
+           bert-bench --suite encode: forward-only encoding, eager, compiled and fused, batch 1/32/256
   kernels  bert-bench --suite kernels --quick: each kernel against torch eager, torch.compile and the peers
            (varlen_attn, SDPA masked and nested, flash-attn when installed)
   tune     python -m bench.tune: launch configs measured on this GPU for the problems the committed table
@@ -121,7 +122,11 @@ for s in smoke tests e2e kernels tune; do
   case $s in
     smoke) timeout --kill-after=5 "$allowed" python3 -m bench.smoke --json "$raw/smoke.json" ;;
     tests) gpu_tests "$((allowed - 5))" ;;
-    e2e) timeout --kill-after=5 "$allowed" python3 -m bench --suite e2e --quick --output-dir "$raw/e2e" ;;
+    e2e) t_end=$(( $(date +%s) + allowed ))   # the training steps, then forward-only encoding in what is left
+         timeout --kill-after=5 "$((allowed * 2 / 3))" python3 -m bench --suite e2e --quick --output-dir "$raw/e2e"
+         rc_e2e=$?
+         timeout --kill-after=5 "$(( t_end - $(date +%s) > 10 ? t_end - $(date +%s) : 10 ))" \
+           python3 -m bench --suite encode --quick --output-dir "$raw/encode" && (exit $rc_e2e) ;;
     kernels) timeout --kill-after=5 "$allowed" python3 -m bench --suite kernels --quick --output-dir "$raw/kernels" ;;
     tune) if [ "$cuda" = 1 ]; then   # continues the committed table: the result holds old and new entries
             mkdir -p "$raw/configs" && cp kernels/configs/*.json "$raw/configs/" 2>/dev/null

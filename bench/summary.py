@@ -2,7 +2,7 @@
 
 Reads what the stages left in RAW_DIR, each part optional (a stage cut short or not run leaves less):
 environment.json, stages.tsv (stage, status, seconds, allowed seconds), smoke.json, tests/*.log (pytest),
-e2e/results.json and kernels/results.json (bert-bench), tune.log and configs/*.json (bench.tune). Writes the
+e2e/, kernels/ and encode/results.json (bert-bench), tune.log and configs/*.json (bench.tune). Writes the
 targets table (bench/targets.py) with the measured value and met / not met, every smoke and test failure, the
 environment and the stages that were cut.
 """
@@ -28,13 +28,14 @@ def _json(path, default):
 
 def _results(raw: str) -> dict:
     """The e2e and kernel rows of both bench stages, as one results.json would hold them."""
-    merged = {"e2e": [], "kernels": [], "meta": {}}
-    for stage in ("e2e", "kernels"):
+    merged = {"e2e": [], "kernels": [], "encode": [], "meta": {}}
+    for stage in ("e2e", "kernels", "encode"):
         part = _json(os.path.join(raw, stage, "results.json"), {})
-        merged["e2e"] += part.get("e2e", [])
-        merged["kernels"] += part.get("kernels", [])
+        for suite in ("e2e", "kernels", "encode"):
+            merged[suite] += part.get(suite, [])
         merged["meta"] = merged["meta"] or part.get("meta", {})
-    add_speedups(merged["e2e"])  # a cut e2e stage saved its rows but not the speedups
+    add_speedups(merged["e2e"])  # a cut stage saved its rows but not the speedups
+    add_speedups(merged["encode"], keys=("model", "batch", "seq_len", "dtype"), metric="sentences_per_s")
     return merged
 
 

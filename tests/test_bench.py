@@ -73,7 +73,7 @@ def test_cli_writes_tables_json_csv_and_plots(tmp_path, capsys, monkeypatch):
     assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
                  "--variants", "hf-eager", "ours-torch", "--output-dir", str(out), "--device", "cpu"]) == 0
     text = capsys.readouterr().out
-    assert "| ours-torch | tiny | 32 |" in text and "CPU mode" in text
+    assert "| ours-torch | bert | tiny | 32 |" in text and "CPU mode" in text
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["peaks"] == PEAKS
     assert {r["variant"] for r in results["e2e"]} == {"hf-eager", "ours-torch"}
@@ -125,3 +125,23 @@ def test_bad_padding_is_one_line_before_any_work(capsys):
     assert main(["--padding", "0.7", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bert-bench: error: padding must be 'wiki' or a fraction") and "Traceback" not in err
+
+
+def test_encode_suite_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """Forward-only encoding, eager against fused (its PyTorch path on a CPU), in fresh processes."""
+    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    assert main(["--suite", "encode", "--encode-models", "minilm", "--batch", "2", "--device", "cpu",
+                 "--output-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads((tmp_path / "results.json").read_text())["encode"]
+    assert [(r["variant"], r["status"]) for r in rows] == [("hf-eager", "ok"), ("hf-fused", "ok")]
+    assert rows[1]["sentences_per_s"] > 0 and "speedup_vs_hf-eager" in rows[1]
+    assert "## Encoding (forward only, no gradients)" in text and (tmp_path / "encode.csv").exists()
+
+
+def test_roberta_family_step_runs_eager_and_fused():
+    spec = {"family": "roberta", "config": "tiny", "seq_len": 32, "batch": 4, "padding": "wiki",
+            "dtype": "float32", "device": "cpu", "warmup": 1, "steps": 2}
+    for variant in ("hf-eager", "hf-fused"):  # fresh processes: the fused model's PyTorch path on this CPU
+        row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
+        assert row["status"] == "ok" and row["family"] == "roberta", row
