@@ -9,40 +9,14 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, grad_errors, random_batch, rel_err
+from hf_utils import TOL, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
 import bert.ops as bert_ops  # noqa: E402
 from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
 
-SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
-             max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-DISTIL = dict(vocab_size=99, dim=64, n_layers=2, n_heads=4, hidden_dim=100, max_position_embeddings=40,
-              dropout=0.0, attention_dropout=0.0)
-PAD = {"roberta": 1, "xlm-roberta": 1, "camembert": 1}  # the RoBERTa family pads with id 1, positions after it
-
-
-def build(family: str, head: str = "ForMaskedLM"):
-    torch.manual_seed(0)
-    if family.startswith("distilbert"):
-        cfg = transformers.DistilBertConfig(**DISTIL, sinusoidal_pos_embds=family.endswith("sinusoidal"))
-        return getattr(transformers, "DistilBert" + head)(cfg).eval()
-    if family == "electra":
-        cfg = transformers.ElectraConfig(**SMALL, embedding_size=32)  # projected up to the hidden size
-        return getattr(transformers, "Electra" + head)(cfg).eval()
-    name = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert", "bert": "Bert"}[family]
-    cfg = getattr(transformers, name + "Config")(**SMALL, pad_token_id=PAD.get(family, 0))
-    return getattr(transformers, name + head)(cfg).eval()
-
-
-def batch(family, seed=3):
-    ids, mask, _ = random_batch(99, batch=3, seqlen=17, lengths=[17, 9, 2], seed=seed, pairs=False)
-    ids = ids.clamp_min(3).masked_fill(mask == 0, PAD.get(family, 0))  # special ids only where they belong
-    labels = torch.where((torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.3) & mask.bool(),
-                         ids, -100)
-    labels[0, 1] = ids[0, 1]
-    return ids, mask, labels
+from bench.hf_parity import SMALL, batch, build  # noqa: E402  (the same models the parity table measures)
 
 
 class Calls:
@@ -90,7 +64,7 @@ def test_family_fused_matches_original(family, monkeypatch):
     assert all(torch.equal(v, before[k]) for k, v in ref.state_dict().items())
 
 
-@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_under_float16_autocast(family):
     ref = build(family)
     fused = fuse(copy.deepcopy(ref))

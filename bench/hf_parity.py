@@ -1,0 +1,101 @@
+"""`python -m bench.hf_parity`: how closely bert.hf.fuse reproduces each BERT-family model, float32.
+
+Small random configurations built offline (2 layers, hidden 64, 4 heads, intermediate 100; ELECTRA with a
+32-wide embedding projected up, DistilBERT with learned or sinusoidal positions), a padded batch of lengths 17,
+9 and 2: the relative error (max |fused - original| / max |original|) of the MLM logits at real positions, the
+MLM loss, and the worst gradient of every parameter after that loss (scaled as tests/hf_utils.grad_errors
+does). tests/test_hf_families.py builds the same models and asserts at most 1e-5. Runs on the GPU when there is
+one, else in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
+             max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+DISTIL = dict(vocab_size=99, dim=64, n_layers=2, n_heads=4, hidden_dim=100, max_position_embeddings=40,
+              dropout=0.0, attention_dropout=0.0)
+PAD = {"roberta": 1, "xlm-roberta": 1, "camembert": 1}  # the RoBERTa family pads with id 1, positions after it
+FAMILIES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "distilbert-sinusoidal"]
+
+
+def build(family: str, head: str = "ForMaskedLM"):
+    """A small random transformers model of `family` with the task head `head` ("Model" for the bare one)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if family.startswith("distilbert"):
+        cfg = transformers.DistilBertConfig(**DISTIL, sinusoidal_pos_embds=family.endswith("sinusoidal"))
+        return getattr(transformers, "DistilBert" + head)(cfg).eval()
+    if family == "electra":
+        cfg = transformers.ElectraConfig(**SMALL, embedding_size=32)  # projected up to the hidden size
+        return getattr(transformers, "Electra" + head)(cfg).eval()
+    name = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert", "bert": "Bert"}[family]
+    cfg = getattr(transformers, name + "Config")(**SMALL, pad_token_id=PAD.get(family, 0))
+    return getattr(transformers, name + head)(cfg).eval()
+
+
+def batch(family: str, seed: int = 3, device="cpu"):
+    """(input_ids, attention_mask, MLM labels): lengths 17, 9, 2, the family's padding id at padded positions."""
+    import torch
+
+    lengths = torch.tensor([17, 9, 2])
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(17)[None] < lengths[:, None]).long()
+    ids = torch.randint(3, 99, (3, 17), generator=g).masked_fill(mask == 0, PAD.get(family, 0))
+    labels = torch.where((torch.rand(ids.shape, generator=g) < 0.3) & mask.bool(), ids, -100)
+    labels[0, 1] = ids[0, 1]
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def worst_grad(fused, ref) -> float:
+    """The worst parameter-gradient error, each scaled by max(its own largest reference gradient, 1e-2 of the
+    model's largest): some gradients are zero in exact arithmetic and hold only rounding noise."""
+    grads = dict(ref.named_parameters())
+    floor = 1e-2 * max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    return max((p.grad.double() - grads[n].grad.double()).abs().max().item()
+               / max(grads[n].grad.abs().max().item(), floor) for n, p in fused.named_parameters())
+
+
+def parity(family: str, device) -> dict:
+    import torch
+
+    from bert.hf import fuse
+
+    ref = build(family).to(device)
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, labels = batch(family, device=device)
+    a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
+                                                                          labels=labels)
+    a.loss.backward()
+    b.loss.backward()
+    with torch.no_grad():
+        la, lb = ref(input_ids=ids, attention_mask=mask).logits, fused(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    return {"family": family, "logits": rel_err(lb[keep], la[keep]), "loss": rel_err(b.loss, a.loss),
+            "worst_grad": worst_grad(fused, ref)}
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by bert.hf's kernels)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print("| family | MLM logits | MLM loss | worst parameter gradient |\n|---|---|---|---|")
+    for family in FAMILIES:
+        r = parity(family, device)
+        print(f"| {family} | {r['logits']:.1e} | {r['loss']:.1e} | {r['worst_grad']:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
