@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .padding import pad_batch
+
 _HEADING = re.compile(r"^\s*=(\s*=)*\s[^=].*[^=]\s=(\s*=)*\s*$")
 _TOP_HEADING = re.compile(r"^\s*=\s[^=].*[^=]\s=\s*$")
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
@@ -314,23 +316,12 @@ class MLMCollator:
 
     def __call__(self, instances: list[dict], keys: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
         keys = list(range(len(instances))) if keys is None else list(keys)
-        longest = max(len(x["input_ids"]) for x in instances)
-        width = -(-longest // self.multiple) * self.multiple
-        batch = len(instances)
-        ids = torch.full((batch, width), self.special.pad, dtype=torch.long)
-        types = torch.zeros((batch, width), dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        labels = torch.full((batch, width), -100, dtype=torch.long)
-        for r, (x, key) in enumerate(zip(instances, keys)):
-            n = len(x["input_ids"])
-            row = torch.as_tensor(x["input_ids"], dtype=torch.long)
-            masked, labels[r, :n] = self._mask_row(row, key)
-            ids[r, :n] = masked
-            types[r, :n] = torch.as_tensor(x["token_type_ids"])
-            mask[r, :n] = 1
-        nsp = torch.tensor([x["next_sentence_label"] for x in instances], dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
-                "next_sentence_label": nsp}
+        rows = []
+        for x, key in zip(instances, keys):
+            masked, labels = self._mask_row(torch.as_tensor(x["input_ids"], dtype=torch.long), key)
+            rows.append({"input_ids": masked, "token_type_ids": x["token_type_ids"], "labels": labels,
+                         "next_sentence_label": x["next_sentence_label"]})
+        return pad_batch(rows, self.special.pad, self.multiple)
 
     def _mask_row(self, row: torch.Tensor, key: int):
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + key) % (2**63 - 1))
@@ -355,7 +346,7 @@ class MLMCollator:
 class BucketBatchSampler:
     """Global batches of similar length: shuffle, cut into pools of 50 batches, sort each pool by length, cut into
     batches, shuffle the batches. Deterministic in (seed, epoch). A global batch is later split into per-rank,
-    per-accumulation-step micro-batches (`micro_batch`), so the data of a step does not depend on how many
+    per-accumulation-step micro-batches (`bert.trainer.micro_batch`), so the data of a step does not depend on how many
     processes share it."""
 
     def __init__(self, lengths: list[int] | np.ndarray, global_batch: int, seed: int = 0, pool: int = 50):
@@ -378,10 +369,3 @@ class BucketBatchSampler:
 
     def steps_per_epoch(self) -> int:
         return len(self.epoch_batches(0))
-
-
-def micro_batch(global_batch: list[int], rank: int, world_size: int, accum_step: int, accum_steps: int) -> list[int]:
-    """The slice of a global batch that one rank trains on at one gradient-accumulation step."""
-    size = len(global_batch) // (world_size * accum_steps)
-    start = (rank * accum_steps + accum_step) * size
-    return global_batch[start:start + size]

@@ -48,3 +48,31 @@ def pad(x: torch.Tensor, u: Unpadded, fill: float = 0.0) -> torch.Tensor:
     out = x.new_full((u.batch * u.seqlen, *x.shape[1:]), fill)
     out = out.index_put((u.indices,), x)
     return out.view(u.batch, u.seqlen, *x.shape[1:])
+
+
+SCALAR_KEYS = ("labels", "start_positions", "end_positions", "next_sentence_label")
+
+
+def pad_batch(rows: list[dict], pad_id: int = 0, multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Model inputs from rows of token lists: input_ids (pad_id on padding) and token_type_ids padded to the
+    longest row rounded up to `multiple`, an attention_mask, labels given per token padded with -100, and
+    per-row values (a class label, QA start/end positions, next_sentence_label) stacked. Other keys of a row
+    (bookkeeping such as NER's first-token positions) are not model inputs and are left out."""
+    width = -(-max(len(r["input_ids"]) for r in rows) // multiple) * multiple
+    out = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
+           "token_type_ids": torch.zeros((len(rows), width), dtype=torch.long),
+           "attention_mask": torch.zeros((len(rows), width), dtype=torch.long)}
+    per_token = [k for k in ("labels",) if k in rows[0] and isinstance(rows[0][k], (list, torch.Tensor))]
+    for key in per_token:
+        out[key] = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        out["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        out["token_type_ids"][i, :n] = torch.as_tensor(r.get("token_type_ids", [0] * n))
+        out["attention_mask"][i, :n] = 1
+        for key in per_token:
+            out[key][i, :len(r[key])] = torch.as_tensor(r[key])
+    for key in SCALAR_KEYS:
+        if key in rows[0] and key not in per_token:
+            out[key] = torch.tensor([r[key] for r in rows], dtype=torch.long)
+    return out

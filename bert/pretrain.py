@@ -9,14 +9,10 @@ and data position; `--resume` continues so that later losses equal those of an u
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
 import os
-import shutil
-import signal
-import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,12 +22,11 @@ import torch.distributed as dist
 
 from .config import BertConfig
 from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
-    micro_batch, tokenize_corpus
+    tokenize_corpus
 from .model import BertForPreTraining
-from .optim import linear_schedule, param_groups
-from .checkpoint import atomic_write
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from .trainer import Dist, Job, Settings, Trainer, prepare_output_dir, setup_device, slice_bounds
 
 PRESETS = ("tiny", "mini", "base", "large")
 
@@ -76,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation "
                                                                      "(default 0.05)")
     p.add_argument("--eval-batches", type=int, default=20, help="batches per evaluation (default 20)")
+    p.add_argument("--log-every", type=int, default=1, help="a log row every N steps (statistics summed on the "
+                                                            "device in between; default 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--num-proc", type=int, default=1, help="processes for tokenisation (default 1)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers for collation (default 0)")
@@ -102,7 +99,7 @@ RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len",
 def validate_args(args) -> None:
     """Everything that can be checked before any work (tokenising a corpus can take hours)."""
     check_numbers(args, positive=("max_seq_len", "batch_size", "grad_accum", "steps", "lr", "keep_checkpoints",
-                                  "eval_batches", "num_proc", "train_tokenizer", "max_documents"),
+                                  "eval_batches", "num_proc", "train_tokenizer", "max_documents", "log_every"),
                   non_negative=("warmup", "weight_decay", "max_grad_norm", "save_every", "eval_every",
                                 "num_workers"),
                   fractions=("eval_fraction",))
@@ -124,105 +121,26 @@ def run_settings(args) -> dict:
     return {k: getattr(args, k) for k in RUN_SETTINGS}
 
 
-def prepare_output_dir(args) -> None:
-    """A fresh run refuses an OUTPUT_DIR that holds another run (its log, checkpoints or model), unless
-    --overwrite, which deletes the old log and checkpoints so a later --resume cannot pick them up."""
-    os.makedirs(args.output_dir, exist_ok=True)
-    if args.resume:
-        return
-    old = [n for n in ("log.jsonl", "checkpoints", "model.safetensors") if os.path.exists(os.path.join(args.output_dir, n))]
-    if old and not args.overwrite:
-        raise ValueError(f"{args.output_dir} already holds a run ({', '.join(old)}); pass --resume to continue it "
-                         "or --overwrite to start a new one there")
-    for name in ("log.jsonl", "checkpoints", "tensorboard", "tokenizer"):
-        path = os.path.join(args.output_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-
-
-def check_resumed_settings(saved: dict | None, args) -> None:
-    """Refuse to continue a run under other settings than it was started with, listing every difference."""
-    if saved is None:
-        return
-    changed = {k: (saved.get(k), v) for k, v in run_settings(args).items() if k in saved and saved[k] != v}
-    if changed and not args.allow_config_changes:
-        listed = "; ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        raise ValueError(f"--resume: the settings differ from the saved run's: {listed}. Use the saved settings, "
-                         "or pass --allow-config-changes to continue anyway")
-
-
-def truncate_log(path: str, step: int) -> None:
-    """Drop the log rows written after the checkpoint a run resumes from (they will be written again)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(rows)
-
-    atomic_write(path, write)
-
-
-# ---- distributed helpers -------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def main_first(self, fn):
-        """fn() on rank 0 first, which fills a cache on disk, then on the other ranks, which read it from there
-        instead of racing rank 0 to write it."""
-        if self.main:
-            out = fn()
-        if self.world > 1:
-            dist.barrier()
-        if not self.main:
-            out = fn()
-        return out
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
-
-
-def setup_distributed(device_type: str) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
 # ---- data ----------------------------------------------------------------------------------------
 class StepData(torch.utils.data.Dataset):
-    """Item i: this rank's collated micro-batches of global step i of the epoch."""
+    """Item i: this rank's collated micro-batches of global step i of the epoch. Each row's masking is keyed by
+    its place in the run (global step, position in the global batch), so it is the same under any number of ranks
+    or accumulation steps, and after a resume."""
 
-    def __init__(self, instances, batches, collator, d: Dist, accum: int, epoch: int, steps_before: int):
+    def __init__(self, instances, batches, collator, d: Dist, accum: int, steps_before: int):
         self.instances, self.batches, self.collator = instances, batches, collator
-        self.d, self.accum, self.epoch, self.steps_before = d, accum, epoch, steps_before
+        self.d, self.accum, self.steps_before = d, accum, steps_before
 
     def __len__(self):
         return len(self.batches)
 
     def __getitem__(self, i):
         out, global_batch = [], self.batches[i]
-        size = len(global_batch)
+        size, parts = len(global_batch), self.d.world * self.accum
         for a in range(self.accum):
-            idx = micro_batch(global_batch, self.d.rank, self.d.world, a, self.accum)
-            offset = (self.d.rank * self.accum + a) * len(idx)
-            keys = [(self.steps_before + i) * size + offset + k for k in range(len(idx))]
-            out.append(self.collator([self.instances[int(j)] for j in idx], keys=keys))
+            start, end = slice_bounds(size, parts, self.d.rank * self.accum + a)
+            keys = [(self.steps_before + i) * size + k for k in range(start, end)]
+            out.append(self.collator([self.instances[int(j)] for j in global_batch[start:end]], keys=keys))
         return out
 
 
@@ -273,63 +191,7 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
     return Corpus(DocumentView(train_docs), DocumentView(eval_docs), special, args.max_seq_len, args.seed, cache, d)
 
 
-# ---- checkpoints ---------------------------------------------------------------------------------
-def checkpoint_dir(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    root = checkpoint_dir(output_dir)
-    if not os.path.isdir(root):
-        return None
-    names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
-    return os.path.join(root, names[-1]) if names else None
-
-
-def save_checkpoint(output_dir, model, optimizer, scheduler, scaler, state: dict, keep: int,
-                    settings: dict | None = None) -> str:
-    """Write into a temporary directory, then rename it: a checkpoint is either complete or absent."""
-    root = checkpoint_dir(output_dir)
-    os.makedirs(root, exist_ok=True)
-    final = os.path.join(root, f"step-{state['step']:08d}")
-    tmp = os.path.join(root, f".tmp-step-{state['step']:08d}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                "run_settings": json.dumps(settings), **state}, os.path.join(tmp, "training_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
-    for old in names[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    return final
-
-
 # ---- training ------------------------------------------------------------------------------------
-class _StopFlag:
-    def __init__(self):
-        self.raised = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        self.raised = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def resolve_tokenizer(args, d: Dist):
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
@@ -355,7 +217,7 @@ def build_config(args, vocab_size: int) -> BertConfig:
     return cfg
 
 
-def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, device, amp) -> dict:
+def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, device) -> dict:
     """MLM loss, accuracy and perplexity on held-out documents, masked the same way every time."""
     if not corpus.eval_docs:
         return {}
@@ -368,9 +230,7 @@ def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, dev
         for start in range(0, min(len(instances), batches * batch_size), batch_size):
             rows = instances[start:start + batch_size]
             batch = collator(rows, keys=[-(start + k + 1) for k in range(len(rows))])
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with amp():
-                out = model(**batch)
+            out = model(**{k: v.to(device) for k, v in batch.items()})
             n = int(out.mlm_count)
             loss_sum += float(out.mlm_loss) * n
             hits += int(out.mlm_correct)
@@ -382,6 +242,53 @@ def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, dev
     return {"eval_mlm_loss": loss, "eval_mlm_acc": hits / count, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
+class PretrainJob(Job):
+    """MLM + NSP on NSP instances drawn per epoch, length-bucketed into global batches (see bert.trainer.Job)."""
+    name = "pre-training"
+
+    def __init__(self, model, corpus: Corpus, collator, tokenizer, args, device):
+        self.model, self.corpus, self.collator, self.tokenizer = model, corpus, collator, tokenizer
+        self.args, self.device = args, device
+
+    def epoch_steps(self, epoch, steps_before, d, accum):
+        instances = self.corpus.instances(epoch)
+        sampler = BucketBatchSampler(np.asarray(instances["length"]), self.args.batch_size,
+                                     seed=self.args.seed * 31 + epoch)
+        return StepData(instances, sampler.epoch_batches(epoch), self.collator, d, accum, steps_before)
+
+    def counts(self, batch):
+        return {"mlm": float((batch["labels"] != -100).sum()), "nsp": float(len(batch["next_sentence_label"]))}
+
+    def loss_terms(self, out, batch):
+        return {"mlm": out.mlm_loss * out.mlm_count, "nsp": out.nsp_loss * len(batch["next_sentence_label"])}
+
+    def stats(self, out, batch):
+        nsp_hits = (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()
+        return {"mlm_hits": out.mlm_correct, "nsp_hits": nsp_hits}
+
+    def log_fields(self, sums, counts):
+        mlm, nsp = max(counts["mlm"], 1.0), max(counts["nsp"], 1.0)
+        return {"mlm_loss": sums["mlm"] / mlm, "nsp_loss": sums["nsp"] / nsp, "mlm_acc": sums["mlm_hits"] / mlm,
+                "nsp_acc": sums["nsp_hits"] / nsp}
+
+    def evaluate(self, model):
+        return evaluate(model, self.corpus, self.collator, max(1, self.args.batch_size), self.args.eval_batches,
+                        self.device)
+
+    def save(self, model, path):
+        model.save_pretrained(path)
+        save_tokenizer(self.tokenizer, path)  # every checkpoint is a complete model too
+
+
+def settings(args) -> Settings:
+    return Settings(output_dir=args.output_dir, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                    weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, precision=args.precision,
+                    grad_accum=args.grad_accum, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
+                    eval_every=args.eval_every, log_every=args.log_every, num_workers=args.num_workers,
+                    seed=args.seed, resume=args.resume, allow_config_changes=args.allow_config_changes,
+                    progress=not args.no_progress, adam_eps=1e-6, run_settings=run_settings(args))
+
+
 class TrainResult(NamedTuple):
     metrics: dict                 # the last logged step (plus evaluation, when it ran)
     model: BertForPreTraining     # the trained model (unwrapped from DDP)
@@ -389,18 +296,12 @@ class TrainResult(NamedTuple):
 
 def train(args) -> TrainResult:
     """Run pre-training with parsed CLI arguments. Used by the CLI and by tests."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     validate_args(args)
-    d = setup_distributed(device.type)
+    device, d = setup_device()
     if d.main:
-        prepare_output_dir(args)
-    if d.world > 1:
-        dist.barrier()
+        prepare_output_dir(args.output_dir, args.resume, args.overwrite)
+    d.barrier()
     torch.manual_seed(args.seed)
-
     tokenizer = resolve_tokenizer(args, d)
     special = SpecialIds.from_tokenizer(tokenizer)
     cfg = build_config(args, tokenizer.get_vocab_size())
@@ -414,171 +315,9 @@ def train(args) -> TrainResult:
     if args.batch_size % (d.world * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} must divide evenly over {d.world} rank(s) x "
                          f"{args.grad_accum} accumulation step(s)")
-
-    model = BertForPreTraining(cfg).to(device)
-    precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-    def amp():
-        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.999), eps=1e-6,
-                                  **({"fused": True} if device.type == "cuda" else {}))
-    warmup = int(args.warmup * args.steps) if args.warmup < 1 else int(args.warmup)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, args.steps))
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "steps_before_epoch": 0}
-
-    resume = latest_checkpoint(args.output_dir) if args.resume == "latest" else args.resume
-    if args.resume and not resume:
-        raise FileNotFoundError(f"--resume: no checkpoint in {checkpoint_dir(args.output_dir)}")
-    if resume:
-        from .checkpoint import read_state_dict
-
-        model.load_hf_state_dict(read_state_dict(resume))
-        saved = torch.load(os.path.join(resume, "training_state.pt"), map_location="cpu", weights_only=True)
-        check_resumed_settings(json.loads(saved.get("run_settings") or "null"), args)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        if scaler is not None and saved.get("scaler"):
-            scaler.load_state_dict(saved["scaler"])
-        torch.set_rng_state(saved["rng_cpu"])
-        if device.type == "cuda" and saved["rng_cuda"]:
-            torch.cuda.set_rng_state_all(saved["rng_cuda"])
-        state = {k: saved[k] for k in state}
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                    else None) if d.world > 1 else model
-    model.train()
-
-    log_path = os.path.join(args.output_dir, "log.jsonl")
-    if d.main:
-        truncate_log(log_path, state["step"])
-    writer = None
-    if d.main:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"))
-        except ImportError:
-            pass
-    progress = None
-    if d.main and not args.no_progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=args.steps, initial=state["step"], desc="pre-training", dynamic_ncols=True)
-
-    last: dict = {}
-    with _StopFlag() as stop, open(log_path, "a", encoding="utf-8") if d.main else open(os.devnull, "w") as log:
-        while state["step"] < args.steps:
-            instances = corpus.instances(state["epoch"])
-            sampler = BucketBatchSampler(np.asarray(instances["length"]), args.batch_size,
-                                         seed=args.seed * 31 + state["epoch"])
-            batches = sampler.epoch_batches(state["epoch"])
-            if not batches:
-                raise ValueError("the corpus yields no full batch; lower --batch-size")
-            data = StepData(instances, batches, collator, d, args.grad_accum, state["epoch"],
-                            state["steps_before_epoch"])
-            loader = torch.utils.data.DataLoader(
-                torch.utils.data.Subset(data, range(state["batch_in_epoch"], len(data))), batch_size=None,
-                num_workers=args.num_workers, generator=torch.Generator())  # keeps the global RNG (dropout) untouched
-            for micro_batches in loader:
-                t0 = time.perf_counter()
-                # Global counts first: the loss of every micro-batch is normalised by the whole step's totals.
-                counts = torch.tensor([[float((b["labels"] != -100).sum()), float(len(b["labels"]))]
-                                       for b in micro_batches]).sum(0)
-                counts = d.all_sum(counts.to(device)).tolist()
-                n_labelled, n_seqs = max(counts[0], 1.0), counts[1]
-                stats = torch.zeros(7, device=device)
-                for a, batch in enumerate(micro_batches):
-                    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                    sync = a == len(micro_batches) - 1 or d.world == 1
-                    ctx = ddp.no_sync() if not sync and d.world > 1 else contextlib.nullcontext()
-                    with ctx:
-                        with amp():
-                            out = ddp(**batch)
-                        mlm_sum = out.mlm_loss * out.mlm_count
-                        nsp_sum = out.nsp_loss * len(batch["next_sentence_label"])
-                        loss = (mlm_sum / n_labelled + nsp_sum / n_seqs) * d.world
-                        (scaler.scale(loss) if scaler else loss).backward()
-                    nsp_hits = (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()
-                    stats += torch.stack([mlm_sum.detach().float(), nsp_sum.detach().float(),
-                                          out.mlm_correct.float(), nsp_hits.float(),
-                                          batch["attention_mask"].sum().float(), out.mlm_count.float(),
-                                          torch.tensor(float(stop.raised), device=device)])
-                if scaler:
-                    scaler.unscale_(optimizer)
-                if args.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                state["step"] += 1
-                state["batch_in_epoch"] += 1
-                mlm_sum, nsp_sum, mlm_hits, nsp_hits, tokens, _, stopping = d.all_sum(stats).tolist()
-                elapsed = time.perf_counter() - t0
-                last = {"step": state["step"], "mlm_loss": mlm_sum / n_labelled, "nsp_loss": nsp_sum / n_seqs,
-                        "mlm_acc": mlm_hits / n_labelled, "nsp_acc": nsp_hits / n_seqs, "lr": lr,
-                        "tokens_per_s": tokens / elapsed, "seqs_per_s": n_seqs / elapsed}
-                if stopping:
-                    last["stopped"] = True
-                if args.eval_every and state["step"] % args.eval_every == 0 and d.main:
-                    scores = evaluate(model, corpus, collator, max(1, args.batch_size // d.world),
-                                      args.eval_batches, device, amp)
-                    last.update(scores)
-                    if scores:
-                        say(progress, f"step {state['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
-                if d.main:
-                    log.write(json.dumps(last) + "\n")
-                    log.flush()
-                    if writer:
-                        for k, v in last.items():
-                            if k != "step":
-                                writer.add_scalar(k, v, state["step"])
-                    if progress:
-                        progress.update(1)
-                        progress.set_postfix(mlm=f"{last['mlm_loss']:.3f}", nsp=f"{last['nsp_loss']:.3f}",
-                                             acc=f"{last['mlm_acc']:.3f}")
-                done = state["step"] >= args.steps
-                if stopping or done or (args.save_every and state["step"] % args.save_every == 0):
-                    if d.main:
-                        save_checkpoint(args.output_dir, model, optimizer, scheduler, scaler, state,
-                                        args.keep_checkpoints, run_settings(args))
-                    if d.world > 1:
-                        dist.barrier()
-                if stopping:
-                    if d.main:
-                        say(progress, f"stopped by signal at step {state['step']}; checkpoint saved")
-                    break
-                if done:
-                    break
-            if last.get("stopped") or state["step"] >= args.steps:
-                break
-            state["steps_before_epoch"] += len(batches)
-            state["epoch"] += 1
-            state["batch_in_epoch"] = 0
-    if progress:
-        progress.close()
-    if writer:
-        writer.close()
-    if d.main and not last.get("stopped"):
-        model.save_pretrained(args.output_dir)
-        print(f"saved to {args.output_dir}", flush=True)
-    if d.world > 1:
-        dist.barrier()
-    return TrainResult(last, model)
-
-
-def say(progress, message: str) -> None:
-    """A console line that does not break the progress bar (and shows without one)."""
-    if progress:
-        progress.write(message)
-    else:
-        print(message, flush=True)
+    job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, args, device)
+    trainer = Trainer(job, settings(args), device, d)
+    return TrainResult(trainer.fit(), trainer.model)
 
 
 def main(argv=None) -> int:

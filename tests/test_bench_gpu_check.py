@@ -4,7 +4,6 @@ import os
 import subprocess
 import tarfile
 
-import pytest
 
 from bench import precompile
 from bench.summary import render

@@ -4,9 +4,10 @@ import json
 import pytest
 import torch
 
-from bert.data import (BucketBatchSampler, MLMCollator, SpecialIds, create_instances, iter_documents, micro_batch,
+from bert.data import (BucketBatchSampler, MLMCollator, SpecialIds, create_instances, iter_documents,
                        split_sentences, tokenize_corpus)
 from bert.tokenizer import train_tokenizer
+from bert.trainer import micro_batch
 from corpus_utils import topic_documents, write_corpus
 from kernel_utils import binomial_ok
 
