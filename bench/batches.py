@@ -18,10 +18,6 @@ class Batch:
     next_sentence_label: torch.Tensor
 
     @property
-    def real_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    @property
     def labelled(self) -> int:
         return int((self.labels != -100).sum())
 

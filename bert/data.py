@@ -231,12 +231,6 @@ class DocumentView:
             yield row["sentences"]
 
 
-def create_instances(documents, max_seq_len: int, special: SpecialIds, seed: int, short_seq_prob: float = 0.1,
-                     nsp_random_prob: float = 0.5) -> list[dict]:
-    """All NSP instances of `documents` as a list (see iter_instances)."""
-    return list(iter_instances(documents, max_seq_len, special, seed, short_seq_prob, nsp_random_prob))
-
-
 def iter_instances(documents, max_seq_len: int, special: SpecialIds, seed: int, short_seq_prob: float = 0.1,
                    nsp_random_prob: float = 0.5) -> Iterator[dict]:
     """NSP instances from tokenised documents (documents -> sentences -> ids), deterministic in `seed`.
@@ -367,5 +361,3 @@ class BucketBatchSampler:
                         if len(chunk) - i >= self.global_batch]
         return [batches[i] for i in rng.permutation(len(batches))]
 
-    def steps_per_epoch(self) -> int:
-        return len(self.epoch_batches(0))

@@ -146,9 +146,9 @@ class BertSelfAttention(nn.Module):
 
 
 class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, in_features: int | None = None):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(in_features or config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -181,8 +181,7 @@ class BertIntermediate(nn.Module):
 
 class BertOutput(BertSelfOutput):
     def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        super().__init__(config, in_features=config.intermediate_size)
 
 
 class BertLayer(nn.Module):
@@ -234,8 +233,9 @@ class BertLMPredictionHead(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
-        # The decoder's weight is tied to the word embeddings (set by the owning model) and its bias is `bias`.
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        # The decoder's weight is tied to the word embeddings (set by the owning model: never allocated here, on
+        # the meta device until then) and its bias is `bias`.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.decoder.bias = self.bias
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .metrics import accuracy_and_macro_f1, ner_scores, squad_scores
 from .model import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
 
 PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
@@ -340,7 +341,6 @@ class Task:
 class ClassifyTask(Task):
     """GLUE-style TSV, single sentences or pairs; [CLS] pooled -> dropout -> linear; accuracy and macro F1."""
     name = "classify"
-
     model_cls = BertForSequenceClassification
 
     def read(self, source, split):
@@ -356,8 +356,6 @@ class ClassifyTask(Task):
         return Features(classification_features(data, self.tok, label2id, self.max_seq_len))
 
     def predict(self, outputs, data, features, id2label):
-        from .metrics import accuracy_and_macro_f1
-
         pred_ids = [int(p) for out in outputs for p in out.logits.float().argmax(-1).cpu()]
         scores = accuracy_and_macro_f1(pred_ids, [f["labels"] for f in features.rows])
         return scores, [id2label[p] for p in pred_ids]
@@ -371,7 +369,6 @@ class ClassifyTask(Task):
 class NerTask(Task):
     """CoNLL-2003; labels on each word's first sub-token; entity-level P/R/F1 (seqeval); predictions per word."""
     name = "ner"
-
     model_cls = BertForTokenClassification
 
     def read(self, source, split):
@@ -387,8 +384,6 @@ class NerTask(Task):
         return Features(ner_features(data, self.tok, label2id, self.max_seq_len))
 
     def predict(self, outputs, data, features, id2label):
-        from .metrics import ner_scores
-
         tags = [row for out in outputs for row in out.logits.float().argmax(-1).cpu()]
         predicted = []
         for s, f, p in zip(data, features.rows, tags):
@@ -408,7 +403,6 @@ class QATask(Task):
     decoding over windows; exact match and F1."""
     name = "qa"
     prediction_file = "predictions.json"
-
     model_cls = BertForQuestionAnswering
 
     def read(self, source, split):
@@ -433,8 +427,6 @@ class QATask(Task):
                 & (out.end_logits.argmax(-1) == batch["end_positions"])).sum()
 
     def predict(self, outputs, data, features, id2label):
-        from .metrics import squad_scores
-
         starts = [row for out in outputs for row in out.start_logits.float().cpu()]
         ends = [row for out in outputs for row in out.end_logits.float().cpu()]
         answers = decode_answers(data, features.windows, starts, ends, self.options["n_best"],

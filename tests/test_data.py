@@ -4,12 +4,17 @@ import json
 import pytest
 import torch
 
-from bert.data import (BucketBatchSampler, MLMCollator, SpecialIds, create_instances, iter_documents,
+from bert.data import (BucketBatchSampler, MLMCollator, SpecialIds, iter_documents, iter_instances,
                        split_sentences, tokenize_corpus)
 from bert.tokenizer import train_tokenizer
 from bert.trainer import micro_batch
 from corpus_utils import topic_documents, write_corpus
 from kernel_utils import binomial_ok
+
+
+def create_instances(documents, max_seq_len, special, seed):
+    """All NSP instances of `documents` as a list."""
+    return list(iter_instances(documents, max_seq_len, special, seed))
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
 
