@@ -119,10 +119,10 @@ class FinetuneJob(Job):
             batches.pop()
         return _Steps(self.rows, batches, d, accum)
 
-    def counts(self, batch):
-        return {"task": self.task.count(batch)}
+    def counts(self, batch):  # the CPU batch
+        return {"task": float(self.task.count(batch))}
 
-    def loss_terms(self, out, batch):
+    def loss_terms(self, out, batch):  # the device batch: the count stays on the device
         return {"task": out.loss * self.task.count(batch)}
 
     def stats(self, out, batch):

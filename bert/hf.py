@@ -148,17 +148,17 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
 
 def _bert_layer(layer, x, u, training: bool):
     sa = layer.attention.self
-    q, k, v = ops.project_qkv(x, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size)
-    ctx = ops.varlen_attention(q, k, v, u, dropout_p=sa.dropout.p if training else 0.0, backend=_backend(x))
-    x = layer.attention.output(ctx.reshape(x.shape), x)
+    ctx = ops.self_attention(x, u, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size,
+                             sa.dropout.p if training else 0.0, _backend(x))
+    x = layer.attention.output(ctx, x)
     return layer.output(layer.intermediate(x), x)
 
 
 def _distilbert_layer(layer, x, u, training: bool):
     at, ffn = layer.attention, layer.ffn
-    q, k, v = ops.project_qkv(x, at.q_lin, at.k_lin, at.v_lin, at.n_heads, at.attention_head_size)
-    ctx = ops.varlen_attention(q, k, v, u, dropout_p=at.dropout.p if training else 0.0, backend=_backend(x))
-    x = layer.sa_layer_norm(at.out_lin(ctx.reshape(x.shape)), residual=x)
+    ctx = ops.self_attention(x, u, at.q_lin, at.k_lin, at.v_lin, at.n_heads, at.attention_head_size,
+                             at.dropout.p if training else 0.0, _backend(x))
+    x = layer.sa_layer_norm(at.out_lin(ctx), residual=x)
     return layer.output_layer_norm(ffn.lin2(ffn.activation(ffn.lin1(x))), residual=x, dropout_p=ffn.dropout.p)
 
 

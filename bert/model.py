@@ -138,11 +138,9 @@ class BertSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def forward(self, x, u: Unpadded, backend):
-        # One matmul for q, k and v; the parameters stay three HF-named Linears.
-        q, k, v = ops.project_qkv(x, self.query, self.key, self.value, self.num_attention_heads,
-                                  self.attention_head_size)
-        p = self.dropout.p if self.training else 0.0
-        return ops.varlen_attention(q, k, v, u, dropout_p=p, backend=backend).reshape(x.shape)
+        # One matmul for q, k and v (ops.project_qkv); the parameters stay three HF-named Linears.
+        return ops.self_attention(x, u, self.query, self.key, self.value, self.num_attention_heads,
+                                  self.attention_head_size, self.dropout.p if self.training else 0.0, backend)
 
 
 class BertSelfOutput(nn.Module):

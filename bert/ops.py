@@ -77,6 +77,13 @@ def project_qkv(x, query, key, value, heads: int, head_dim: int):
     return qkv.view(x.shape[0], 3, heads, head_dim).unbind(1)
 
 
+def self_attention(x, u: Unpadded, query, key, value, heads: int, head_dim: int, dropout_p=0.0, backend="torch"):
+    """Multi-head self-attention of packed tokens x [tokens, hidden] within their own sequences, before the
+    output projection: one BERT layer's attention, for our model and the fused Hugging Face layers alike."""
+    q, k, v = project_qkv(x, query, key, value, heads, head_dim)
+    return varlen_attention(q, k, v, u, dropout_p=dropout_p, backend=backend).reshape(x.shape[0], heads * head_dim)
+
+
 def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
     """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence."""
     if backend == "triton" and q.shape[-1] not in _kernels().attention.HEAD_DIMS:

@@ -322,9 +322,10 @@ class Task:
     def features(self, data, label2id, train: bool) -> Features:
         raise NotImplementedError
 
-    def count(self, batch: dict) -> float:
-        """How many items the model's loss averages over in this batch (from the CPU batch)."""
-        return float((batch["labels"] != -100).sum())
+    def count(self, batch: dict):
+        """How many items the model's loss averages over in this batch: a tensor on the batch's device (the loss
+        terms scale by it without a host sync), or an int."""
+        return (batch["labels"] != -100).sum()
 
     def hits(self, out, batch):
         """Correct predictions among the counted items (a device scalar), for the logged accuracy."""
@@ -420,7 +421,7 @@ class QATask(Task):
         return Features(rows, windows)
 
     def count(self, batch):
-        return float(len(batch["start_positions"]))
+        return len(batch["start_positions"])
 
     def hits(self, out, batch):
         return ((out.start_logits.argmax(-1) == batch["start_positions"])
