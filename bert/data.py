@@ -317,8 +317,12 @@ class MLMCollator:
                          "next_sentence_label": x["next_sentence_label"]})
         return pad_batch(rows, self.special.pad, self.multiple)
 
+    def _generator(self, key: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + key) % (2**63 - 1))
+
     def _mask_row(self, row: torch.Tensor, key: int):
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + key) % (2**63 - 1))
+        """Each real token chosen with probability p (whole words: a word with its first piece)."""
+        g = self._generator(key)
         candidates = ~torch.isin(row, self.special_ids)
         pick = torch.rand(row.shape, generator=g) < self.p
         if self.whole_word:
@@ -328,7 +332,33 @@ class MLMCollator:
             start_pick = torch.zeros(len(row) + 1, dtype=torch.bool)
             start_pick[word[starts]] = pick[starts]
             pick = start_pick[word]
-        chosen = candidates & pick
+        return self._replace(row, candidates & pick, g)
+
+    def mask_exact(self, row: torch.Tensor, key: int):
+        """Exactly max(1, round(p * real tokens)) tokens chosen, as the original BERT code does; with whole words,
+        words in random order, each taken if it still fits the count. Packed batches need it: their number of
+        labelled tokens must stay within a fixed bound."""
+        g = self._generator(key)
+        candidates = ~torch.isin(row, self.special_ids)
+        k = max(1, round(self.p * int(candidates.sum()))) if bool(candidates.any()) else 0
+        if self.whole_word:
+            starts = candidates & ~self.is_continuation[row]
+            word = torch.where(candidates, torch.cumsum(starts.long(), 0), 0)  # 0: not a candidate
+            sizes = torch.bincount(word, minlength=int(starts.sum()) + 1).tolist()
+            taken, total = [], 0
+            for w in (torch.randperm(int(starts.sum()), generator=g) + 1).tolist():
+                if total + sizes[w] <= k:
+                    taken.append(w)
+                    total += sizes[w]
+            chosen = torch.isin(word, torch.tensor(taken, dtype=torch.long)) & candidates
+        else:
+            positions = candidates.nonzero().squeeze(1)
+            chosen = torch.zeros_like(candidates)
+            chosen[positions[torch.randperm(len(positions), generator=g)[:k]]] = True
+        return self._replace(row, chosen, g)
+
+    def _replace(self, row: torch.Tensor, chosen: torch.Tensor, g: torch.Generator):
+        """80% of the chosen tokens become [MASK], 10% a random non-special token, 10% stay; labels -100 elsewhere."""
         roll = torch.rand(row.shape, generator=g)
         random_ids = self.replacement_ids[torch.randint(len(self.replacement_ids), row.shape, generator=g)]
         out = torch.where(chosen & (roll < self.mask_prob), torch.full_like(row, self.special.mask), row)

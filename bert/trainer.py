@@ -328,6 +328,7 @@ class Trainer:
         writer, progress = self._sinks()
         last: dict = {}
         window = _Window()
+        self.model.train()
         with _StopFlag() as stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") as log:
             while self.state["step"] < s.steps and not last.get("stopped"):
                 steps, loader = self._loader()

@@ -1,0 +1,71 @@
+"""bert.packing: best-fit packing into fixed token budgets, and packed micro-batches of fixed shapes."""
+import random
+
+import pytest
+import torch
+
+from bert.data import MLMCollator, SpecialIds
+from bert.packing import PackedShapes, PackingCollator, efficiency, pack
+
+SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
+
+
+def test_every_instance_once_within_budget_and_sequence_limit():
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(5, 40), 128]) for _ in range(3000)]
+    packs = pack(lengths, budget=512, max_seqs=32, window=256)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p) <= 512 and len(p) <= 32 for p in packs)
+    assert pack(lengths, 512, 32, 256) == packs  # deterministic
+    assert all(len(p) <= 3 for p in pack(lengths, 512, 3, 256))
+    # Best fit beats padding each instance to the longest of a batch of 4 by far on such lengths.
+    padded = sum(lengths) / (len(lengths) * 128)
+    assert efficiency(lengths, packs, 512) > 0.95 > padded
+    with pytest.raises(ValueError, match="more than the budget"):
+        pack([10, 600], budget=512, max_seqs=4)
+
+
+def instance(n, rng, nsp):
+    ids = [2] + [rng.randint(5, 999) for _ in range(n - 2)] + [3]
+    return {"input_ids": ids, "token_type_ids": [0] * (n // 2) + [1] * (n - n // 2), "next_sentence_label": nsp}
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_packed_micro_batch_has_fixed_shapes_and_exact_label_counts(whole_word):
+    rng = random.Random(1)
+    masker = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=3)
+    shapes = PackedShapes.for_budget(tokens=96, sequences=4, mlm_probability=0.15)
+    collate = PackingCollator(masker, shapes)
+    insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
+    b = collate(insts, keys=[10, 11, 12])
+    assert {k: tuple(v.shape) for k, v in b.items()} == {
+        "input_ids": (96,), "token_type_ids": (96,), "position_ids": (96,), "cu_seqlens": (5,),
+        "mlm_positions": (shapes.labels,), "mlm_labels": (shapes.labels,), "next_sentence_label": (4,)}
+    assert b["cu_seqlens"].tolist() == [0, 40, 49, 80, 80]  # the unused slot is an empty sequence
+    assert b["next_sentence_label"].tolist() == [0, 1, 1, -100]
+    assert b["position_ids"][40:49].tolist() == list(range(9)) and (b["input_ids"][80:] == 0).all()
+    used = b["mlm_labels"] != -100
+    labelled = b["mlm_positions"][used]
+    for (s, e), x in zip([(0, 40), (40, 49), (49, 80)], insts):  # about 15% of each instance's real tokens
+        n = int(((labelled >= s) & (labelled < e)).sum())
+        assert 1 <= n <= max(1, round(0.15 * (e - s - 2)))
+        if not whole_word:
+            assert n == max(1, round(0.15 * (e - s - 2)))
+    original = torch.tensor(sum((x["input_ids"] for x in insts), []))
+    assert torch.equal(b["mlm_labels"][used], original[labelled])  # labels are the original ids
+    assert torch.equal(collate(insts, keys=[10, 11, 12])["input_ids"], b["input_ids"])  # keyed, repeatable
+    with pytest.raises(ValueError, match="does not fit"):
+        collate([instance(60, rng, 0), instance(50, rng, 0)], keys=[0, 1])
+
+
+def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
+    from bench.packing import main
+    from bert.tokenizer import train_tokenizer
+    from corpus_utils import topic_documents, write_corpus
+
+    corpus = write_corpus(tmp_path / "c.txt", n_docs=40, sentences=12)
+    train_tokenizer(topic_documents(40, 12), vocab_size=200, output_dir=str(tmp_path / "tok"))
+    assert main([str(corpus), "--tokenizer", str(tmp_path / "tok")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128") or
+            line.startswith("| 512")]
+    assert len(rows) == 2 and all(line.count("%") == 2 for line in rows)
