@@ -15,7 +15,7 @@ from torch import nn
 from . import ops
 from .checkpoint import PretrainedMixin
 from .config import BertConfig
-from .padding import Unpadded, pad, unpad, unpad_mask
+from .padding import Unpadded, pack_check, packed_layout, pad, unpad, unpad_mask
 
 
 # ---- outputs (HF's field names) ------------------------------------------------------------------
@@ -365,6 +365,24 @@ class BertModel(BertPreTrainedModel):
         hidden, u = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
         return BertModelOutput(last_hidden_state=pad(hidden, u), pooler_output=self.pool(hidden, u))
 
+    def encode_packed(self, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int,
+                      validate: bool = False):
+        """A packed batch (bert.packing), every shape fixed: input_ids, token_type_ids, position_ids [T], the
+        sequences one after another as cu_seqlens [S + 1] says (empty ones allowed), filler after the last.
+        Returns (hidden [T, hidden], Unpadded). No host sync, unless `validate` checks the values (one sync)."""
+        pack_check(self.config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate)
+        u = packed_layout(cu_seqlens, input_ids.shape[0], int(max_seqlen))
+        x = self.embeddings(input_ids, token_type_ids, position_ids, self.backend)
+        return self.encoder(x, u, self.backend), u
+
+    def pool_packed(self, hidden, u: Unpadded):
+        """pool() for a packed batch, without a sync: an empty sequence reads a clamped row and is zeroed."""
+        if self.pooler is None:
+            return None
+        starts = u.cu_seqlens[:-1].long().clamp(max=hidden.shape[0] - 1)
+        nonempty = (u.cu_seqlens[1:] > u.cu_seqlens[:-1]).to(hidden.dtype)[:, None]
+        return self.pooler(hidden[starts] * nonempty)
+
 
 class _MLMMixin:
     """Masked-LM loss on labelled positions only: gather, transform, decode, cross-entropy."""
@@ -414,6 +432,23 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
         losses = [l for l in (out.mlm_loss, out.nsp_loss) if l is not None]
         out.loss = sum(losses) if losses else None
         return out
+
+
+    def forward_packed(self, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int, mlm_positions,
+                       mlm_labels, next_sentence_label, validate: bool = False) -> BertForPreTrainingOutput:
+        """Pre-training on a packed batch (bert.packing.PackingCollator): the labelled tokens are given as
+        mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
+        unused slots. The same instances packed or padded give the same losses and gradients."""
+        hidden, u = self.bert.encode_packed(input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
+                                            validate)
+        nsp_logits = self.cls.seq_relationship(self.bert.pool_packed(hidden, u))
+        head = self.cls.predictions
+        h = head.transform(hidden[mlm_positions], self.backend)
+        mlm = ops.masked_lm_loss(h, head.decoder.weight, head.bias, mlm_labels, backend=self.backend)
+        nsp_loss = cross_entropy(nsp_logits, next_sentence_label)
+        return BertForPreTrainingOutput(loss=mlm.loss + nsp_loss, prediction_logits=mlm.logits,
+                                        seq_relationship_logits=nsp_logits, mlm_loss=mlm.loss, nsp_loss=nsp_loss,
+                                        mlm_correct=mlm.correct, mlm_count=(mlm_labels != -100).sum())
 
 
 class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):

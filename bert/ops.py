@@ -99,15 +99,17 @@ def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
 def _torch_varlen_attention(q, k, v, u: Unpadded, dropout_p):
     # Pads to [batch, max_seqlen] (the longest real sequence, not the input's length) and runs SDPA with a
     # key mask. A finite fill instead of -inf keeps rows of empty sequences finite; they are dropped anyway.
+    # One extra row, empty, parks the filler tokens of a packed batch (bert.padding.packed_layout gives them
+    # sequence `batch`); they attend to nothing real and stay finite.
     total, heads, dim = q.shape
-    batch, length = u.batch, max(u.max_seqlen, 1)
+    batch, length = u.batch + 1, max(u.max_seqlen, 1)
     slot = u.seq * length + u.pos
 
     def to_batch(t):
         out = t.new_zeros(batch * length, heads, dim).index_put((slot,), t)
         return out.view(batch, length, heads, dim).transpose(1, 2)
 
-    seqlens = u.cu_seqlens[1:] - u.cu_seqlens[:-1]
+    seqlens = torch.cat([u.cu_seqlens[1:] - u.cu_seqlens[:-1], u.cu_seqlens.new_zeros(1)])
     keep = torch.arange(length, device=q.device)[None, :] < seqlens[:, None]
     mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
     mask.masked_fill_(~keep[:, None, None, :], torch.finfo(q.dtype).min)
@@ -130,9 +132,9 @@ def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
         loss, correct = _kernels().masked_lm_loss(hidden, weight, bias, labels, return_correct=True)
         return MLMLoss(loss, correct, None)
     logits = F.linear(hidden, weight, bias)
-    if labels.numel() == 0:
-        # F.cross_entropy's mean over nothing is NaN; no labelled token means no loss.
-        return MLMLoss(logits.sum() * 0.0, labels.new_zeros(()), logits)
-    loss = F.cross_entropy(logits.float(), labels)
-    correct = (logits.argmax(-1) == labels).sum()
+    # Rows labelled -100 (a packed batch's unused slots) are ignored; no labelled row gives 0, not F.cross_entropy's
+    # NaN mean over nothing, without a sync.
+    used = labels != -100
+    loss = F.cross_entropy(logits.float(), labels, reduction="sum") / used.sum().clamp_min(1)
+    correct = ((logits.argmax(-1) == labels) & used).sum()
     return MLMLoss(loss, correct, logits)

@@ -38,6 +38,47 @@ def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None
     return Unpadded(indices, cu_seqlens, max_seqlen, batch, seqlen, seq, pos)
 
 
+def packed_layout(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> Unpadded:
+    """The Unpadded description of an already packed batch (bert.packing): tokens [0, total_tokens), sequences
+    by cu_seqlens [S + 1] (empty ones allowed), tokens at or past cu_seqlens[-1] are filler. Built without a
+    host sync: max_seqlen is the caller's static bound. Filler tokens get sequence S (one past the last) and
+    positions clamped below max_seqlen, so that the PyTorch attention can park them in one extra, empty row."""
+    batch = cu_seqlens.numel() - 1
+    t = torch.arange(total_tokens, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True)  # S for filler
+    pos = (t - cu_seqlens.long()[seq]).clamp(max=max(max_seqlen - 1, 0))
+    return Unpadded(t, cu_seqlens, max_seqlen, batch, max_seqlen, seq, pos)
+
+
+def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate: bool) -> None:
+    """Shapes and dtypes of a packed batch always (no sync); with `validate`, the values too, in one sync."""
+    n = input_ids.shape[0] if input_ids.dim() == 1 else -1
+    for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+        if t.dim() != 1 or t.shape[0] != n or t.is_floating_point():
+            raise ValueError(f"packed {name} must be integer [tokens] like input_ids ({n}), got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("packed cu_seqlens must be a 1-D int32 tensor [sequences + 1]")
+    if not validate:
+        return
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    checks = torch.stack([input_ids.min(), input_ids.max(), token_type_ids.min(), token_type_ids.max(),
+                          position_ids.min(), position_ids.max(), cu_seqlens[0].long(), cu_seqlens[-1].long(),
+                          (lens < 0).sum(), lens.max().long()]).tolist()
+    id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, first, last, decreasing, longest = checks
+    problems = [f"input_ids outside [0, {config.vocab_size})" * (id_lo < 0 or id_hi >= config.vocab_size),
+                f"token_type_ids outside [0, {config.type_vocab_size})"
+                * (tt_lo < 0 or tt_hi >= config.type_vocab_size),
+                f"position_ids outside [0, {config.max_position_embeddings})"
+                * (pos_lo < 0 or pos_hi >= config.max_position_embeddings),
+                "cu_seqlens does not start at 0" * (first != 0), f"cu_seqlens ends past the {n} tokens" * (last > n),
+                "cu_seqlens decreases" * bool(decreasing), f"a sequence is longer than max_seqlen={max_seqlen}"
+                * (longest > max_seqlen)]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("packed batch: " + "; ".join(problems))
+
+
 def unpad(x: torch.Tensor, u: Unpadded) -> torch.Tensor:
     """[batch, seqlen, ...] -> [total_tokens, ...]."""
     return x.reshape(u.batch * u.seqlen, *x.shape[2:])[u.indices]

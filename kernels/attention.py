@@ -301,8 +301,8 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
             raise ValueError(f"{op}: cu_seqlens must start at 0, starts at {first}")
         if decreasing:
             raise ValueError(f"{op}: cu_seqlens must be non-decreasing")
-        if last != q.shape[0]:
-            raise ValueError(f"{op}: cu_seqlens ends at {last} but there are {q.shape[0]} tokens (total_tokens)")
+        if last > q.shape[0]:
+            raise ValueError(f"{op}: cu_seqlens ends at {last} but there are only {q.shape[0]} tokens (total_tokens)")
         if longest > max_seqlen:
             raise ValueError(f"{op}: max_seqlen={max_seqlen} but a sequence has {longest} tokens")
 
@@ -312,7 +312,9 @@ class VarlenAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
         total, heads, dim = q.shape
         batch = cu_seqlens.numel() - 1
-        o = torch.empty_like(q)
+        # Zeros, not empty: tokens past cu_seqlens[-1] (the filler of a packed batch) belong to no sequence and
+        # are never written; they must stay finite, or 0 * NaN poisons the weight gradients.
+        o = torch.zeros_like(q)
         lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
         block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, q.device, max_seqlen)
         if total and batch and max_seqlen:
@@ -332,7 +334,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         total, heads, dim = q.shape
         batch = cu_seqlens.numel() - 1
         do = unit_stride(do)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # filler rows: zero gradient
         if not (total and batch and ctx.max_seqlen):
             return dq, dk, dv, None, None, None, None, None
         delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
@@ -365,7 +367,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """softmax(q k^T * scale) v within each packed sequence; returns a tensor of q's shape.
 
     q, k, v: [total_tokens, heads, head_dim] (head_dim 16, 32, 64 or 128); cu_seqlens: int32 [batch + 1];
-    max_seqlen: the longest sequence. Dropout on the attention probabilities uses Philox with `seed` (default:
+    max_seqlen: the longest sequence. Tokens at or past cu_seqlens[-1] (the filler of a packed batch of fixed
+    size) belong to no sequence: their output and gradients are zero, whatever they hold. Dropout on the attention probabilities uses Philox with `seed` (default:
     drawn from torch's CPU generator). `validate=False` skips the checks of cu_seqlens' values, which need a
     device sync; pass it only for cu_seqlens built by trusted code (the model does).
     """

@@ -138,7 +138,8 @@ def test_dropout_rate_determinism_and_p_zero(device):
     (lambda q, cu: dict(q=q.long(), k=q.long(), v=q.long()), TypeError, "must be float16"),
     (lambda q, cu: dict(cu_seqlens=cu.long()), TypeError, "cu_seqlens must be a 1-D int32"),
     (lambda q, cu: dict(cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32)), ValueError, "non-decreasing"),
-    (lambda q, cu: dict(cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError, "ends at 9"),
+    (lambda q, cu: dict(cu_seqlens=torch.tensor([0, 4, 11], dtype=torch.int32)), ValueError,
+     "ends at 11 but there are only 10 tokens"),
     (lambda q, cu: dict(cu_seqlens=torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError, "start at 0"),
     (lambda q, cu: dict(max_seqlen=3), ValueError, "max_seqlen=3 but a sequence has 6"),
     (lambda q, cu: dict(k=q.to("meta")), ValueError, "k is on meta"),
@@ -185,3 +186,29 @@ def test_strided_cu_seqlens_and_expanded_heads(device):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for a, r in zip(grads, ref_grads):
         torch.testing.assert_close(a.double(), r.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_filler_after_the_last_sequence_is_zero_and_gets_zero_gradient(device, p):
+    """Tokens past cu_seqlens[-1] (a packed batch's filler) affect nothing and receive zero gradient, never NaN,
+    even when they hold NaN (PyTorch's own varlen_attn returns NaN gradients here, pytorch#176793)."""
+    lengths, filler = [7, 0, 12], 5
+    total, heads, dim = sum(lengths) + filler, 2, 16
+    g = torch.Generator().manual_seed(11)
+    base = [torch.randn(total, heads, dim, generator=g) for _ in range(3)]
+    for t in base:
+        t[sum(lengths):] = float("nan")
+    leaves = [t.to(device).requires_grad_() for t in base]
+    cu = cu_of(lengths, device)
+    out = kernels.varlen_attention(*leaves, cu, 12, dropout_p=p, seed=3)
+    dout = torch.randn(out.shape, generator=g).to(device)
+    grads = torch.autograd.grad(out, leaves, dout)
+    real = sum(lengths)
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+    assert all(torch.isfinite(gr).all() and torch.equal(gr[real:], torch.zeros_like(gr[real:])) for gr in grads)
+    # The same tokens with zeros for filler (the dropout mask depends on the token count, kept the same).
+    clean = [t.detach().nan_to_num(0.0).requires_grad_() for t in leaves]
+    ref = kernels.varlen_attention(*clean, cu, 12, dropout_p=p, seed=3)
+    torch.testing.assert_close(out[:real], ref[:real])
+    for a, b in zip(grads, torch.autograd.grad(ref, clean, dout)):
+        torch.testing.assert_close(a[:real], b[:real])

@@ -69,3 +69,68 @@ def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128") or
             line.startswith("| 512")]
     assert len(rows) == 2 and all(line.count("%") == 2 for line in rows)
+
+
+def padded_twin(b, lengths):
+    """The padded batch holding the same instances, tokens and labels as packed batch `b`."""
+    width = max(lengths)
+    n = len(lengths)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    types, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    cu = b["cu_seqlens"].tolist()
+    for s in range(n):
+        ids[s, :lengths[s]] = b["input_ids"][cu[s]:cu[s + 1]]
+        types[s, :lengths[s]] = b["token_type_ids"][cu[s]:cu[s + 1]]
+        mask[s, :lengths[s]] = 1
+    for p, lab in zip(b["mlm_positions"].tolist(), b["mlm_labels"].tolist()):
+        if lab != -100:
+            s = next(i for i in range(n) if cu[i] <= p < cu[i + 1])
+            labels[s, p - cu[s]] = lab
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
+                next_sentence_label=b["next_sentence_label"][:n])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
+    """The same instances, packed (fixed shapes, an empty slot, filler) or padded: same losses and gradients,
+    float32; the filler tokens get no gradient and leave everything finite."""
+    import bert
+
+    rng = random.Random(4)
+    insts = [instance(n, rng, nsp) for n, nsp in ((30, 0), (7, 1), (19, 1))]
+    masker = MLMCollator(SPECIAL, seed=5)
+    b = PackingCollator(masker, PackedShapes.for_budget(72, 4, 0.15))(insts, keys=[1, 2, 3])
+    torch.manual_seed(0)
+    cfg = bert.BertConfig.preset("tiny", vocab_size=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                 backend=backend)
+    model = bert.BertForPreTraining(cfg)
+    twin = bert.BertForPreTraining(cfg)
+    twin.load_state_dict(model.state_dict())
+    packed = model.forward_packed(b["input_ids"], b["token_type_ids"], b["position_ids"], b["cu_seqlens"], 32,
+                                  b["mlm_positions"], b["mlm_labels"], b["next_sentence_label"], validate=True)
+    padded = twin(**padded_twin(b, [30, 7, 19]))
+    for name in ("loss", "mlm_loss", "nsp_loss"):
+        a, r = getattr(packed, name), getattr(padded, name)
+        assert abs(a.item() - r.item()) <= 1e-5 * abs(r.item()), name
+    assert packed.mlm_count.item() == padded.mlm_count.item()
+    packed.loss.backward()
+    padded.loss.backward()
+    grads = dict(twin.named_parameters())
+    floor = 1e-2 * max(p.grad.abs().max().item() for p in twin.parameters() if p.grad is not None)
+    for name, p in model.named_parameters():
+        r = grads[name].grad
+        assert torch.isfinite(p.grad).all(), name
+        assert (p.grad - r).abs().max() <= 1e-5 * max(r.abs().max().item(), floor), name
+
+
+def test_packed_validation_names_the_problem():
+    import bert
+
+    model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=1000, backend="torch"))
+    ids = torch.randint(5, 999, (16,))
+    cu = torch.tensor([0, 9, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens ends past the 16 tokens"):
+        model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16), cu, 16, validate=True)
+    with pytest.raises(ValueError, match="packed token_type_ids must be integer"):
+        model.bert.encode_packed(ids, torch.zeros(15, dtype=torch.long), torch.arange(16), cu, 16)
