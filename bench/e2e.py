@@ -63,14 +63,20 @@ def _build(variant: str, cfg, device, family: str = "bert"):
     return bert.BertForPreTraining(cfg.replace(backend=backend)).to(device)
 
 
-def run_variant(variant: str, spec: dict) -> dict:
-    """Runs in a child process; returns one result row. On a CPU, fused transformers models run their PyTorch
-    path even where TRITON_INTERPRET is set (a benchmark of the interpreter would say nothing)."""
+def pytorch_path_on_cpu(device: str) -> None:
+    """In a fresh benchmark process on a CPU: no Triton interpreter, so fused models run their PyTorch path (a
+    benchmark of the interpreter would say nothing). Where triton is already imported there is nothing to undo."""
     import os
     import sys
 
-    if spec["device"] == "cpu" and "triton" not in sys.modules:  # a fresh process: nothing to undo
+    if device == "cpu" and "triton" not in sys.modules:
         os.environ.pop("TRITON_INTERPRET", None)
+
+
+def run_variant(variant: str, spec: dict) -> dict:
+    """Runs in a child process; returns one result row. On a CPU, fused transformers models run their PyTorch
+    path even where TRITON_INTERPRET is set (a benchmark of the interpreter would say nothing)."""
+    pytorch_path_on_cpu(spec["device"])
     import torch
 
     import bert

@@ -61,11 +61,9 @@ def make_inputs(shape: str, batch: int, seq_len: int, device, seed: int = 0):
 def run_variant(variant: str, spec: dict) -> dict:
     """In a fresh process: one row of latency and throughput. On a CPU the fused model's PyTorch path is what is
     measured, even where TRITON_INTERPRET is set (the interpreter's speed says nothing)."""
-    import os
-    import sys
+    from .e2e import pytorch_path_on_cpu
 
-    if spec["device"] == "cpu" and "triton" not in sys.modules:  # a fresh process: nothing to undo
-        os.environ.pop("TRITON_INTERPRET", None)
+    pytorch_path_on_cpu(spec["device"])
     import torch
 
     row = {"suite": "encode", "variant": variant, **{k: spec[k] for k in ("model", "batch", "seq_len", "dtype")}}

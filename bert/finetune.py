@@ -26,8 +26,8 @@ from .cli import add_debug_flag, check_numbers, check_source
 from .config import read_json_object
 from .padding import pad_batch
 from .tasks import TASKS, Features, Task
-from .tokenizer import load_tokenizer, save_tokenizer
-from .trainer import Job, Settings, Trainer, micro_batch, prepare_output_dir, setup_device
+from .tokenizer import load_tokenizer
+from .trainer import Job, Settings, Trainer, micro_batch, prepare_output_dir, save_model, setup_device
 
 logger = logging.getLogger("bert")
 
@@ -135,10 +135,6 @@ class FinetuneJob(Job):
     def evaluate(self, model):
         return self._evaluate(model) if self._evaluate else {}
 
-    def save(self, model, path):
-        model.save_pretrained(path)
-        save_tokenizer(self.tokenizer, path)
-
 
 class _Steps(torch.utils.data.Dataset):
     """Item i: this rank's padded micro-batches of global step i."""
@@ -238,9 +234,8 @@ def run(args) -> dict:
         metrics.update({f"eval_{k}": v for k, v in scores.items()}, eval_examples=len(eval_data))
         task.write_predictions(eval_data, predictions, os.path.join(args.output_dir, task.prediction_file))
     if d.main:
-        if not train_data:
-            model.save_pretrained(args.output_dir)
-            save_tokenizer(tokenizer, args.output_dir)
+        if not train_data:  # (training saved it already)
+            save_model(model, tokenizer, args.output_dir)
             print(f"saved to {args.output_dir}", flush=True)
         with open(os.path.join(args.output_dir, "metrics.json"), "w", encoding="utf-8") as f:
             json.dump(metrics, f, indent=2)

@@ -78,8 +78,8 @@ def gelu_kind(act) -> str | None:
         return act.approximate
     if name == "GELUActivation" and not getattr(act, "use_gelu_python", False):
         return "none"
-    if name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"):
-        return "tanh" if name != "FastGELUActivation" else None  # fast: another constant
+    if name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh"):  # not FastGELU: other constants
+        return "tanh"
     return None
 
 
@@ -184,9 +184,9 @@ class FusedEncoder(nn.Module):
             _warn(f"{', '.join(sorted(wants)) or 'cross-attention/cache'} requested: this call runs the original "
                   "(unfused) attention code")
             self._original.train(self.training)
-            return self._original(hidden_states, attention_mask=attention_mask,
-                                  encoder_hidden_states=encoder_hidden_states, **kwargs) \
-                if encoder_hidden_states is not None else self._original(hidden_states, attention_mask, **kwargs)
+            if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
+                kwargs["encoder_hidden_states"] = encoder_hidden_states
+            return self._original(hidden_states, attention_mask=attention_mask, **kwargs)
         from transformers import modeling_outputs as outputs
 
         u = unpad_mask(keys)

@@ -66,15 +66,15 @@ def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_
                           position_ids.min(), position_ids.max(), cu_seqlens[0].long(), cu_seqlens[-1].long(),
                           (lens < 0).sum(), lens.max().long()]).tolist()
     id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, first, last, decreasing, longest = checks
-    problems = [f"input_ids outside [0, {config.vocab_size})" * (id_lo < 0 or id_hi >= config.vocab_size),
-                f"token_type_ids outside [0, {config.type_vocab_size})"
-                * (tt_lo < 0 or tt_hi >= config.type_vocab_size),
-                f"position_ids outside [0, {config.max_position_embeddings})"
-                * (pos_lo < 0 or pos_hi >= config.max_position_embeddings),
-                "cu_seqlens does not start at 0" * (first != 0), f"cu_seqlens ends past the {n} tokens" * (last > n),
-                "cu_seqlens decreases" * bool(decreasing), f"a sequence is longer than max_seqlen={max_seqlen}"
-                * (longest > max_seqlen)]
-    problems = [p for p in problems if p]
+    problems = [message for bad, message in (
+        (id_lo < 0 or id_hi >= config.vocab_size, f"input_ids outside [0, {config.vocab_size})"),
+        (tt_lo < 0 or tt_hi >= config.type_vocab_size, f"token_type_ids outside [0, {config.type_vocab_size})"),
+        (pos_lo < 0 or pos_hi >= config.max_position_embeddings,
+         f"position_ids outside [0, {config.max_position_embeddings})"),
+        (first != 0, "cu_seqlens does not start at 0"),
+        (last > n, f"cu_seqlens ends past the {n} tokens"),
+        (decreasing, "cu_seqlens decreases"),
+        (longest > max_seqlen, f"a sequence is longer than max_seqlen={max_seqlen}")) if bad]
     if problems:
         raise ValueError("packed batch: " + "; ".join(problems))
 

@@ -275,10 +275,6 @@ class PretrainJob(Job):
         return evaluate(model, self.corpus, self.collator, max(1, self.args.batch_size), self.args.eval_batches,
                         self.device)
 
-    def save(self, model, path):
-        model.save_pretrained(path)
-        save_tokenizer(self.tokenizer, path)  # every checkpoint is a complete model too
-
 
 def settings(args) -> Settings:
     return Settings(output_dir=args.output_dir, steps=args.steps, lr=args.lr, warmup=args.warmup,
@@ -305,9 +301,8 @@ def train(args) -> TrainResult:
     tokenizer = resolve_tokenizer(args, d)
     special = SpecialIds.from_tokenizer(tokenizer)
     cfg = build_config(args, tokenizer.get_vocab_size())
-    if d.main:  # next to config.json too, so OUTPUT_DIR is a complete model for bert-finetune --model
-        for where in (os.path.join(args.output_dir, "tokenizer"), args.output_dir):
-            save_tokenizer(tokenizer, where)
+    if d.main:  # where --resume finds it; PretrainJob.save also puts it next to every saved config.json
+        save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
     corpus = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,

@@ -106,7 +106,16 @@ class Job:
         return {}
 
     def save(self, model, path: str) -> None:
-        model.save_pretrained(path)
+        save_model(model, getattr(self, "tokenizer", None), path)
+
+
+def save_model(model, tokenizer, path: str) -> None:
+    """A complete model directory: save_pretrained, and the tokenizer next to config.json when there is one."""
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        from .tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, path)
 
 
 @dataclass

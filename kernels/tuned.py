@@ -97,22 +97,18 @@ def _table_config(kernel: str, folder: str, arch: str, dtype: str, size: int, se
     return None if entry is None else entry.get("config")
 
 
-def _valid(kernel: str, config, default: NamedTuple, tunable) -> bool:
+def _valid(kernel: str, config, tunable) -> bool:
     ok = isinstance(config, dict) and set(config) <= set(tunable) and all(
         isinstance(v, int) and v >= 1 and (not k.startswith("BLOCK") or v & (v - 1) == 0) for k, v in config.items())
     if not ok:
-        _warn_once(kernel, config, default)
+        _warn_once(kernel, json.dumps(config, sort_keys=True, default=str))
     return ok
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once_cached(kernel: str, text: str) -> None:
+def _warn_once(kernel: str, text: str) -> None:
     warnings.warn(f"kernels: ignoring the launch config {text} for {kernel} (expected positive ints, powers of two "
                   "for block sizes, only tunable fields); using the default")
-
-
-def _warn_once(kernel, config, default) -> None:
-    _warn_once_cached(kernel, json.dumps(config, sort_keys=True, default=str))
 
 
 def pick(kernel: str, default: NamedTuple, device: torch.device, dtype: torch.dtype, size: int,
@@ -124,7 +120,7 @@ def pick(kernel: str, default: NamedTuple, device: torch.device, dtype: torch.dt
     if config is None and device.type == "cuda" and not INTERPRET:
         config = _table_config(kernel, config_dir(), device_arch(device), dtype_name(dtype), int(size),
                                bucket(seqlen))
-    if config is None or not _valid(kernel, config, default, tunable):
+    if config is None or not _valid(kernel, config, tunable):
         return default
     return default._replace(**config)
 
