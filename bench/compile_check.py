@@ -164,7 +164,8 @@ def check(variant, arch: int = 90) -> tuple[str | None, str]:
 def layer_norm_variant(kernel: str, dtype, n: int, launch, residual=True, dropout=True, affine=True):
     common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
                   HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, HAS_WEIGHT=affine, BLOCK_M=launch.BLOCK_M,
-                  BLOCK_N=launch.BLOCK_N, M="i32", N="i32:16", p="fp32", seed="i32", stride_x_m="i32:16",
+                  BLOCK_N=launch.BLOCK_N, M="i32", N="i32:16", p="fp32", Seed=torch.int64 if dropout else None,
+                  stride_x_m="i32:16",
                   stride_r_m="i32:16")
     name = f"layer_norm {kernel} {dtype} N={n} res={residual} drop={dropout} affine={affine}"
     if kernel == "fwd":
@@ -195,7 +196,7 @@ _ATTENTION_TENSORS = {"fwd": ("q", "k", "v", "o"), "dkdv": ("q", "k", "v", "do",
 def attention_variant(kernel: str, dtype, dim: int, launch, dropout=True):
     tensors = _ATTENTION_TENSORS[kernel]
     args = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32", max_seqlen="i32",
-                qk_scale="fp32", p_drop="fp32", seed="i32", HAS_DROPOUT=dropout, DOT_PRECISION=dot_precision(dtype),
+                qk_scale="fp32", p_drop="fp32", Seed=torch.int64 if dropout else None, HAS_DROPOUT=dropout, DOT_PRECISION=dot_precision(dtype),
                 BLOCK_D=dim, BLOCK_M=launch.BLOCK_M, BLOCK_N=launch.BLOCK_N, LSE=torch.float32,
                 **{f"stride_{t}_{d}": "i32:16" for t in tensors for d in ("t", "h")})
     if kernel == "fwd":

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .model import check_labels
 from .padding import pad, unpad, unpad_mask
 
 _ORIGINALS = "_bertfuse_originals"
@@ -385,9 +386,10 @@ def _fused_mlm_forward(self, input_ids=None, attention_mask=None, labels=None, n
     kwargs.pop("return_dict", None)
     out = getattr(self, base)(input_ids, attention_mask=attention_mask, **kwargs)
     hidden, labels = out[0], labels.reshape(-1)
+    decoder = _get(self, head.decoder)
+    check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
     rows = (labels != -100).nonzero().squeeze(1)
     h = _head_transform(self, head, hidden.reshape(-1, hidden.shape[-1])[rows])
-    decoder = _get(self, head.decoder)
     loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=_backend(h)).loss
     if _has(self, "cls.seq_relationship"):  # BERT pre-training: next-sentence prediction as well
         from transformers.models.bert.modeling_bert import BertForPreTrainingOutput

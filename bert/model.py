@@ -417,7 +417,13 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
         self.init_weights()
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                labels=None, next_sentence_label=None) -> BertForPreTrainingOutput:
+                labels=None, next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None, mlm_positions=None,
+                mlm_labels=None, validate: bool = False) -> BertForPreTrainingOutput:
+        """HF's padded call; given cu_seqlens, a packed batch instead (see forward_packed), so that a trainer or
+        DistributedDataParallel can call the module itself with either kind of batch."""
+        if cu_seqlens is not None:
+            return self.forward_packed(input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
+                                       mlm_positions, mlm_labels, next_sentence_label, validate)
         hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
         nsp_logits = self.cls.seq_relationship(self.bert.pool(hidden, u))
         out = BertForPreTrainingOutput(seq_relationship_logits=nsp_logits)
@@ -433,14 +439,18 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
         out.loss = sum(losses) if losses else None
         return out
 
-
     def forward_packed(self, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int, mlm_positions,
                        mlm_labels, next_sentence_label, validate: bool = False) -> BertForPreTrainingOutput:
         """Pre-training on a packed batch (bert.packing.PackingCollator): the labelled tokens are given as
         mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
-        unused slots. The same instances packed or padded give the same losses and gradients."""
+        unused slots. The same instances packed or padded give the same losses and gradients. Every shape is
+        fixed by (T, S, R) and nothing waits for the device (labels are checked by the collator, or here in one
+        sync with `validate`), so torch.compile traces it whole and a CUDA graph can capture it."""
         hidden, u = self.bert.encode_packed(input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
                                             validate)
+        if validate:
+            check_labels(mlm_labels, self.config.vocab_size, "mlm_labels", mlm_positions.shape)
+            check_labels(next_sentence_label, 2, "next_sentence_label", (cu_seqlens.numel() - 1,))
         nsp_logits = self.cls.seq_relationship(self.bert.pool_packed(hidden, u))
         head = self.cls.predictions
         h = head.transform(hidden[mlm_positions], self.backend)

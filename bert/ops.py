@@ -125,11 +125,13 @@ class MLMLoss(NamedTuple):
 
 
 def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
-    """hidden [rows, H] (already gathered at labelled positions), weight [V, H], bias [V], labels [rows]."""
+    """hidden [rows, H] (already gathered at labelled positions), weight [V, H], bias [V], labels [rows], checked
+    by the caller; rows labelled -100 (a packed batch's unused slots) count for nothing. No host sync."""
     if backend == "triton":
         # Under autocast the head's output is half precision while the tied weight is float32.
         weight = weight.to(hidden.dtype)
-        loss, correct = _kernels().masked_lm_loss(hidden, weight, bias, labels, return_correct=True)
+        loss, correct = _kernels().masked_lm_loss(hidden, weight, bias, labels, return_correct=True,
+                                                  validate=False)
         return MLMLoss(loss, correct, None)
     logits = F.linear(hidden, weight, bias)
     # Rows labelled -100 (a packed batch's unused slots) are ignored; no labelled row gives 0, not F.cross_entropy's

@@ -34,9 +34,26 @@ def check_device(op: str, **tensors) -> torch.device:
     return device
 
 
-def new_seed() -> int:
-    """A Philox seed from torch's CPU generator: reproducible under torch.manual_seed, no device sync."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+def new_seed(device: torch.device) -> torch.Tensor:
+    """A Philox seed drawn by torch's generator of `device`, as an int64 [1] tensor there that the kernels read:
+    reproducible under torch.manual_seed, no host sync, and a fresh draw on every CUDA-graph replay (torch's
+    generators advance their graph-safe offset per replay) or compiled call."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
+def seed_tensor(seed, device: torch.device, dropout: bool) -> torch.Tensor | None:
+    """The seed argument of a launcher as the kernels take it: None without dropout; a new draw for None; an int
+    (for tests and tuning: fixed masks) or a one-element integer tensor, as int64 [1] on `device`."""
+    if not dropout:
+        return None
+    if seed is None:
+        return new_seed(device)
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.is_floating_point() or seed.is_complex():
+            raise ValueError(f"seed must be an int or a one-element integer tensor, got {seed.dtype} "
+                             f"{tuple(seed.shape)}")
+        return seed.reshape(1).to(device=device, dtype=torch.int64)
+    return torch.tensor([int(seed)], dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +135,8 @@ def dropout_keep(seed, rows, n_cols, col_start, p, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _dropout_mask_kernel(Out, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_mask_kernel(Out, n_rows, n_cols, p, Seed, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    seed = tl.load(Seed)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows64 = rows.to(tl.int64)[:, None]
     for c0 in range(0, n_cols, BLOCK_N):
@@ -128,12 +146,13 @@ def _dropout_mask_kernel(Out, n_rows, n_cols, p, seed, BLOCK_R: tl.constexpr, BL
                  mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
 
-def keep_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
+def keep_mask(seed, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
     """The bool [n_rows, n_cols] keep-mask `dropout_keep` gives a logical [n_rows, n_cols] mask; kernels
     address their elements so that this is the mask they applied. For tests."""
     out = torch.empty((n_rows, n_cols), dtype=torch.int8, device=device)
     if n_rows and n_cols:
         block_n = max(8, min(1024, triton.next_power_of_2(n_cols)))
-        _dropout_mask_kernel[(triton.cdiv(n_rows, 16),)](out, n_rows, n_cols, float(p), seed,
+        _dropout_mask_kernel[(triton.cdiv(n_rows, 16),)](out, n_rows, n_cols, float(p),
+                                                          seed_tensor(seed, torch.device(device), True),
                                                           BLOCK_R=16, BLOCK_N=block_n)
     return out.bool()

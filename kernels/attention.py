@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, keep_mask, new_seed,
+from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, keep_mask, seed_tensor,
                       unit_stride)
 from . import tuned
 
@@ -87,6 +87,15 @@ def _mask_rows(h, total_tokens, q_rows):
 
 
 @triton.jit
+def _seed(Seed, HAS_DROPOUT: tl.constexpr):
+    """The Philox seed, read once per program from its device tensor (0, unread, without dropout)."""
+    if HAS_DROPOUT:
+        return tl.load(Seed)
+    else:
+        return 0
+
+
+@triton.jit
 def _scores(q, kt, qk_scale, DOT_PRECISION: tl.constexpr):
     return tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
 
@@ -97,8 +106,9 @@ def _attention_fwd_kernel(
     O,             # [T, H, D] output
     LSE,           # [H, T] float32 log2-sum-exp2 of the scaled scores of each query row
     CuSeqlens,     # [B + 1] int32
+    Seed,          # [1] int64 Philox seed (unused unless HAS_DROPOUT)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
-    total_tokens, max_seqlen, qk_scale, p_drop, seed,
+    total_tokens, max_seqlen, qk_scale, p_drop,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -107,6 +117,7 @@ def _attention_fwd_kernel(
     if start_m * BLOCK_M >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
+    seed = _seed(Seed, HAS_DROPOUT)
     m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
     q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
 
@@ -158,9 +169,10 @@ def _attention_bwd_dkdv_kernel(
     DK, DV,         # [T, H, D] outputs
     LSE, Delta,     # [H, T] float32
     CuSeqlens,      # [B + 1] int32
+    Seed,           # [1] int64, as in the forward
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
-    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, seed,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -169,6 +181,7 @@ def _attention_bwd_dkdv_kernel(
     if start_n * BLOCK_N >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
+    seed = _seed(Seed, HAS_DROPOUT)
     n_ok, k_rows = _span(seq_start, seq_len, start_n * BLOCK_N, BLOCK_N)
     # Tiles transposed to [keys, queries], so that the owned key block is the M side of every dot (tensor-core
     # instructions want M >= 64; the walked query block is narrower): S^T = K Q^T, dP^T = V dO^T.
@@ -205,9 +218,10 @@ def _attention_bwd_dq_kernel(
     DQ,             # [T, H, D] output
     LSE, Delta,     # [H, T] float32
     CuSeqlens,      # [B + 1] int32
+    Seed,           # [1] int64, as in the forward
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dq_t, stride_dq_h,
-    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, seed,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -216,6 +230,7 @@ def _attention_bwd_dq_kernel(
     if start_m * BLOCK_M >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
+    seed = _seed(Seed, HAS_DROPOUT)
     m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
     q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
     do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
@@ -307,81 +322,114 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
             raise ValueError(f"{op}: max_seqlen={max_seqlen} but a sequence has {longest} tokens")
 
 
-class VarlenAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        total, heads, dim = q.shape
-        batch = cu_seqlens.numel() - 1
-        # Zeros, not empty: tokens past cu_seqlens[-1] (the filler of a packed batch) belong to no sequence and
-        # are never written; they must stay finite, or 0 * NaN poisons the weight gradients.
-        o = torch.zeros_like(q)
-        lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, q.device, max_seqlen)
-        if total and batch and max_seqlen:
-            _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
-                q, k, v, o, lse, cu_seqlens,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-                total, max_seqlen, softmax_scale * LOG2E, dropout_p, seed,
-                HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale, ctx.seed = max_seqlen, dropout_p, softmax_scale, seed
-        return o
+@torch.library.custom_op("bertfuse::varlen_attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                   dropout_p: float, softmax_scale: float, seed: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H, D], lse [H, T] float32) for q, k, v [T, H, D] with unit stride along D."""
+    total, heads, dim = q.shape
+    batch = cu_seqlens.numel() - 1
+    # Zeros, not empty: tokens past cu_seqlens[-1] (the filler of a packed batch) belong to no sequence and are
+    # never written; they must stay finite, or 0 * NaN poisons the weight gradients.
+    o = torch.zeros_like(q)
+    lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+    block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, q.device, max_seqlen)
+    if total and batch and max_seqlen:
+        _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
+            q, k, v, o, lse, cu_seqlens, seed,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+            total, max_seqlen, softmax_scale * LOG2E, dropout_p,
+            HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        total, heads, dim = q.shape
-        batch = cu_seqlens.numel() - 1
-        do = unit_stride(do)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # filler rows: zero gradient
-        if not (total and batch and ctx.max_seqlen):
-            return dq, dk, dv, None, None, None, None, None
-        delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-        _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
-            o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
-        flags = dict(HAS_DROPOUT=ctx.dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=dim)
 
-        def launch(kernel: str):
-            block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, q.device, ctx.max_seqlen)
-            owned = block_n if kernel == "dkdv" else block_m
-            grid = (triton.cdiv(ctx.max_seqlen, owned), batch, heads)
-            return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+@_attention_fwd.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
-        scalars = (total, ctx.max_seqlen, ctx.softmax_scale * LOG2E, ctx.softmax_scale, ctx.dropout_p, ctx.seed)
-        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                   do.stride(0), do.stride(1))
-        grid, meta = launch("dkdv")
-        _attention_bwd_dkdv_kernel[grid](
-            q, k, v, do, dk, dv, lse, delta, cu_seqlens, *strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **meta)
-        grid, meta = launch("dq")
-        _attention_bwd_dq_kernel[grid](
-            q, k, v, do, dq, lse, delta, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scalars, **meta)
-        return dq, dk, dv, None, None, None, None, None
+
+@torch.library.custom_op("bertfuse::varlen_attention_bwd", mutates_args=())
+def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float,
+                   softmax_scale: float, seed: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); zero at filler tokens."""
+    total, heads, dim = q.shape
+    batch = cu_seqlens.numel() - 1
+    do = unit_stride(do)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if not (total and batch and max_seqlen):
+        return dq, dk, dv
+    delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+    _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
+    flags = dict(HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=dim)
+
+    def launch(kernel: str):
+        block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, q.device, max_seqlen)
+        owned = block_n if kernel == "dkdv" else block_m
+        grid = (triton.cdiv(max_seqlen, owned), batch, heads)
+        return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+    scalars = (total, max_seqlen, softmax_scale * LOG2E, softmax_scale, dropout_p)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               do.stride(0), do.stride(1))
+    grid, meta = launch("dkdv")
+    _attention_bwd_dkdv_kernel[grid](
+        q, k, v, do, dk, dv, lse, delta, cu_seqlens, seed, *strides,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **meta)
+    grid, meta = launch("dq")
+    _attention_bwd_dq_kernel[grid](
+        q, k, v, do, dq, lse, delta, cu_seqlens, seed, *strides, dq.stride(0), dq.stride(1), *scalars, **meta)
+    return dq, dk, dv
+
+
+@_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, seed)
+    ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale = max_seqlen, dropout_p, softmax_scale
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, cu_seqlens, seed = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p,
+                                ctx.softmax_scale, seed)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                     dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int | None = None,
-                     validate: bool = True) -> torch.Tensor:
+                     dropout_p: float = 0.0, softmax_scale: float | None = None,
+                     seed: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """softmax(q k^T * scale) v within each packed sequence; returns a tensor of q's shape.
 
     q, k, v: [total_tokens, heads, head_dim] (head_dim 16, 32, 64 or 128); cu_seqlens: int32 [batch + 1];
     max_seqlen: the longest sequence. Tokens at or past cu_seqlens[-1] (the filler of a packed batch of fixed
-    size) belong to no sequence: their output and gradients are zero, whatever they hold. Dropout on the attention probabilities uses Philox with `seed` (default:
-    drawn from torch's CPU generator). `validate=False` skips the checks of cu_seqlens' values, which need a
-    device sync; pass it only for cu_seqlens built by trusted code (the model does).
+    size) belong to no sequence: their output and gradients are zero, whatever they hold. Dropout on the
+    attention probabilities uses Philox with `seed` (an int or a one-element device tensor; default: drawn by
+    torch's generator of q's device, on the device). `validate=False` skips the checks of cu_seqlens' values,
+    which need a device sync; pass it only for cu_seqlens built by trusted code (the model does). Runs as the
+    custom ops bertfuse::varlen_attention_fwd / _bwd, which torch.compile traces through.
     """
     _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if dropout_p > 0 and seed is None:
-        seed = new_seed()
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-    return VarlenAttentionFunction.apply(q, k, v, dense(cu_seqlens), int(max_seqlen), float(dropout_p), scale, int(seed or 0))
+    out, _ = _attention_fwd(q, k, v, dense(cu_seqlens), int(max_seqlen), float(dropout_p), scale,
+                            seed_tensor(seed, q.device, dropout_p > 0))
+    return out
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,
-                     dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int | None = None) -> torch.Tensor:
+                     dropout_p: float = 0.0, softmax_scale: float | None = None,
+                     seed: int | torch.Tensor | None = None) -> torch.Tensor:
     """Attention on [batch, heads, seq, head_dim] with a key-padding mask [batch, seq] (nonzero = keep).
 
     The kept tokens are packed, run through `varlen_attention`, and scattered back; padded query rows are 0.
@@ -412,7 +460,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attentio
 
 
 def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int, dropout_p: float,
-                           seed: int) -> torch.Tensor:
+                           seed) -> torch.Tensor:
     """The keep-mask varlen_attention applies for this seed: bool [heads, total_tokens, max_seqlen], where entry
     (h, t, j) belongs to query token t and the j-th key of t's sequence. For tests."""
     total = int(cu_seqlens[-1])

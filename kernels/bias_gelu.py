@@ -120,41 +120,63 @@ def _config(kernel: str, x: torch.Tensor, n: int) -> _Launch:
     return tuned.pick(f"bias_gelu.{kernel}", _Launch(max(1, 4096 // block_n), block_n, 8), x.device, x.dtype, n)
 
 
-class BiasGeluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, approximate):
-        shape, n = x.shape, x.shape[-1]
-        x2 = as_rows(x)
-        m = x2.shape[0]
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        block_m, block_n, num_warps = _config("fwd", x2, n)
-        if m:
-            _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-                x2, bias, y, x2.stride(0), y.stride(0), m, n,
-                APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        ctx.save_for_backward(x2, bias)
-        ctx.approximate, ctx.shape = approximate, shape
-        return y.view(shape)
+@torch.library.custom_op("bertfuse::bias_gelu_fwd", mutates_args=())
+def _bias_gelu_fwd(x2: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x2 + bias) for rows x2 [M, N] (unit stride along N)."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    block_m, block_n, num_warps = _config("fwd", x2, n)
+    if m:
+        _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            x2, bias, y, x2.stride(0), y.stride(0), m, n,
+            APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, bias = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty_like(x2)
-        block_m, block_n, num_warps = _config("bwd", x2, n)
-        programs, rows_per_program = row_bands(x2.device, m, block_m)
-        db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
-        if m:
-            _bias_gelu_bwd_kernel[(programs, triton.cdiv(n, block_n))](
-                x2, bias, dy2, dx, db_partial, x2.stride(0), dy2.stride(0), dx.stride(0), m, n, rows_per_program,
-                APPROX_TANH=ctx.approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        db = db_partial.sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(ctx.shape), db, None
+
+@_bias_gelu_fwd.register_fake
+def _(x2, bias, approximate):
+    return torch.empty_like(x2)
+
+
+@torch.library.custom_op("bertfuse::bias_gelu_bwd", mutates_args=())
+def _bias_gelu_bwd(dy2: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor, approximate: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dbias) of gelu(x2 + bias)."""
+    m, n = x2.shape
+    dx = torch.empty_like(x2)
+    block_m, block_n, num_warps = _config("bwd", x2, n)
+    programs, rows_per_program = row_bands(x2.device, m, block_m)
+    db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+    if m:
+        _bias_gelu_bwd_kernel[(programs, triton.cdiv(n, block_n))](
+            x2, bias, dy2, dx, db_partial, x2.stride(0), dy2.stride(0), dx.stride(0), m, n, rows_per_program,
+            APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return dx, db_partial.sum(0).to(bias.dtype)
+
+
+@_bias_gelu_bwd.register_fake
+def _(dy2, x2, bias, approximate):
+    return torch.empty_like(x2), torch.empty_like(bias)
+
+
+def _setup_context(ctx, inputs, output):
+    x2, bias, approximate = inputs
+    ctx.save_for_backward(x2, bias)
+    ctx.approximate = approximate
+
+
+def _backward(ctx, dy):
+    x2, bias = ctx.saved_tensors
+    dx, db = _bias_gelu_bwd(as_rows(dy), x2, bias, ctx.approximate)
+    return dx, db, None
+
+
+_bias_gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """GeLU(x + bias) over the last dimension of x; `approximate` is "none" (erf) or "tanh"."""
+    """GeLU(x + bias) over the last dimension of x; `approximate` is "none" (erf) or "tanh". Runs as the custom
+    ops bertfuse::bias_gelu_fwd / _bwd, which torch.compile traces through."""
     op = "bias_gelu"
     check_float(op, "x", x)
     check_float(op, "bias", bias)
@@ -164,7 +186,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
         raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected (N,) with N = x's last dimension "
                          f"(x has shape {tuple(x.shape)})")
     check_device(op, x=x, bias=bias)
-    return BiasGeluFunction.apply(x, dense(bias), approximate)
+    return _bias_gelu_fwd(as_rows(x), dense(bias), approximate).view(x.shape)
 
 
 class LinearGeLU(nn.Linear):

@@ -25,20 +25,20 @@ import triton.language as tl
 from torch import nn
 
 from . import tuned
-from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, new_seed, row_bands
+from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
 
 MAX_N = 16384
 
 
 @triton.jit
-def _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed,
+def _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, Seed,
                  HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """s = dropout(x) + residual for a [rows, cols] tile, in float32, and the keep mask (all True without
     dropout). The mask is the logical [M, N] one of `dropout_keep`, in the forward and the backward alike."""
     s = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, rows64, N, 0, p, BLOCK_N)
+        keep = dropout_keep(tl.load(Seed), rows64, N, 0, p, BLOCK_N)
         s = tl.where(keep, s / (1.0 - p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + rows64 * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -52,8 +52,9 @@ def _layer_norm_fwd_kernel(
     W, B,        # [N] weight and bias (unused unless HAS_WEIGHT / HAS_BIAS)
     Y,           # [M, N] output, x's dtype
     Mean, Rstd,  # [M] float32 statistics for the backward
+    Seed,        # [1] int64 Philox seed (unused unless HAS_DROPOUT)
     stride_x_m, stride_r_m, stride_y_m,
-    M, N, eps, p, seed,
+    M, N, eps, p,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -62,7 +63,7 @@ def _layer_norm_fwd_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)[:, None]
-    s, _ = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL, HAS_DROPOUT,
+    s, _ = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, Seed, HAS_RESIDUAL, HAS_DROPOUT,
                         BLOCK_N)
     mean = tl.sum(s, axis=1) / N
     diff = tl.where(mask, s - mean[:, None], 0.0)
@@ -84,8 +85,9 @@ def _layer_norm_bwd_kernel(
     DX, DR,               # [M, N] gradients of x and residual (DR unused unless HAS_RESIDUAL)
     DW_partial, DB_partial,  # [programs, N] float32 per-program sums of dy * xhat and dy
     Mean, Rstd,           # [M] float32
+    Seed,                 # [1] int64, as in the forward
     stride_x_m, stride_r_m, stride_dy_m, stride_dx_m, stride_dr_m,
-    M, N, p, seed, rows_per_program,
+    M, N, p, rows_per_program,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -103,7 +105,7 @@ def _layer_norm_bwd_kernel(
         row_ok = rows < row_end
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        s, keep = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, seed, HAS_RESIDUAL,
+        s, keep = _dropout_add(X, R, rows64, cols, mask, stride_x_m, stride_r_m, N, p, Seed, HAS_RESIDUAL,
                                HAS_DROPOUT, BLOCK_N)
         mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
@@ -162,70 +164,104 @@ def _check(x, weight, bias, residual, p):
     check_device(op, x=x, weight=weight, bias=bias, residual=residual)
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, p, seed):
-        shape, n = x.shape, x.shape[-1]
-        x2 = as_rows(x)
-        r2 = as_rows(residual) if residual is not None else None
-        m = x2.shape[0]
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block_m, block_n, num_warps = _config("fwd", x2, n)
-        if m:
-            _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-                x2, r2, weight, bias, y, mean, rstd,
-                x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
-                m, n, eps, p, seed,
-                HAS_RESIDUAL=r2 is not None, HAS_DROPOUT=p > 0, HAS_WEIGHT=weight is not None,
-                HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        ctx.save_for_backward(x2, r2, weight, bias, mean, rstd)
-        ctx.p, ctx.seed, ctx.shape = p, seed, shape
-        ctx.residual_dtype = residual.dtype if residual is not None else None
-        return y.view(shape)
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """The placeholder a custom op returns for an output it does not have (its schema wants a tensor)."""
+    return like.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, r2, weight, bias, mean, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-        dr = torch.empty((m, n), dtype=ctx.residual_dtype, device=x2.device) if r2 is not None else None
-        block_m, block_n, num_warps = _config("bwd", x2, n)
-        programs, rows_per_program = row_bands(x2.device, m, block_m)
-        dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
-        db_partial = torch.zeros_like(dw_partial)
-        if m:
-            _layer_norm_bwd_kernel[(programs,)](
-                x2, r2, weight, dy2, dx, dr, dw_partial, db_partial, mean, rstd,
-                x2.stride(0), r2.stride(0) if r2 is not None else 0, dy2.stride(0), dx.stride(0),
-                dr.stride(0) if dr is not None else 0,
-                m, n, ctx.p, ctx.seed, rows_per_program,
-                HAS_RESIDUAL=r2 is not None, HAS_DROPOUT=ctx.p > 0, HAS_WEIGHT=weight is not None,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        dw = dw_partial.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        db = db_partial.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        dr = dr.view(ctx.shape) if dr is not None else None
-        return dx.view(ctx.shape), dw, db, dr, None, None, None
+
+@torch.library.custom_op("bertfuse::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x2: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, eps: float, p: float, seed: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd) for rows x2 [M, N] (unit stride along N), residual like x2 or None."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty_like(mean)
+    block_m, block_n, num_warps = _config("fwd", x2, n)
+    if m:
+        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2, residual, weight, bias, y, mean, rstd, seed,
+            x2.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), m, n, eps, p,
+            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=p > 0, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y, mean, rstd
+
+
+@_layer_norm_fwd.register_fake
+def _(x2, residual, weight, bias, eps, p, seed):
+    m = x2.shape[0]
+    return torch.empty_like(x2), x2.new_empty(m, dtype=torch.float32), x2.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("bertfuse::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, residual: torch.Tensor | None,
+                    weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float,
+                    seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dresidual, dweight, dbias); the last three are empty where the forward had no such input
+    (dbias is computed whenever there is a weight: one kernel sums both)."""
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    dr = torch.empty((m, n), dtype=residual.dtype, device=x2.device) if residual is not None else None
+    block_m, block_n, num_warps = _config("bwd", x2, n)
+    programs, rows_per_program = row_bands(x2.device, m, block_m)
+    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+    db_partial = torch.zeros_like(dw_partial)
+    if m:
+        _layer_norm_bwd_kernel[(programs,)](
+            x2, residual, weight, dy2, dx, dr, dw_partial, db_partial, mean, rstd, seed,
+            x2.stride(0), residual.stride(0) if residual is not None else 0, dy2.stride(0), dx.stride(0),
+            dr.stride(0) if dr is not None else 0, m, n, p, rows_per_program,
+            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=p > 0, HAS_WEIGHT=weight is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else _empty(x2)
+    return dx, dr if dr is not None else _empty(x2), dw, db_partial.sum(0)
+
+
+@_layer_norm_bwd.register_fake
+def _(dy2, x2, residual, weight, mean, rstd, p, seed):
+    n = x2.shape[1]
+    dr = torch.empty_like(residual) if residual is not None else _empty(x2)
+    dw = x2.new_empty(n, dtype=weight.dtype) if weight is not None else _empty(x2)
+    return torch.empty_like(x2), dr, dw, x2.new_empty(n, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x2, residual, weight, bias, eps, p, seed = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x2, residual, weight, mean, rstd, seed)
+    ctx.p, ctx.bias_dtype = p, bias.dtype if bias is not None else None
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x2, residual, weight, mean, rstd, seed = ctx.saved_tensors
+    dx, dr, dw, db = _layer_norm_bwd(as_rows(dy), x2, residual, weight, mean, rstd, ctx.p, seed)
+    return (dx, dr if residual is not None else None, dw if weight is not None else None,
+            db.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None, None, None, None)
+
+
+_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5,
                residual: torch.Tensor | None = None, dropout_p: float = 0.0, training: bool = True,
-               seed: int | None = None) -> torch.Tensor:
+               seed: int | torch.Tensor | None = None) -> torch.Tensor:
     """LayerNorm(dropout(x) + residual) over the last dimension; returns a tensor of x's shape and dtype.
 
-    Dropout applies to x only (not the residual) and only when `training`; `seed` fixes its Philox stream
-    (default: drawn from torch's CPU generator, so torch.manual_seed makes runs repeatable).
+    Dropout applies to x only (not the residual) and only when `training`; `seed` (an int or a one-element
+    device tensor) fixes its Philox stream, by default drawn from torch's generator of x's device as a device
+    tensor, so that torch.manual_seed makes runs repeatable and no call waits for the device.
+    The kernels run as the custom ops bertfuse::layer_norm_fwd / _bwd, which torch.compile traces through.
     """
     p = float(dropout_p) if training else 0.0
     _check(x, weight, bias, residual, p)
-    if p > 0 and seed is None:
-        seed = new_seed()
-    return LayerNormFunction.apply(x, dense(weight), dense(bias), residual, float(eps), p, int(seed or 0))
+    r2 = as_rows(residual) if residual is not None else None
+    y, _, _ = _layer_norm_fwd(as_rows(x), r2, dense(weight), dense(bias), float(eps), p,
+                              seed_tensor(seed, x.device, p > 0))
+    return y.view(x.shape)
 
 
-def dropout_mask(seed: int, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
+def dropout_mask(seed, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
     """The keep-mask (bool [n_rows, n_cols]) that `layer_norm` applies for this seed and p; for tests."""
     return keep_mask(seed, n_rows, n_cols, p, device)
 

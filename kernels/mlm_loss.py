@@ -2,7 +2,9 @@
 the [rows, vocab] logits to memory, forward or backward.
 
 Only labelled rows are computed: the launcher gathers the rows whose label is not ignore_index (in BERT
-pre-training about 15% of tokens), so ignored rows cost nothing.
+pre-training about 15% of tokens), so ignored rows cost nothing. A packed batch of fixed shapes passes its
+labelled rows already gathered, with a few unused slots: `validate=False` then computes every row and zeroes the
+unused ones, so that no host sync (the gather's count) stops the device.
 
 Forward, per block of rows and per split of the vocabulary, over vocabulary tiles j (logits z computed tile by
 tile, contraction over hidden in chunks, float32 accumulation; base-2 exponentials):
@@ -237,57 +239,84 @@ def _vocab_splits(device, n_row_blocks: int, vocab: int, block_v: int) -> tuple[
     return triton.cdiv(tiles, tiles_per_split), tiles_per_split * block_v
 
 
-class MaskedLMLossFunction(torch.autograd.Function):
-    """Per-row losses of already-gathered labelled rows; the reduction happens outside, in autograd."""
+@torch.library.custom_op("bertfuse::masked_lm_loss_fwd", mutates_args=())
+def _mlm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per row [N] float32, hit per row [N] bool, lse [N] float32) of rows hidden [N, H]; a row whose label
+    lies outside [0, V) matches no logit: its loss is its lse (callers zero it) and it never hits."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    t = _config("fwd", hidden)
+    row_blocks = triton.cdiv(n, t.BLOCK_M)
+    splits, per_split = _vocab_splits(hidden.device, row_blocks, v, t.BLOCK_V)
+    lse_parts, target_parts, best_parts = (torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
+                                           for _ in range(3))
+    best_idx_parts = torch.empty((splits, n), dtype=torch.int64, device=hidden.device)
+    if n:
+        _mlm_loss_fwd_kernel[(row_blocks, splits)](
+            hidden, weight, bias, labels, lse_parts, target_parts, best_parts, best_idx_parts,
+            hidden.stride(0), weight.stride(0), n, v, h, per_split,
+            HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype),
+            BLOCK_M=t.BLOCK_M, BLOCK_V=t.BLOCK_V, BLOCK_H=t.BLOCK_H, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+    # Merge the splits: [S, N] float32, tiny next to the matmuls. argmax takes the first split on ties, and
+    # splits are in vocabulary order, so the first index overall wins, as in torch.argmax.
+    lse = torch.logsumexp(lse_parts, dim=0)
+    top = best_idx_parts.gather(0, best_parts.argmax(dim=0, keepdim=True)).squeeze(0)
+    return lse - target_parts.sum(dim=0), top == labels, lse
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels):
-        n, h = hidden.shape
-        v = weight.shape[0]
-        t = _config("fwd", hidden)
-        row_blocks = triton.cdiv(n, t.BLOCK_M)
-        splits, per_split = _vocab_splits(hidden.device, row_blocks, v, t.BLOCK_V)
-        lse_parts, target_parts, best_parts = (torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
-                                               for _ in range(3))
-        best_idx_parts = torch.empty((splits, n), dtype=torch.int64, device=hidden.device)
-        if n:
-            _mlm_loss_fwd_kernel[(row_blocks, splits)](
-                hidden, weight, bias, labels, lse_parts, target_parts, best_parts, best_idx_parts,
-                hidden.stride(0), weight.stride(0), n, v, h, per_split,
-                HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype),
-                BLOCK_M=t.BLOCK_M, BLOCK_V=t.BLOCK_V, BLOCK_H=t.BLOCK_H, num_warps=t.num_warps,
-                num_stages=t.num_stages)
-        # Merge the splits: [S, N] float32, tiny next to the matmuls. argmax takes the first split on ties,
-        # and splits are in vocabulary order, so the first index overall wins, as in torch.argmax.
-        lse = torch.logsumexp(lse_parts, dim=0)
-        loss = lse - target_parts.sum(dim=0)
-        top = best_idx_parts.gather(0, best_parts.argmax(dim=0, keepdim=True)).squeeze(0)
-        hit = top == labels
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.mark_non_differentiable(hit)
-        return loss, hit
 
-    @staticmethod
-    def backward(ctx, dloss, _dhit):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
-        n, h = hidden.shape
-        v = weight.shape[0]
-        g = dloss.float().contiguous()
-        dhidden = torch.zeros_like(hidden)
-        dweight = torch.zeros_like(weight)
-        dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
-        common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype))
-        if n and ctx.needs_input_grad[0]:
-            t = _config("dhidden", hidden)
-            _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, t.BLOCK_M), triton.cdiv(h, t.BLOCK_HO))](
-                hidden, weight, bias, labels, lse, g, dhidden, hidden.stride(0), weight.stride(0),
-                dhidden.stride(0), n, v, h, **common, **t._asdict())
-        if n and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            t = _config("dweight", hidden)
-            _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, t.BLOCK_V), triton.cdiv(h, t.BLOCK_HO))](
-                hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
-                dweight.stride(0), n, v, h, **common, **t._asdict())
-        return dhidden, dweight, dbias.to(bias.dtype) if bias is not None else None, None
+@_mlm_loss_fwd.register_fake
+def _(hidden, weight, bias, labels):
+    n = hidden.shape[0]
+    return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.bool),
+            hidden.new_empty(n, dtype=torch.float32))
+
+
+@torch.library.custom_op("bertfuse::masked_lm_loss_bwd", mutates_args=())
+def _mlm_loss_bwd(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  labels: torch.Tensor, lse: torch.Tensor, need_hidden: bool, need_weight: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight, d bias float32 [V]) for the upstream gradient dloss [N] of each row's loss."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    g = dloss.float().contiguous()
+    dhidden = torch.zeros_like(hidden)
+    dweight = torch.zeros_like(weight)
+    dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
+    common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype))
+    if n and need_hidden:
+        t = _config("dhidden", hidden)
+        _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, t.BLOCK_M), triton.cdiv(h, t.BLOCK_HO))](
+            hidden, weight, bias, labels, lse, g, dhidden, hidden.stride(0), weight.stride(0),
+            dhidden.stride(0), n, v, h, **common, **t._asdict())
+    if n and need_weight:
+        t = _config("dweight", hidden)
+        _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, t.BLOCK_V), triton.cdiv(h, t.BLOCK_HO))](
+            hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
+            dweight.stride(0), n, v, h, **common, **t._asdict())
+    return dhidden, dweight, dbias
+
+
+@_mlm_loss_bwd.register_fake
+def _(dloss, hidden, weight, bias, labels, lse, need_hidden, need_weight):
+    return torch.empty_like(hidden), torch.empty_like(weight), weight.new_empty(weight.shape[0], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, labels = inputs
+    ctx.save_for_backward(hidden, weight, bias, labels, output[2])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dloss, _dhit, _dlse):
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    dhidden, dweight, dbias = _mlm_loss_bwd(dloss, hidden, weight, bias, labels, lse, ctx.needs_input_grad[0],
+                                            ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+    return dhidden, dweight, dbias.to(bias.dtype) if bias is not None else None, None
+
+
+_mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(hidden, weight, bias, labels, reduction):
@@ -315,32 +344,44 @@ def _check(hidden, weight, bias, labels, reduction):
 
 
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                   ignore_index: int = -100, reduction: str = "mean", return_correct: bool = False):
+                   ignore_index: int = -100, reduction: str = "mean", return_correct: bool = False,
+                   validate: bool = True):
     """cross_entropy(hidden @ weight^T + bias, labels) without materialising the logits.
 
     hidden [N, H], weight [V, H], bias [V] or None, labels [N] (ignore_index rows contribute nothing).
     Returns the loss ("mean" over labelled rows, 0 when there are none; "sum"; or "none": [N] with 0 at
     ignored rows), or with return_correct=True an MLMLossOutput(loss, correct), `correct` counting labelled
     rows whose top-1 logit is the label.
+
+    validate=True (the default) checks that labels lie in [0, V) and skips ignored rows, which takes one host
+    sync. validate=False takes none, for fixed-shape batches whose labels are checked where they are made
+    (bert.packing): every row is computed and the ignored ones are zeroed, loss and gradients; a label
+    outside [0, V) then acts like an ignored row's (no error, no NaN). Runs as the custom ops
+    bertfuse::masked_lm_loss_fwd / _bwd, which torch.compile traces through.
     """
     _check(hidden, weight, bias, labels, reduction)
-    vocab = weight.shape[0]
     used = labels != ignore_index
-    rows = used.nonzero().squeeze(1)
-    picked = labels[rows]
-    if picked.numel():
-        lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
-                             f"got values in [{lo}, {hi}]")
-    h, w = unit_stride(hidden[rows]), unit_stride(weight)
-    per_row, hit = MaskedLMLossFunction.apply(h, w, dense(bias), picked.to(torch.int64).contiguous())
+    if validate:
+        rows = used.nonzero().squeeze(1)
+        picked = labels[rows]
+        if picked.numel():
+            lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
+            if lo < 0 or hi >= weight.shape[0]:
+                raise ValueError(f"masked_lm_loss: labels must be in [0, {weight.shape[0]}) or ignore_index="
+                                 f"{ignore_index}; got values in [{lo}, {hi}]")
+        h, count = hidden[rows], max(rows.numel(), 1)
+    else:
+        picked, h, count = labels.masked_fill(~used, -1), hidden, used.sum().clamp_min(1)
+    per_row, hit, _ = _mlm_loss_fwd(unit_stride(h), unit_stride(weight), dense(bias),
+                                    picked.to(torch.int64).contiguous())
+    if not validate:  # ignored rows: a label of -1 matched nothing; their loss (and so gradient) is zeroed
+        per_row = per_row * used
     if reduction == "mean":
-        loss = per_row.sum() / max(rows.numel(), 1)
+        loss = per_row.sum() / count
     elif reduction == "sum":
         loss = per_row.sum()
     else:
-        loss = per_row.new_zeros(labels.shape[0]).index_put((rows,), per_row)
+        loss = per_row if not validate else per_row.new_zeros(labels.shape[0]).index_put((rows,), per_row)
     if return_correct:
         return MLMLossOutput(loss, hit.sum(dtype=torch.int64))
     return loss
