@@ -5,7 +5,6 @@ Every function takes `backend` ("torch" or "triton", already resolved) and compu
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import warnings
 from typing import NamedTuple
@@ -16,14 +15,13 @@ import torch.nn.functional as F
 from .padding import Unpadded
 
 
-@functools.lru_cache(maxsize=None)
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once, without importing triton (a constant, so torch.compile traces resolve_backend away).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(name: str) -> str:
     """'auto' -> 'triton' when CUDA and triton are available, else 'torch'."""
-    has_triton = _has_triton()
+    has_triton = _HAS_TRITON
     if name == "torch":
         return "torch"
     if name == "auto":

@@ -11,6 +11,7 @@ A packed micro-batch (`PackingCollator`) holds, every shape fixed by (T, S, R):
     cu_seqlens                                [S + 1] int32, sequence starts; unused slots are empty sequences
     mlm_positions, mlm_labels                 [R]     the labelled tokens (indices into [T]); -100 in unused slots
     next_sentence_label                       [S]     -100 in unused slots
+    max_seqlen                                int     the longest instance the run allows (not a tensor)
 Masking chooses exactly round(p * candidates) tokens of each instance (at least one), as the original BERT
 code does (it caps at max_predictions_per_seq), so R = ceil(p * T) + S always holds them; 80/10/10 as usual,
 keyed per instance like MLMCollator.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .data import MLMCollator
@@ -49,6 +51,15 @@ def pack(lengths, budget: int, max_seqs: int, window: int = 1024) -> list[list[i
     return packs
 
 
+def epoch_packs(lengths, budget: int, max_seqs: int, seed: int, epoch: int, window: int = 1024) -> list[list[int]]:
+    """An epoch's packs of instance indices: the instances in a shuffled order (deterministic in seed and
+    epoch), packed window by window (`pack`), the packs shuffled again so that long and short ones mix."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    packs = pack(np.asarray(lengths)[order], budget, max_seqs, window)
+    return [[int(order[i]) for i in packs[j]] for j in rng.permutation(len(packs))]
+
+
 def efficiency(lengths, packs: list[list[int]], budget: int) -> float:
     """Real tokens over the tokens the packs' budgets hold."""
     return sum(int(lengths[i]) for p in packs for i in p) / max(len(packs) * budget, 1)
@@ -58,10 +69,13 @@ class PackedShapes(NamedTuple):
     tokens: int          # T, the token budget of a micro-batch
     sequences: int       # S, the most sequences a micro-batch holds
     labels: int          # R, the most labelled tokens it holds
+    max_seqlen: int      # the longest instance (the run's --max-seq-len): sizes the attention kernels' grids
 
     @classmethod
-    def for_budget(cls, tokens: int, sequences: int, mlm_probability: float) -> "PackedShapes":
-        return cls(tokens, sequences, math.ceil(mlm_probability * tokens) + sequences)
+    def for_budget(cls, tokens: int, sequences: int, mlm_probability: float,
+                   max_seqlen: int | None = None) -> "PackedShapes":
+        return cls(tokens, sequences, math.ceil(mlm_probability * tokens) + sequences,
+                   min(tokens, max_seqlen or tokens))
 
 
 class PackingCollator:
@@ -70,10 +84,12 @@ class PackingCollator:
     def __init__(self, masker: MLMCollator, shapes: PackedShapes):
         self.masker, self.shapes = masker, shapes
 
-    def __call__(self, instances: list[dict], keys) -> dict[str, torch.Tensor]:
-        T, S, R = self.shapes
+    def __call__(self, instances: list[dict], keys) -> dict:
+        T, S, R, longest = self.shapes
         if len(instances) > S or sum(len(x["input_ids"]) for x in instances) > T:
             raise ValueError(f"a pack of {len(instances)} instances does not fit {S} sequences of {T} tokens")
+        if any(len(x["input_ids"]) > longest for x in instances):
+            raise ValueError(f"an instance is longer than max_seqlen={longest}")
         out = {"input_ids": torch.full((T,), self.masker.special.pad, dtype=torch.long),
                "token_type_ids": torch.zeros(T, dtype=torch.long), "position_ids": torch.zeros(T, dtype=torch.long),
                "cu_seqlens": torch.zeros(S + 1, dtype=torch.int32),
@@ -92,4 +108,5 @@ class PackingCollator:
             out["next_sentence_label"][s] = x["next_sentence_label"]
             start, labelled = start + n, labelled + len(chosen)
             out["cu_seqlens"][s + 1:] = start  # later slots: empty sequences ending here
+        out["max_seqlen"] = longest  # a Python int, the same for every batch of the run
         return out

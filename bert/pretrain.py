@@ -24,6 +24,7 @@ from .config import BertConfig
 from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
     tokenize_corpus
 from .model import BertForPreTraining
+from .packing import PackedShapes, PackingCollator, epoch_packs
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from .trainer import Dist, Job, Settings, Trainer, prepare_output_dir, setup_device, slice_bounds
@@ -48,6 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32,
                    help="sequences per optimizer step, over all ranks and accumulation steps (default 32)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
+                        "and almost no padding (default on; --no-packing pads length-bucketed batches instead)")
+    p.add_argument("--tokens-per-batch", type=int, default=None,
+                   help="with packing: the token budget of a micro-batch (one rank, one accumulation step); "
+                        "default: its share of --batch-size times --max-seq-len")
+    p.add_argument("--sequences-per-batch", type=int, default=None,
+                   help="with packing: the most instances a micro-batch holds (default: twice its share of "
+                        "--batch-size)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile the model (backend default inductor); with packing it compiles once")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture each training step (forward, backward, clipping, fused AdamW) in one CUDA graph "
+                        "and replay it; needs packing, one GPU and bf16/fp32, else runs without, with a warning")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
     p.add_argument("--warmup", type=float, default=0.01,
@@ -91,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings that make a run what it is: --resume compares them with the checkpoint's (the others only say how
 # it runs: workers, logging cadence, caching).
-RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "grad_accum", "steps",
+RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "grad_accum",
+                "packing", "tokens_per_batch", "sequences_per_batch", "steps",
                 "lr", "warmup", "weight_decay", "max_grad_norm", "precision", "mlm_probability",
                 "whole_word_masking", "eval_fraction", "seed", "max_documents")
 
@@ -99,7 +115,8 @@ RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len",
 def validate_args(args) -> None:
     """Everything that can be checked before any work (tokenising a corpus can take hours)."""
     check_numbers(args, positive=("max_seq_len", "batch_size", "grad_accum", "steps", "lr", "keep_checkpoints",
-                                  "eval_batches", "num_proc", "train_tokenizer", "max_documents", "log_every"),
+                                  "eval_batches", "num_proc", "train_tokenizer", "max_documents", "log_every",
+                                  "tokens_per_batch", "sequences_per_batch"),
                   non_negative=("warmup", "weight_decay", "max_grad_norm", "save_every", "eval_every",
                                 "num_workers"),
                   fractions=("eval_fraction",))
@@ -107,6 +124,9 @@ def validate_args(args) -> None:
         raise ValueError(f"--mlm-probability must be in (0, 1], got {args.mlm_probability}")
     if args.max_seq_len < 8:
         raise ValueError(f"--max-seq-len must be at least 8 ([CLS] A [SEP] B [SEP] needs room), got "
+                         f"{args.max_seq_len}")
+    if args.packing and args.tokens_per_batch is not None and args.tokens_per_batch < args.max_seq_len:
+        raise ValueError(f"--tokens-per-batch {args.tokens_per_batch} cannot hold one instance of --max-seq-len "
                          f"{args.max_seq_len}")
     if args.config not in PRESETS and not os.path.isfile(args.config):
         raise ValueError(f"--config {args.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
@@ -142,6 +162,26 @@ class StepData(torch.utils.data.Dataset):
             keys = [(self.steps_before + i) * size + k for k in range(start, end)]
             out.append(self.collator([self.instances[int(j)] for j in global_batch[start:end]], keys=keys))
         return out
+
+
+class PackedStepData(torch.utils.data.Dataset):
+    """Item i: this rank's packed micro-batches of global step i. A global step is world x accum consecutive
+    packs of the epoch (rank r takes packs r*accum ... r*accum + accum - 1), and each instance's masking is keyed
+    by (epoch, instance), so the packs and their masks are the same under any number of ranks or accumulation
+    steps with the same product, and after a resume."""
+
+    def __init__(self, instances, packs, collator, d: Dist, accum: int, epoch: int):
+        self.instances, self.packs, self.collator = instances, packs, collator
+        self.d, self.accum, self.epoch = d, accum, epoch
+
+    def __len__(self):
+        return len(self.packs) // (self.d.world * self.accum)
+
+    def __getitem__(self, i):
+        first = (i * self.d.world + self.d.rank) * self.accum
+        return [self.collator([self.instances[j] for j in self.packs[p]], keys=[self.epoch * 2**40 + j for j in
+                                                                                   self.packs[p]])
+                for p in range(first, first + self.accum)]
 
 
 @dataclass
@@ -243,24 +283,45 @@ def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, dev
 
 
 class PretrainJob(Job):
-    """MLM + NSP on NSP instances drawn per epoch, length-bucketed into global batches (see bert.trainer.Job)."""
+    """MLM + NSP on NSP instances drawn per epoch, packed into fixed-budget micro-batches (`packing`, a
+    PackingCollator) or length-bucketed into padded global batches (see bert.trainer.Job)."""
     name = "pre-training"
 
-    def __init__(self, model, corpus: Corpus, collator, tokenizer, args, device):
+    def __init__(self, model, corpus: Corpus, collator, tokenizer, args, device, packing=None):
         self.model, self.corpus, self.collator, self.tokenizer = model, corpus, collator, tokenizer
-        self.args, self.device = args, device
+        self.args, self.device, self.packing = args, device, packing
 
     def epoch_steps(self, epoch, steps_before, d, accum):
         instances = self.corpus.instances(epoch)
+        if self.packing is not None:
+            shapes = self.packing.shapes
+            packs = epoch_packs(instances["length"], shapes.tokens, shapes.sequences, self.args.seed * 31, epoch)
+            return PackedStepData(instances, packs, self.packing, d, accum, epoch)
         sampler = BucketBatchSampler(np.asarray(instances["length"]), self.args.batch_size,
                                      seed=self.args.seed * 31 + epoch)
         return StepData(instances, sampler.epoch_batches(epoch), self.collator, d, accum, steps_before)
 
+    @property
+    def static_shapes(self) -> bool:
+        return self.packing is not None
+
+    @staticmethod
+    def _mlm_labels(batch):
+        return batch["mlm_labels"] if "mlm_labels" in batch else batch["labels"]
+
     def counts(self, batch):
-        return {"mlm": float((batch["labels"] != -100).sum()), "nsp": float(len(batch["next_sentence_label"]))}
+        return {"mlm": float((self._mlm_labels(batch) != -100).sum()),
+                "nsp": float((batch["next_sentence_label"] != -100).sum())}
+
+    def sizes(self, batch):
+        if "cu_seqlens" not in batch:
+            return super().sizes(batch)
+        return (float(batch["cu_seqlens"][-1]), float((batch["next_sentence_label"] != -100).sum()),
+                float(batch["input_ids"].numel()))
 
     def loss_terms(self, out, batch):
-        return {"mlm": out.mlm_loss * out.mlm_count, "nsp": out.nsp_loss * len(batch["next_sentence_label"])}
+        nsp_count = (batch["next_sentence_label"] != -100).sum()
+        return {"mlm": out.mlm_loss * out.mlm_count, "nsp": out.nsp_loss * nsp_count}
 
     def stats(self, out, batch):
         nsp_hits = (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()
@@ -276,13 +337,25 @@ class PretrainJob(Job):
                         self.device)
 
 
+def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | None:
+    """The run's packed micro-batch shapes: a micro-batch's share of the global batch's token slots by default."""
+    if not args.packing:
+        return None
+    share = args.batch_size // (d.world * args.grad_accum)
+    tokens = args.tokens_per_batch or share * args.max_seq_len
+    sequences = args.sequences_per_batch or 2 * share
+    return PackingCollator(collator, PackedShapes.for_budget(tokens, sequences, args.mlm_probability,
+                                                             args.max_seq_len))
+
+
 def settings(args) -> Settings:
     return Settings(output_dir=args.output_dir, steps=args.steps, lr=args.lr, warmup=args.warmup,
                     weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, precision=args.precision,
                     grad_accum=args.grad_accum, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                     eval_every=args.eval_every, log_every=args.log_every, num_workers=args.num_workers,
                     seed=args.seed, resume=args.resume, allow_config_changes=args.allow_config_changes,
-                    progress=not args.no_progress, adam_eps=1e-6, run_settings=run_settings(args))
+                    progress=not args.no_progress, adam_eps=1e-6, compile=args.compile,
+                    cuda_graphs=args.cuda_graphs, run_settings=run_settings(args))
 
 
 class TrainResult(NamedTuple):
@@ -310,7 +383,8 @@ def train(args) -> TrainResult:
     if args.batch_size % (d.world * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} must divide evenly over {d.world} rank(s) x "
                          f"{args.grad_accum} accumulation step(s)")
-    job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, args, device)
+    job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, args, device,
+                      packing=packing_collator(args, collator, d))
     trainer = Trainer(job, settings(args), device, d)
     return TrainResult(trainer.fit(), trainer.model)
 

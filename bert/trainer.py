@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,17 @@ class Job:
         """Device scalars to sum over a log window (hits for accuracies...)."""
         return {}
 
+    def sizes(self, batch: dict) -> tuple[float, float, float]:
+        """(real tokens, sequences, token slots computed) of a CPU micro-batch: tokens/s, sequences/s and the
+        packing efficiency (real tokens / slots) of the log. A padded batch's slots are its whole shape."""
+        mask = batch["attention_mask"]
+        return float(mask.sum()), float(mask.shape[0]), float(mask.numel())
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every micro-batch has the same shapes (packed batches): what CUDA graphs need."""
+        return False
+
     def log_fields(self, sums: dict[str, float], counts: dict[str, float]) -> dict:
         """The log row's task fields from a window's summed loss terms, stats and counts."""
         return {f"{k}_loss": sums[k] / max(counts[k], 1.0) for k in counts}
@@ -138,6 +150,8 @@ class Settings:
     allow_config_changes: bool = False
     progress: bool = True
     adam_eps: float = 1e-6
+    compile: str | None = None         # a torch.compile backend ("inductor", "aot_eager"...), or None
+    cuda_graphs: bool = False          # capture each step in a CUDA graph (static shapes, one GPU)
     run_settings: dict = field(default_factory=dict)   # what --resume compares with the checkpoint's
 
 
@@ -240,7 +254,7 @@ class _Window:
     def __init__(self):
         self.device_sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
-        self.tokens = self.seqs = 0.0
+        self.tokens = self.seqs = self.slots = 0.0
         self.start = time.perf_counter()
 
     def add(self, values: dict[str, torch.Tensor]) -> None:
@@ -248,16 +262,20 @@ class _Window:
             v = v.detach().float()
             self.device_sums[k] = self.device_sums[k] + v if k in self.device_sums else v
 
-    def read(self, d: Dist, device) -> tuple[dict, dict, float, float]:
+    def add_sizes(self, tokens: float, seqs: float, slots: float) -> None:
+        self.tokens, self.seqs, self.slots = self.tokens + tokens, self.seqs + seqs, self.slots + slots
+
+    def read(self, d: Dist, device) -> tuple[dict, dict, tuple[float, float, float]]:
+        """(summed device values, counts, (tokens, sequences, slots)), over every rank."""
         names = sorted(self.device_sums)
         local = torch.stack([self.device_sums[k] for k in names]) if names else torch.zeros(0, device=device)
-        cpu = torch.tensor([*self.counts.values(), self.tokens, self.seqs], dtype=torch.float64)
+        cpu = torch.tensor([*self.counts.values(), self.tokens, self.seqs, self.slots], dtype=torch.float64)
         if d.world > 1:  # counts, tokens and sequences of every rank
             cpu = d.all_sum(cpu.to(device)).cpu()
             local = d.all_sum(local)
         sums = dict(zip(names, local.tolist()))
-        *counts, tokens, seqs = cpu.tolist()
-        return sums, dict(zip(self.counts, counts)), tokens, seqs
+        *counts, tokens, seqs, slots = cpu.tolist()
+        return sums, dict(zip(self.counts, counts)), (tokens, seqs, slots)
 
 
 class Trainer:
@@ -270,16 +288,47 @@ class Trainer:
             ("bf16" if device.type == "cuda" else "fp32")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, settings.weight_decay), lr=settings.lr,
-                                           betas=(0.9, 0.999), eps=settings.adam_eps,
-                                           **({"fused": True} if device.type == "cuda" else {}))
+        graphs = settings.cuda_graphs and self._graphs_possible()
+        self.optimizer = self._optimizer(capturable=graphs)
         warmup = int(settings.warmup * settings.steps) if settings.warmup < 1 else int(settings.warmup)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_schedule(warmup, settings.steps))
         self.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "steps_before_epoch": 0}
         self._resume()
         self.ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None) if d.world > 1 else self.model
+        # What a step calls: the model (DDP-wrapped on several ranks), compiled when asked. Packed batches have
+        # one shape, so one compilation serves the whole run.
+        self.forward = torch.compile(self.ddp, backend=settings.compile, dynamic=False if job.static_shapes else None) \
+            if settings.compile else self.ddp
+        self.graphed = None
+        if graphs:
+            from .static import GraphedStep
+
+            self.graphed = GraphedStep(self._train_step, self.model, self.optimizer)
         self.log_path = os.path.join(settings.output_dir, "log.jsonl")
+
+    def _graphs_possible(self) -> bool:
+        """CUDA graphs need static shapes, one CUDA device and no gradient scaler (its step reads the device);
+        otherwise the run goes on without them, after one warning saying why."""
+        reason = ("there is no CUDA device" if self.device.type != "cuda" else
+                  "the batches change shape (use --packing)" if not self.job.static_shapes else
+                  "several ranks (DDP's all-reduce is not captured here)" if self.d.world > 1 else
+                  "fp16's gradient scaler reads the device every step (use bf16)" if self.scaler else None)
+        if reason:
+            warnings.warn(f"--cuda-graphs: running without CUDA graphs: {reason}", stacklevel=3)
+        return reason is None
+
+    def _optimizer(self, capturable: bool) -> torch.optim.AdamW:
+        """AdamW, fused on CUDA. Capturable for CUDA graphs: its step count and learning rate live on the device
+        (the scheduler fills that tensor from float base rates, so setting it never reads the device)."""
+        cuda = self.device.type == "cuda"
+        lr = torch.tensor(self.s.lr, device=self.device) if capturable else self.s.lr
+        opt = torch.optim.AdamW(param_groups(self.model, self.s.weight_decay), lr=lr, betas=(0.9, 0.999),
+                                eps=self.s.adam_eps, **({"fused": True} if cuda else {}),
+                                **({"capturable": True} if capturable else {}))
+        for group in opt.param_groups:
+            group["initial_lr"] = self.s.lr
+        return opt
 
     def amp(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -299,6 +348,10 @@ class Trainer:
                                s.allow_config_changes)
         self.model.load_hf_state_dict(read_state_dict(path))
         self.optimizer.load_state_dict(saved["optimizer"])
+        capturable = self.optimizer.defaults.get("capturable", False)
+        for group in self.optimizer.param_groups:  # loading replaced the learning rate by the saved one's type
+            lr, group["initial_lr"] = float(group["lr"]), float(group["initial_lr"])
+            group["lr"] = torch.tensor(lr, device=self.device) if capturable else lr
         self.scheduler.load_state_dict(saved["scheduler"])
         if self.scaler is not None and saved.get("scaler"):
             self.scaler.load_state_dict(saved["scaler"])
@@ -401,27 +454,37 @@ class Trainer:
 
     def _step(self, micro_batches, window: _Window) -> float:
         local, denominators = self._denominators(micro_batches)
-        for a, batch in enumerate(micro_batches):
-            window.tokens += float(batch["attention_mask"].sum())
-            window.seqs += len(batch["attention_mask"])
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            sync = a == len(micro_batches) - 1 or self.d.world == 1
-            with self.ddp.no_sync() if not sync else contextlib.nullcontext():
-                with self.amp():
-                    out = self.ddp(**batch)
-                terms = self.job.loss_terms(out, batch)
-                loss = sum(terms[n] / denominators[n] for n in local) * self.d.world
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            window.add(terms)
-            window.add(self.job.stats(out, batch))
+        for batch in micro_batches:
+            window.add_sizes(*self.job.sizes(batch))
+        batches = [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()} for batch in micro_batches]
+        logged = (self.graphed or self._train_step)(batches, denominators)
+        for values in logged:
+            window.add(values)
         for n, v in local.items():
             window.counts[n] = window.counts.get(n, 0.0) + v
-        self._optimizer_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.state["step"] += 1
         self.state["batch_in_epoch"] += 1
         return lr
+
+    def _train_step(self, batches: list[dict], denominators: dict) -> list[dict[str, torch.Tensor]]:
+        """Forward and backward of every micro-batch (device tensors), then the optimizer step; returns each
+        micro-batch's loss terms and stats (device scalars). Nothing here reads the device, so that it can be
+        captured as a CUDA graph (bert.static.GraphedStep) when the batches are packed."""
+        logged = []
+        for a, batch in enumerate(batches):
+            sync = a == len(batches) - 1 or self.d.world == 1
+            with self.ddp.no_sync() if not sync else contextlib.nullcontext():
+                with self.amp():
+                    out = self.forward(**batch)
+                terms = self.job.loss_terms(out, batch)
+                loss = sum(terms[n] / denominators[n] for n in denominators) * self.d.world
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            logged.append({**terms, **self.job.stats(out, batch)})
+        self._optimizer_step()
+        return logged
 
     def _optimizer_step(self) -> None:
         if self.scaler:
@@ -448,10 +511,10 @@ class Trainer:
         evaluating = bool(s.eval_every) and step % s.eval_every == 0
         row = None
         if stopping or done or evaluating or step % s.log_every == 0:
-            sums, counts, tokens, seqs = window.read(self.d, self.device)
+            sums, counts, (tokens, seqs, slots) = window.read(self.d, self.device)
             elapsed = max(time.perf_counter() - window.start, 1e-9)
             row = {"step": step, **self.job.log_fields(sums, counts), "lr": lr, "tokens_per_s": tokens / elapsed,
-                   "seqs_per_s": seqs / elapsed}
+                   "seqs_per_s": seqs / elapsed, "packing_efficiency": tokens / max(slots, 1.0)}
             if stopping:
                 row["stopped"] = True
             if evaluating and self.d.main:

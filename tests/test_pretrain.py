@@ -116,14 +116,18 @@ def _ddp_worker(rank, world, port, argv, out_file):
     torch.distributed.destroy_process_group()
 
 
-def test_ddp_two_processes_equal_one_process(tmp_path, corpus):
+@pytest.mark.parametrize("packing", [True, False])
+def test_ddp_two_processes_equal_one_process(tmp_path, corpus, packing):
+    """Padded: 2 ranks = one process with the same global batch. Packed: a step is ranks x accumulation packs,
+    so 2 ranks = one process accumulating 2 micro-batches."""
     cfg = bert.BertConfig.tiny(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(cfg.to_json_string())
     base = ["--data", corpus, "--train-tokenizer", "200", "--config", str(tmp_path / "cfg" / "config.json"),
             "--max-seq-len", "64", "--batch-size", "16", "--steps", "6", "--eval-every", "0", "--no-progress",
-            "--save-every", "0"]
-    single = train(build_parser().parse_args(base + ["--output-dir", str(tmp_path / "one")])).model
+            "--save-every", "0", "--packing" if packing else "--no-packing"]
+    one = ["--output-dir", str(tmp_path / "one")] + (["--grad-accum", "2"] if packing else [])
+    single = train(build_parser().parse_args(base + one)).model
     argv = base + ["--output-dir", str(tmp_path / "two"), "--tokenizer", str(tmp_path / "one" / "tokenizer")]
     argv.remove("--train-tokenizer")
     argv.remove("200")
@@ -226,3 +230,18 @@ def test_missing_local_data_fails_at_once(tmp_path, capsys):
 
     assert main(["--data", "no/such/corpus.txt", "--train-tokenizer", "200", "--output-dir", str(tmp_path)]) == 2
     assert "--data no/such/corpus.txt: no such file or directory" in capsys.readouterr().err
+
+
+def test_packed_run_compiles_and_logs_its_packing_efficiency(tmp_path, corpus):
+    """Packing is the default; --compile traces the packed step once and trains exactly as eager does;
+    --cuda-graphs without a GPU says why in one warning and trains eagerly."""
+    common = ("--steps", "4", "--log-every", "2", "--max-seq-len", "32")
+    train(args_for(tmp_path, corpus, *common, out="eager"))
+    with pytest.warns(UserWarning, match="--cuda-graphs: running without CUDA graphs: there is no CUDA device"):
+        train(args_for(tmp_path, corpus, *common, "--compile", "aot_eager", "--cuda-graphs", out="compiled"))
+    eager, compiled = read_log(tmp_path / "eager" / "log.jsonl"), read_log(tmp_path / "compiled" / "log.jsonl")
+    assert [r["step"] for r in eager] == [2, 4]
+    for a, b in zip(eager, compiled):
+        assert 0.5 < a["packing_efficiency"] <= 1.0
+        assert a["mlm_loss"] == pytest.approx(b["mlm_loss"], rel=1e-5)
+        assert a["nsp_loss"] == pytest.approx(b["nsp_loss"], rel=1e-5)

@@ -1,0 +1,143 @@
+"""Training steps at static shapes: proving a step never waits for the device, and capturing it in a CUDA graph.
+
+A packed pre-training step (bert.packing, BertForPreTraining.forward_packed) has fixed shapes and asks the host
+nothing, so the whole iteration - forward, backward, gradient clipping and the fused AdamW step - can be
+recorded once as a CUDA graph and replayed: one launch per step instead of thousands, and no Python between
+kernels. NVIDIA's MLPerf BERT does the same (its `full_iteration` graph). `GraphedStep` does the recording:
+
+- static input buffers: each step's micro-batches (and the loss denominators) are copied into them;
+- warm-up iterations on a side stream (cuBLAS workspaces, Triton's first launches, the optimizer's state),
+  then the model, optimizer state and RNG are put back as they were, so warm-up trains nothing;
+- the optimizer must be capturable (its step count and learning rate live on the device; the scheduler writes
+  the learning rate into that tensor, which the graph reads);
+- the outputs the trainer keeps (loss terms and statistics) are cloned after each replay.
+
+`forbid_host_sync` is the check: inside it, any Python-level read of a tensor's value (item, tolist, bool,
+int, float, nonzero) raises, and on a GPU torch's own sync debug mode raises for the rest.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class HostSyncError(RuntimeError):
+    """A tensor's value was read on the host where no host-device synchronisation is allowed."""
+
+
+_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def forbid_host_sync(device: torch.device | None = None):
+    """Within the block, reading a tensor's value on the host raises HostSyncError (Tensor.item, .tolist,
+    .nonzero, torch.nonzero, bool(), int(), float(), use as an index), and on a CUDA device
+    torch.cuda.set_sync_debug_mode("error") catches the synchronisations made inside torch's C++ code too."""
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+    saved_nonzero = torch.nonzero
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise HostSyncError(f"Tensor.{name} reads a value on the host (a device sync) inside forbid_host_sync")
+        return read
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    old_mode = torch.cuda.get_sync_debug_mode() if cuda else None
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, refuse(name))
+        torch.nonzero = refuse("nonzero")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        torch.nonzero = saved_nonzero
+        if cuda:
+            torch.cuda.set_sync_debug_mode(old_mode)
+
+
+class GraphedStep:
+    """One training step - `step_fn(batches, denominators)` running forward and backward over every
+    micro-batch and then the optimizer step, returning a list of dicts of device scalars - captured as one CUDA
+    graph on the first call and replayed on every call after (see the module docstring).
+
+    Every call must bring micro-batches of the same count, keys, shapes and dtypes (a packed batch's) and the
+    same non-tensor values; `denominators` maps names to floats (or device scalars), which are copied into the
+    graph's inputs. The optimizer must have been built with capturable=True and a tensor learning rate."""
+
+    def __init__(self, step_fn, model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 3):
+        self.step_fn, self.model, self.optimizer, self.warmup = step_fn, model, optimizer, warmup
+        self.graph = None
+        self.batches: list[dict] = []
+        self.denominators: dict[str, torch.Tensor] = {}
+        self.outputs: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, batches: list[dict], denominators: dict) -> list[dict[str, torch.Tensor]]:
+        if self.graph is None:
+            self._capture(batches, denominators)
+        self._load(batches, denominators)
+        self.graph.replay()
+        # Cloned: the next replay overwrites the graph's outputs in place.
+        return [{k: v.clone() for k, v in out.items()} for out in self.outputs]
+
+    def _load(self, batches, denominators) -> None:
+        if len(batches) != len(self.batches):
+            raise ValueError(f"a CUDA-graph step was captured for {len(self.batches)} micro-batches, got {len(batches)}")
+        for static, batch in zip(self.batches, batches):
+            if static.keys() != batch.keys():
+                raise ValueError(f"a CUDA-graph step needs the same batch keys every step: {sorted(static)} "
+                                 f"then {sorted(batch)}")
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor):
+                    if v.shape != static[k].shape or v.dtype != static[k].dtype:
+                        raise ValueError(f"a CUDA-graph step needs static shapes: {k} was {tuple(static[k].shape)} "
+                                         f"{static[k].dtype}, now {tuple(v.shape)} {v.dtype} (use --packing)")
+                    static[k].copy_(v, non_blocking=True)
+                elif v != static[k]:
+                    raise ValueError(f"a CUDA-graph step needs the same {k} every step: {static[k]!r}, now {v!r}")
+        for k, v in denominators.items():
+            self.denominators[k].copy_(v, non_blocking=True) if isinstance(v, torch.Tensor) \
+                else self.denominators[k].fill_(float(v))
+
+    def _capture(self, batches, denominators) -> None:
+        device = next(self.model.parameters()).device
+        self.batches = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
+        self.denominators = {k: torch.zeros((), dtype=torch.float32, device=device) for k in denominators}
+        self._load(batches, denominators)
+        saved = self._snapshot()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # first launches, workspaces and lazily made state, outside the graph
+            for _ in range(self.warmup):
+                self.step_fn(self.batches, self.denominators)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self.step_fn(self.batches, self.denominators)
+        self._restore(saved)
+
+    def _snapshot(self) -> dict:
+        """Copies of what warm-up changes: parameters, optimizer state (absent before the first step), RNG."""
+        state = self.optimizer.state
+        return {"params": [p.detach().clone() for p in self.model.parameters()],
+                "optim": {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[p].items()}
+                          for p in list(state)},
+                "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()}
+
+    @torch.no_grad()
+    def _restore(self, saved: dict) -> None:
+        """Put back the values, in place: the graph holds these tensors' addresses. State that warm-up created
+        starts from zero, as a fresh optimizer's does."""
+        for p, value in zip(self.model.parameters(), saved["params"]):
+            p.copy_(value)
+        for p, entries in self.optimizer.state.items():
+            before = saved["optim"].get(p, {})
+            for k, v in entries.items():
+                if isinstance(v, torch.Tensor):
+                    v.copy_(before[k]) if k in before else v.zero_()
+        torch.set_rng_state(saved["rng"])
+        torch.cuda.set_rng_state(saved["cuda_rng"])
