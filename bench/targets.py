@@ -102,9 +102,9 @@ def _mlm_time(res):
         ours["fwd_bwd_ms"] <= gathered["fwd_bwd_ms"]
 
 
-def _e2e(field: str, goal: float, fmt: str, variant="ours-triton", family="bert"):
+def _e2e(field: str, goal: float, fmt: str, variant="ours-triton", family="bert", config="base", seq_len=128):
     def evaluate(res):
-        rows = [r for r in _ok(res.get("e2e", []), variant=variant, config="base", seq_len=128, padding="wiki",
+        rows = [r for r in _ok(res.get("e2e", []), variant=variant, config=config, seq_len=seq_len, padding="wiki",
                                dtype="bfloat16") if r.get("family", "bert") == family]
         if not rows or field not in rows[0]:
             return "", None
@@ -138,6 +138,10 @@ TARGETS = [
            _e2e("speedup_vs_hf-compile", 1.6, "{:.2f}x")),
     Target("BERT-base step s128 wiki bf16 throughput", ">= 0.8M real tokens/s",
            _e2e("tokens_per_s", 0.8e6, "{:,.0f} tokens/s")),
+    Target("BERT-base step s128 wiki bf16, packed + CUDA graphs vs HF eager", ">= 3x",
+           _e2e("speedup_vs_hf-eager", 3.0, "{:.2f}x", variant="ours-packed-graphs")),
+    Target("BERT-large step s512 wiki bf16, packed", ">= 1,000 sequences/s",
+           _e2e("seqs_per_s", 1000, "{:,.0f} sequences/s", variant="ours-packed", config="large", seq_len=512)),
     Target("RoBERTa-base step s128 wiki bf16, fused HF vs HF eager", ">= 2x",
            _e2e("speedup_vs_hf-eager", 2.0, "{:.2f}x", variant="hf-fused", family="roberta")),
     Target("encode BERT-base, batch 256, wiki lengths, bf16: fused vs HF SDPA", ">= 1.5x", _encode("bert-base", 1.5)),

@@ -38,6 +38,7 @@ def test_packed_micro_batch_has_fixed_shapes_and_exact_label_counts(whole_word):
     collate = PackingCollator(masker, shapes)
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
     b = collate(insts, keys=[10, 11, 12])
+    assert b.pop("max_seqlen") == 96  # no bound given: the budget
     assert {k: tuple(v.shape) for k, v in b.items()} == {
         "input_ids": (96,), "token_type_ids": (96,), "position_ids": (96,), "cu_seqlens": (5,),
         "mlm_positions": (shapes.labels,), "mlm_labels": (shapes.labels,), "next_sentence_label": (4,)}
