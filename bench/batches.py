@@ -76,8 +76,9 @@ class PackedBatch:
 
     @property
     def lengths(self) -> list[int]:
-        cu = self.cu_seqlens.tolist()
-        return [b - a for a, b in zip(cu, cu[1:]) if b > a]
+        """Of the real sequences: not the rows' filler tails or the unused slots (their NSP label is -100)."""
+        cu, nsp = self.cu_seqlens.tolist(), self.next_sentence_label.tolist()
+        return [b - a for a, b, label in zip(cu, cu[1:], nsp) if label != -100]
 
     @property
     def slots(self) -> int:
@@ -91,32 +92,31 @@ class PackedBatch:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
-def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15) -> PackedBatch:
-    """The budget of a padded [batch, seq_len] batch (T = batch x seq_len tokens, at most S = 2 x batch
-    sequences, R = ceil(0.15 T) + S labels), filled in order with sequences of make_batch's lengths and
-    contents until the next one does not fit."""
-    from bert.packing import PackedShapes
+class _PoolLabels:
+    """Stands in for the MLM masker of bert.packing.PackingCollator: instance `key` of a synthetic pool keeps the
+    labels make_batch drew for it."""
 
-    T, S, R, _ = PackedShapes.for_budget(batch * seq_len, 2 * batch, mlm_p)
-    pool = make_batch(2 * batch, seq_len, vocab, padding, seed, mlm_p)
-    rows, used = [], 0
-    for i, n in enumerate(pool.attention_mask.sum(1).tolist()):
-        if used + n > T:
-            break
-        rows.append((i, n))
-        used += n
-    out = PackedBatch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
-                      torch.zeros(T, dtype=torch.long), torch.full((S + 1,), used, dtype=torch.int32),
-                      torch.zeros(R, dtype=torch.long), torch.full((R,), -100), torch.full((S,), -100), seq_len)
-    start = labelled = 0
-    for s, (i, n) in enumerate(rows):
-        out.cu_seqlens[s] = start
-        out.input_ids[start:start + n] = pool.input_ids[i, :n]
-        out.token_type_ids[start:start + n] = pool.token_type_ids[i, :n]
-        out.position_ids[start:start + n] = torch.arange(n)
-        chosen = (pool.labels[i, :n] != -100).nonzero().squeeze(1)[:R - labelled]
-        out.mlm_positions[labelled:labelled + len(chosen)] = start + chosen
-        out.mlm_labels[labelled:labelled + len(chosen)] = pool.labels[i, chosen]
-        out.next_sentence_label[s] = pool.next_sentence_label[i]
-        start, labelled = start + n, labelled + len(chosen)
-    return out
+    def __init__(self, pool: Batch):
+        self.pool = pool
+        self.special = type("Special", (), {"pad": 0})
+
+    def mask_exact(self, ids: torch.Tensor, key: int):
+        return ids, self.pool.labels[key, :len(ids)]
+
+
+def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15) -> PackedBatch:
+    """The budget of a padded [batch, seq_len] batch as `batch` rows of seq_len tokens (bert.packing's layout,
+    up to 3 instances a row), filled with sequences of make_batch's lengths and contents: a pool of 16 x batch
+    sequences is packed into rows best-fit decreasing, and `batch` rows drawn at random from them are laid out
+    by bert.packing.PackingCollator."""
+    from bert.packing import PackedShapes, PackingCollator, pack
+
+    pool = make_batch(16 * batch, seq_len, vocab, padding, seed, mlm_p)
+    lengths = pool.attention_mask.sum(1).tolist()
+    rows = pack(lengths, seq_len, 3)
+    rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))[:batch]]
+    instances = [[{"input_ids": pool.input_ids[i, :lengths[i]], "token_type_ids": pool.token_type_ids[i, :lengths[i]],
+                   "next_sentence_label": int(pool.next_sentence_label[i])} for i in row] for row in rows]
+    collate = PackingCollator(_PoolLabels(pool), PackedShapes.for_rows(batch, seq_len, 3, mlm_p))
+    out = collate(instances, keys=[i for row in rows for i in row])
+    return PackedBatch(**out)

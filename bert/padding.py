@@ -19,6 +19,7 @@ class Unpadded(NamedTuple):
     seqlen: int                # padded length of the input
     seq: torch.Tensor          # [total_tokens] int64, the sequence each packed token belongs to
     pos: torch.Tensor          # [total_tokens] int64, its position among that sequence's kept tokens
+    rows: int = 0              # a packed batch's rows of max_seqlen tokens that no sequence crosses (0: none)
 
 
 def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> Unpadded:
@@ -39,15 +40,15 @@ def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None
 
 
 def packed_layout(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> Unpadded:
-    """The Unpadded description of an already packed batch (bert.packing): tokens [0, total_tokens), sequences
-    by cu_seqlens [S + 1] (empty ones allowed), tokens at or past cu_seqlens[-1] are filler. Built without a
-    host sync: max_seqlen is the caller's static bound. Filler tokens get sequence S (one past the last) and
-    positions clamped below max_seqlen, so that the PyTorch attention can park them in one extra, empty row."""
+    """The Unpadded description of an already packed batch (bert.packing): tokens [0, total_tokens) in rows of
+    max_seqlen that no sequence crosses, sequences by cu_seqlens [S + 1] (empty ones allowed), tokens at or past
+    cu_seqlens[-1] are filler. Built without a host sync: max_seqlen is the caller's static bound. Filler tokens
+    get sequence S (one past the last), so that the PyTorch attention's block-diagonal mask keeps them apart."""
     batch = cu_seqlens.numel() - 1
     t = torch.arange(total_tokens, device=cu_seqlens.device)
     seq = torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True)  # S for filler
     pos = (t - cu_seqlens.long()[seq]).clamp(max=max(max_seqlen - 1, 0))
-    return Unpadded(t, cu_seqlens, max_seqlen, batch, max_seqlen, seq, pos)
+    return Unpadded(t, cu_seqlens, max_seqlen, batch, max_seqlen, seq, pos, total_tokens // max(max_seqlen, 1))
 
 
 def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate: bool) -> None:
@@ -59,13 +60,18 @@ def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_
                              f"{tuple(t.shape)}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("packed cu_seqlens must be a 1-D int32 tensor [sequences + 1]")
+    if not isinstance(max_seqlen, int) or max_seqlen < 1 or n % max_seqlen:
+        raise ValueError(f"a packed batch is rows of max_seqlen tokens: {n} tokens are not a multiple of "
+                         f"max_seqlen={max_seqlen}")
     if not validate:
         return
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    # A sequence crosses a row boundary when its first and last token lie in different rows.
+    crossing = ((lens > 0) & (cu_seqlens[:-1] // max_seqlen != (cu_seqlens[1:] - 1) // max_seqlen)).sum()
     checks = torch.stack([input_ids.min(), input_ids.max(), token_type_ids.min(), token_type_ids.max(),
                           position_ids.min(), position_ids.max(), cu_seqlens[0].long(), cu_seqlens[-1].long(),
-                          (lens < 0).sum(), lens.max().long()]).tolist()
-    id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, first, last, decreasing, longest = checks
+                          (lens < 0).sum(), lens.max().long(), crossing]).tolist()
+    id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, first, last, decreasing, longest, crossing = checks
     problems = [message for bad, message in (
         (id_lo < 0 or id_hi >= config.vocab_size, f"input_ids outside [0, {config.vocab_size})"),
         (tt_lo < 0 or tt_hi >= config.type_vocab_size, f"token_type_ids outside [0, {config.type_vocab_size})"),
@@ -74,7 +80,8 @@ def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_
         (first != 0, "cu_seqlens does not start at 0"),
         (last > n, f"cu_seqlens ends past the {n} tokens"),
         (decreasing, "cu_seqlens decreases"),
-        (longest > max_seqlen, f"a sequence is longer than max_seqlen={max_seqlen}")) if bad]
+        (longest > max_seqlen, f"a sequence is longer than max_seqlen={max_seqlen}"),
+        (crossing, f"{crossing} sequence(s) cross a row boundary (a multiple of max_seqlen={max_seqlen})")) if bad]
     if problems:
         raise ValueError("packed batch: " + "; ".join(problems))
 

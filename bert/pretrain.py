@@ -53,11 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
                         "and almost no padding (default on; --no-packing pads length-bucketed batches instead)")
     p.add_argument("--tokens-per-batch", type=int, default=None,
-                   help="with packing: the token budget of a micro-batch (one rank, one accumulation step); "
-                        "default: its share of --batch-size times --max-seq-len")
-    p.add_argument("--sequences-per-batch", type=int, default=None,
-                   help="with packing: the most instances a micro-batch holds (default: twice its share of "
-                        "--batch-size)")
+                   help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
+                        "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "
+                        "times --max-seq-len")
+    p.add_argument("--instances-per-row", type=int, default=3,
+                   help="with packing: the most instances a row of --max-seq-len tokens holds (default 3)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile the model (backend default inductor); with packing it compiles once")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Settings that make a run what it is: --resume compares them with the checkpoint's (the others only say how
 # it runs: workers, logging cadence, caching).
 RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "grad_accum",
-                "packing", "tokens_per_batch", "sequences_per_batch", "steps",
+                "packing", "tokens_per_batch", "instances_per_row", "steps",
                 "lr", "warmup", "weight_decay", "max_grad_norm", "precision", "mlm_probability",
                 "whole_word_masking", "eval_fraction", "seed", "max_documents")
 
@@ -116,7 +116,7 @@ def validate_args(args) -> None:
     """Everything that can be checked before any work (tokenising a corpus can take hours)."""
     check_numbers(args, positive=("max_seq_len", "batch_size", "grad_accum", "steps", "lr", "keep_checkpoints",
                                   "eval_batches", "num_proc", "train_tokenizer", "max_documents", "log_every",
-                                  "tokens_per_batch", "sequences_per_batch"),
+                                  "tokens_per_batch", "instances_per_row"),
                   non_negative=("warmup", "weight_decay", "max_grad_norm", "save_every", "eval_every",
                                 "num_workers"),
                   fractions=("eval_fraction",))
@@ -125,9 +125,9 @@ def validate_args(args) -> None:
     if args.max_seq_len < 8:
         raise ValueError(f"--max-seq-len must be at least 8 ([CLS] A [SEP] B [SEP] needs room), got "
                          f"{args.max_seq_len}")
-    if args.packing and args.tokens_per_batch is not None and args.tokens_per_batch < args.max_seq_len:
-        raise ValueError(f"--tokens-per-batch {args.tokens_per_batch} cannot hold one instance of --max-seq-len "
-                         f"{args.max_seq_len}")
+    if args.packing and args.tokens_per_batch is not None and args.tokens_per_batch % args.max_seq_len:
+        raise ValueError(f"--tokens-per-batch {args.tokens_per_batch} must be a multiple of --max-seq-len "
+                         f"{args.max_seq_len} (packed micro-batches are rows of that length)")
     if args.config not in PRESETS and not os.path.isfile(args.config):
         raise ValueError(f"--config {args.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
     check_source("--data", args.data, hub_prefix="hf:")
@@ -166,7 +166,7 @@ class StepData(torch.utils.data.Dataset):
 
 class PackedStepData(torch.utils.data.Dataset):
     """Item i: this rank's packed micro-batches of global step i. A global step is world x accum consecutive
-    packs of the epoch (rank r takes packs r*accum ... r*accum + accum - 1), and each instance's masking is keyed
+    micro-batches of the epoch (rank r takes r*accum ... r*accum + accum - 1), and each instance's masking is keyed
     by (epoch, instance), so the packs and their masks are the same under any number of ranks or accumulation
     steps with the same product, and after a resume."""
 
@@ -179,9 +179,11 @@ class PackedStepData(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         first = (i * self.d.world + self.d.rank) * self.accum
-        return [self.collator([self.instances[j] for j in self.packs[p]], keys=[self.epoch * 2**40 + j for j in
-                                                                                   self.packs[p]])
-                for p in range(first, first + self.accum)]
+        return [self._collate(self.packs[p]) for p in range(first, first + self.accum)]
+
+    def _collate(self, rows: list[list[int]]) -> dict:
+        keys = [self.epoch * 2**40 + j for row in rows for j in row]
+        return self.collator([[self.instances[j] for j in row] for row in rows], keys=keys)
 
 
 @dataclass
@@ -295,7 +297,8 @@ class PretrainJob(Job):
         instances = self.corpus.instances(epoch)
         if self.packing is not None:
             shapes = self.packing.shapes
-            packs = epoch_packs(instances["length"], shapes.tokens, shapes.sequences, self.args.seed * 31, epoch)
+            packs = epoch_packs(instances["length"], shapes.max_seqlen, shapes.rows, shapes.per_row,
+                                self.args.seed * 31, epoch)
             return PackedStepData(instances, packs, self.packing, d, accum, epoch)
         sampler = BucketBatchSampler(np.asarray(instances["length"]), self.args.batch_size,
                                      seed=self.args.seed * 31 + epoch)
@@ -338,14 +341,13 @@ class PretrainJob(Job):
 
 
 def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | None:
-    """The run's packed micro-batch shapes: a micro-batch's share of the global batch's token slots by default."""
+    """The run's packed micro-batch shapes: by default as many rows as a padded micro-batch has sequences."""
     if not args.packing:
         return None
-    share = args.batch_size // (d.world * args.grad_accum)
-    tokens = args.tokens_per_batch or share * args.max_seq_len
-    sequences = args.sequences_per_batch or 2 * share
-    return PackingCollator(collator, PackedShapes.for_budget(tokens, sequences, args.mlm_probability,
-                                                             args.max_seq_len))
+    rows = args.tokens_per_batch // args.max_seq_len if args.tokens_per_batch else \
+        args.batch_size // (d.world * args.grad_accum)
+    return PackingCollator(collator, PackedShapes.for_rows(rows, args.max_seq_len, args.instances_per_row,
+                                                           args.mlm_probability))
 
 
 def settings(args) -> Settings:

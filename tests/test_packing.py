@@ -31,32 +31,71 @@ def instance(n, rng, nsp):
 
 
 @pytest.mark.parametrize("whole_word", [False, True])
-def test_packed_micro_batch_has_fixed_shapes_and_exact_label_counts(whole_word):
+def test_packed_micro_batch_has_fixed_shapes_aligned_rows_and_exact_label_counts(whole_word):
     rng = random.Random(1)
     masker = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=3)
-    shapes = PackedShapes.for_budget(tokens=96, sequences=4, mlm_probability=0.15)
+    shapes = PackedShapes.for_rows(rows=3, max_seqlen=48, per_row=2, mlm_probability=0.15)
+    assert (shapes.tokens, shapes.sequences, shapes.labels) == (144, 9, 22 + 3)
     collate = PackingCollator(masker, shapes)
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
-    b = collate(insts, keys=[10, 11, 12])
-    assert b.pop("max_seqlen") == 96  # no bound given: the budget
+    rows = [[insts[0]], [insts[1], insts[2]]]  # the third row is unused
+    b = collate(rows, keys=[10, 11, 12])
+    assert b.pop("max_seqlen") == 48
     assert {k: tuple(v.shape) for k, v in b.items()} == {
-        "input_ids": (96,), "token_type_ids": (96,), "position_ids": (96,), "cu_seqlens": (5,),
-        "mlm_positions": (shapes.labels,), "mlm_labels": (shapes.labels,), "next_sentence_label": (4,)}
-    assert b["cu_seqlens"].tolist() == [0, 40, 49, 80, 80]  # the unused slot is an empty sequence
-    assert b["next_sentence_label"].tolist() == [0, 1, 1, -100]
-    assert b["position_ids"][40:49].tolist() == list(range(9)) and (b["input_ids"][80:] == 0).all()
+        "input_ids": (144,), "token_type_ids": (144,), "position_ids": (144,), "cu_seqlens": (10,),
+        "mlm_positions": (shapes.labels,), "mlm_labels": (shapes.labels,), "next_sentence_label": (9,)}
+    # Row 0: the instance, then its filler tail as a sequence; row 1: two instances and a tail; then unused.
+    assert b["cu_seqlens"].tolist() == [0, 40, 48, 57, 88, 96, 96, 96, 96, 96]
+    assert b["next_sentence_label"].tolist() == [0, -100, 1, 1, -100, -100, -100, -100, -100]
+    assert b["position_ids"][48:57].tolist() == list(range(9)) and (b["input_ids"][88:] == 0).all()
     used = b["mlm_labels"] != -100
     labelled = b["mlm_positions"][used]
-    for (s, e), x in zip([(0, 40), (40, 49), (49, 80)], insts):  # about 15% of each instance's real tokens
+    for (s, e), x in zip([(0, 40), (48, 57), (57, 88)], insts):  # about 15% of each instance's real tokens
         n = int(((labelled >= s) & (labelled < e)).sum())
         assert 1 <= n <= max(1, round(0.15 * (e - s - 2)))
         if not whole_word:
             assert n == max(1, round(0.15 * (e - s - 2)))
-    original = torch.tensor(sum((x["input_ids"] for x in insts), []))
+    original = torch.zeros(144, dtype=torch.long)
+    for (s, e), x in zip([(0, 40), (48, 57), (57, 88)], insts):
+        original[s:e] = torch.tensor(x["input_ids"])
     assert torch.equal(b["mlm_labels"][used], original[labelled])  # labels are the original ids
-    assert torch.equal(collate(insts, keys=[10, 11, 12])["input_ids"], b["input_ids"])  # keyed, repeatable
-    with pytest.raises(ValueError, match="does not fit"):
-        collate([instance(60, rng, 0), instance(50, rng, 0)], keys=[0, 1])
+    assert torch.equal(collate(rows, keys=[10, 11, 12])["input_ids"], b["input_ids"])  # keyed, repeatable
+    with pytest.raises(ValueError, match="does not fit 2 instances of 48 tokens"):
+        collate([[instance(30, rng, 0), instance(20, rng, 0)]], keys=[0, 1])
+    with pytest.raises(ValueError, match="4 rows do not fit"):
+        collate([[insts[1]]] * 4, keys=range(4))
+
+
+def test_labels_past_the_bound_are_undone_as_bert_caps_them():
+    """A masker choosing half the tokens overflows R = ceil(0.15 T) + rows: the pack keeps R labels, and the
+    extra chosen tokens get their original ids back (unlabelled tokens must be unchanged)."""
+    rng = random.Random(3)
+    insts = [instance(n, rng, 0) for n in (40, 44)]
+    shapes = PackedShapes.for_rows(rows=2, max_seqlen=48, per_row=1, mlm_probability=0.15)
+    b = PackingCollator(MLMCollator(SPECIAL, mlm_probability=0.5, seed=1), shapes)([[insts[0]], [insts[1]]],
+                                                                                  keys=[0, 1])
+    original = torch.zeros(96, dtype=torch.long)
+    original[:40], original[48:92] = torch.tensor(insts[0]["input_ids"]), torch.tensor(insts[1]["input_ids"])
+    labelled = b["mlm_positions"][b["mlm_labels"] != -100]
+    assert len(labelled) == shapes.labels == 17
+    assert torch.equal(b["mlm_labels"], original[labelled])
+    unlabelled = torch.ones(96, dtype=torch.bool).index_fill(0, labelled, False)
+    assert torch.equal(b["input_ids"][unlabelled], original[unlabelled])
+
+
+def test_epoch_packs_are_deterministic_rows_of_every_instance():
+    from bert.packing import epoch_packs
+
+    rng = random.Random(2)
+    lengths = [rng.choice([rng.randint(5, 60), 128]) for _ in range(500)]
+    batches = epoch_packs(lengths, 128, rows_per_batch=8, per_row=3, seed=1, epoch=0)
+    assert batches == epoch_packs(lengths, 128, 8, 3, seed=1, epoch=0)
+    assert batches != epoch_packs(lengths, 128, 8, 3, seed=1, epoch=1)
+    rows = [row for b in batches for row in b]
+    assert all(len(b) == 8 for b in batches)
+    assert all(sum(lengths[i] for i in row) <= 128 and 1 <= len(row) <= 3 for row in rows)
+    seen = [i for row in rows for i in row]
+    assert len(seen) == len(set(seen)) and len(seen) > 0.95 * len(lengths)  # only a last partial batch is left
 
 
 def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
@@ -72,24 +111,26 @@ def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
     assert len(rows) == 2 and all(line.count("%") == 2 for line in rows)
 
 
-def padded_twin(b, lengths):
-    """The padded batch holding the same instances, tokens and labels as packed batch `b`."""
-    width = max(lengths)
-    n = len(lengths)
-    ids = torch.zeros(n, width, dtype=torch.long)
+def padded_twin(b):
+    """The padded batch holding the same instances, tokens and labels as packed batch `b` (its real sequences:
+    those with an NSP label; the rows' filler tails and unused slots have none)."""
+    cu, nsp = b["cu_seqlens"].tolist(), b["next_sentence_label"]
+    real = [s for s in range(len(nsp)) if nsp[s] != -100]
+    spans = [(cu[s], cu[s + 1]) for s in real]
+    width = max(e - a for a, e in spans)
+    ids = torch.zeros(len(real), width, dtype=torch.long)
     types, mask = torch.zeros_like(ids), torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    cu = b["cu_seqlens"].tolist()
-    for s in range(n):
-        ids[s, :lengths[s]] = b["input_ids"][cu[s]:cu[s + 1]]
-        types[s, :lengths[s]] = b["token_type_ids"][cu[s]:cu[s + 1]]
-        mask[s, :lengths[s]] = 1
+    for i, (a, e) in enumerate(spans):
+        ids[i, :e - a] = b["input_ids"][a:e]
+        types[i, :e - a] = b["token_type_ids"][a:e]
+        mask[i, :e - a] = 1
     for p, lab in zip(b["mlm_positions"].tolist(), b["mlm_labels"].tolist()):
         if lab != -100:
-            s = next(i for i in range(n) if cu[i] <= p < cu[i + 1])
-            labels[s, p - cu[s]] = lab
+            i = next(i for i, (a, e) in enumerate(spans) if a <= p < e)
+            labels[i, p - spans[i][0]] = lab
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
-                next_sentence_label=b["next_sentence_label"][:n])
+                next_sentence_label=nsp[real])
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -101,7 +142,8 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
     rng = random.Random(4)
     insts = [instance(n, rng, nsp) for n, nsp in ((30, 0), (7, 1), (19, 1))]
     masker = MLMCollator(SPECIAL, seed=5)
-    b = PackingCollator(masker, PackedShapes.for_budget(72, 4, 0.15))(insts, keys=[1, 2, 3])
+    b = PackingCollator(masker, PackedShapes.for_rows(3, 32, 2, 0.15))([[insts[0]], [insts[1], insts[2]]],
+                                                                     keys=[1, 2, 3])
     torch.manual_seed(0)
     cfg = bert.BertConfig.preset("tiny", vocab_size=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                  backend=backend)
@@ -110,7 +152,7 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
     twin.load_state_dict(model.state_dict())
     packed = model.forward_packed(b["input_ids"], b["token_type_ids"], b["position_ids"], b["cu_seqlens"], 32,
                                   b["mlm_positions"], b["mlm_labels"], b["next_sentence_label"], validate=True)
-    padded = twin(**padded_twin(b, [30, 7, 19]))
+    padded = twin(**padded_twin(b))
     for name in ("loss", "mlm_loss", "nsp_loss"):
         a, r = getattr(packed, name), getattr(padded, name)
         assert abs(a.item() - r.item()) <= 1e-5 * abs(r.item()), name
@@ -135,3 +177,8 @@ def test_packed_validation_names_the_problem():
         model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16), cu, 16, validate=True)
     with pytest.raises(ValueError, match="packed token_type_ids must be integer"):
         model.bert.encode_packed(ids, torch.zeros(15, dtype=torch.long), torch.arange(16), cu, 16)
+    with pytest.raises(ValueError, match="16 tokens are not a multiple of max_seqlen=6"):
+        model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16), cu, 6)
+    crossing = torch.tensor([0, 5, 12], dtype=torch.int32)  # rows of 8: the second sequence spans both
+    with pytest.raises(ValueError, match="1 sequence\\(s\\) cross a row boundary"):
+        model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16) % 8, crossing, 8, validate=True)

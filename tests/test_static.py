@@ -14,15 +14,18 @@ SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1
 BACKENDS = ["torch", "triton"]
 
 
-def packed_batch(lengths=(30, 7, 19), budget=72, sequences=4, seed=4):
+def packed_batch(rows=((30,), (7, 19)), seed=4):
+    """Three rows of 32 tokens: one instance, two, and an unused row."""
     rng = random.Random(seed)
     insts = []
-    for i, n in enumerate(lengths):
-        ids = [2] + [rng.randint(5, 999) for _ in range(n - 2)] + [3]
-        insts.append({"input_ids": ids, "token_type_ids": [0] * (n // 2) + [1] * (n - n // 2),
-                      "next_sentence_label": i % 2})
-    shapes = PackedShapes.for_budget(budget, sequences, 0.15, max_seqlen=32)
-    return PackingCollator(MLMCollator(SPECIAL, seed=5), shapes)(insts, keys=range(len(insts)))
+    for row in rows:
+        insts.append([])
+        for n in row:
+            ids = [2] + [rng.randint(5, 999) for _ in range(n - 2)] + [3]
+            insts[-1].append({"input_ids": ids, "token_type_ids": [0] * (n // 2) + [1] * (n - n // 2),
+                              "next_sentence_label": n % 2})
+    shapes = PackedShapes.for_rows(3, 32, 2, 0.15)
+    return PackingCollator(MLMCollator(SPECIAL, seed=5), shapes)(insts, keys=range(sum(map(len, rows))))
 
 
 def tiny(backend, dropout=0.1):
