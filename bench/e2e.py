@@ -40,7 +40,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _build(variant: str, cfg, device, family: str = "bert"):
+def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str = "inductor"):
     import torch
 
     import bert
@@ -65,7 +65,7 @@ def _build(variant: str, cfg, device, family: str = "bert"):
         return model
     backend = "triton" if variant == "ours-triton" or (variant in PACKED and device.type == "cuda") else "torch"
     model = bert.BertForPreTraining(cfg.replace(backend=backend)).to(device)
-    return torch.compile(model) if variant == "ours-packed-compile" else model
+    return torch.compile(model, backend=compile_backend) if variant == "ours-packed-compile" else model
 
 
 def _stepper(variant: str, model, device, amp, family: str):
@@ -126,7 +126,7 @@ def run_variant(variant: str, spec: dict) -> dict:
         make = make_packed_batch if variant in PACKED else make_batch
         batches = [make(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
                    for s in range(4)]
-        model = _build(variant, cfg, device, spec["family"]).train()
+        model = _build(variant, cfg, device, spec["family"], spec.get("compile_backend", "inductor")).train()
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if spec["dtype"] == "bfloat16" else torch.autocast(
             device.type, enabled=False)
         step = _stepper(variant, model, device, amp, spec["family"])

@@ -42,7 +42,7 @@ def _warm_variant(variant: str, spec: dict) -> str:
 def jobs(suites: list[str], variants: list[str], specs: list[dict], quick: bool, device: str) -> list[tuple]:
     """(function, *args) per piece: the kernel suites, then each triton-backed end-to-end variant per spec."""
     out = [(_warm_suite, name, quick, device) for name in suites]
-    out += [(_warm_variant, v, s) for v in variants if v in ("ours-triton", "hf-fused") for s in specs]
+    out += [(_warm_variant, v, s) for v in variants if v in ("ours-triton", "hf-fused", "ours-packed") for s in specs]
     return out
 
 

@@ -1,11 +1,13 @@
 """The benchmark's own pieces (no timing asserted): lengths, batches, FLOP counts, suites at tiny sizes, the CLI."""
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 
 import bert
+import kernels  # noqa: F401  (triton imported now, interpreter on, before run_variant turns it off for itself)
 from bench import e2e
 from bench.batches import make_batch
 from bench.cli import main, plot
@@ -47,13 +49,18 @@ def test_step_flops_counts_real_tokens():
     assert 6 * 85e6 * 128 < one < 6 * 85e6 * 128 * 1.2
 
 
-def test_e2e_variants_run_in_process():
+def test_e2e_variants_run_in_process(monkeypatch):
+    # run_variant turns the interpreter off for its own (normally fresh) process; put it back afterwards.
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     spec = {"config": "tiny", "seq_len": 32, "batch": 4, "padding": "wiki", "dtype": "float32", "device": "cpu",
             "warmup": 1, "steps": 2}
-    for variant in ("hf-eager", "ours-torch"):
-        row = e2e.run_variant(variant, spec)
+    compiled = e2e.in_fresh_process(e2e.run_variant, "ours-packed-compile", dict(spec, compile_backend="aot_eager"))
+    for row in [e2e.run_variant(v, spec) for v in ("hf-eager", "ours-torch", "ours-packed")] + [compiled]:
         assert row["status"] == "ok", row
         assert row["tokens_per_s"] > 0 and 0 <= row["padding_share"] < 1
+    packed = e2e.run_variant("ours-packed", spec)
+    assert packed["padding_share"] < 0.1 and packed["seqs_per_s"] > 0  # rows filled with several sequences
+    assert "CUDA graphs need a GPU" in e2e.run_variant("ours-packed-graphs", spec)["status"]
 
 
 def test_kernel_suites_at_tiny_sizes_on_this_device(device):
@@ -115,8 +122,10 @@ def test_padding_plot_needs_two_levels(tmp_path):
 def test_quick_cpu_default_leaves_out_compile():
     from bench.cli import default_variants, e2e_specs, parse_args
 
-    assert default_variants(False) == ["hf-eager", "ours-torch"]
-    assert "hf-compile" in default_variants(False, full=True) and "hf-compile" in default_variants(True)
+    assert default_variants(False) == ["hf-eager", "ours-torch", "ours-packed"]
+    for name in ("hf-compile", "ours-packed-compile"):
+        assert name in default_variants(False, full=True) and name in default_variants(True)
+    assert "ours-packed-graphs" in default_variants(True) and "ours-packed-graphs" not in default_variants(False, True)
     (spec,) = e2e_specs(parse_args([]), cuda=False)
     assert (spec["config"], spec["steps"], spec["warmup"]) == ("mini", 5, 2)
 

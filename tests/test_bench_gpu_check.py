@@ -73,6 +73,8 @@ def rows():
                     dict(e2e, variant="hf-compile", tokens_per_s=500e3),
                     dict(e2e, variant="ours-triton", tokens_per_s=900e3,
                          **{"speedup_vs_hf-eager": 3.0, "speedup_vs_hf-compile": 1.8}),
+                    dict(e2e, variant="ours-packed-graphs", tokens_per_s=960e3, **{"speedup_vs_hf-eager": 3.2}),
+                    dict(e2e, variant="ours-packed", config="large", seq_len=512, batch=32, seqs_per_s=800.0),
                     dict(e2e, family="roberta", variant="hf-fused", tokens_per_s=500e3, **{"speedup_vs_hf-eager": 1.9})],
             "encode": [dict(enc, model="bert-base", variant="hf-fused", sentences_per_s=9000.0,
                             **{"speedup_vs_hf-eager": 1.6})]}
@@ -85,13 +87,16 @@ def test_targets_read_the_benchmark_rows():
     not_met = {name for name, v in verdicts.items() if v.met is False}
     assert not_met == {"LayerNorm+residual+dropout vs torch.compile", "bias-GeLU vs torch.compile",
                        "attention bwd, d64 s512 bf16", "MLM loss extra memory vs full logits, H768",
-                       "RoBERTa-base step s128 wiki bf16, fused HF vs HF eager"}
+                       "RoBERTa-base step s128 wiki bf16, fused HF vs HF eager",
+                       "BERT-large step s512 wiki bf16, packed"}
     unmeasured = {name for name, v in verdicts.items() if v.met is None}
     assert unmeasured == {"encode RoBERTa-base, batch 256, wiki lengths, bf16: fused vs HF SDPA"}
     assert len(met) + len(not_met) + 1 == len(TARGETS)
     assert verdicts["encode BERT-base, batch 256, wiki lengths, bf16: fused vs HF SDPA"].value.startswith("1.60x")
     assert verdicts["attention vs torch varlen_attn, s512"].value.startswith("1.20x")
     assert verdicts["BERT-base step s128 wiki bf16 throughput"].value == "900,000 tokens/s"
+    assert verdicts["BERT-base step s128 wiki bf16, packed + CUDA graphs vs HF eager"].met
+    assert verdicts["BERT-large step s512 wiki bf16, packed"].value == "800 sequences/s"
     assert all(v.met is None and v.status == "not measured" for v in evaluate({}))
 
 
