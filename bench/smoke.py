@@ -197,11 +197,12 @@ def _model_step(model, batch, device, dtype):
     return loss.detach().double(), torch.cat(grads)
 
 
-def check_bert_step(s: Shapes, dtype, device) -> Result:
-    """BertForPreTraining, dropout off: the triton backend in `dtype` against the torch backend in float32."""
+def check_bert_step(s: Shapes, dtype, device, packed: bool = False) -> Result:
+    """BertForPreTraining, dropout off: the triton backend in `dtype` against the torch backend in float32, on a
+    padded batch or (packed) on a packed one of fixed shapes."""
     import bert
 
-    from .batches import make_batch
+    from .batches import make_batch, make_packed_batch
 
     cfg = bert.BertConfig.preset(s.config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                  vocab_size=s.vocab)
@@ -209,7 +210,7 @@ def check_bert_step(s: Shapes, dtype, device) -> Result:
     reference = bert.BertForPreTraining(cfg.replace(backend="torch")).to(device)
     fused = bert.BertForPreTraining(cfg.replace(backend="triton")).to(device)
     fused.load_state_dict(reference.state_dict())
-    batch = make_batch(s.batch, s.seq_len, cfg.vocab_size, "wiki", seed=3).to(device)
+    batch = (make_packed_batch if packed else make_batch)(s.batch, s.seq_len, cfg.vocab_size, "wiki", seed=3).to(device)
     loss32, grad32 = _model_step(reference, batch, device, torch.float32)
     loss, grad = _model_step(fused, batch, device, dtype)
     if dtype == torch.float32:
@@ -224,13 +225,17 @@ def check_bert_step(s: Shapes, dtype, device) -> Result:
     worst = max(errors, key=errors.get)
     err = errors[worst] if all(math.isfinite(e) for e in errors.values()) else float("inf")
     tol = max(2 * base, floor)
-    return Result(f"bert step ({s.config}) triton vs torch", str(dtype).replace("torch.", ""), err <= tol, err, tol,
-                  worst)
+    name = f"bert step ({s.config}{', packed' if packed else ''}) triton vs torch"
+    return Result(name, str(dtype).replace("torch.", ""), err <= tol, err, tol, worst)
+
+
+def check_bert_step_packed(s: Shapes, dtype, device) -> Result:
+    return check_bert_step(s, dtype, device, packed=True)
 
 
 CHECKS = {"layer_norm": check_layer_norm, "bias_gelu": check_bias_gelu, "bias_gelu_tanh": check_bias_gelu_tanh,
           "attention": check_attention, "attention_dropout": check_attention_dropout, "mlm_loss": check_mlm_loss,
-          "bert_step": check_bert_step}
+          "bert_step": check_bert_step, "bert_step_packed": check_bert_step_packed}
 
 
 def run_one(check: str, dtype_name: str, device_name: str) -> Result:

@@ -1,9 +1,11 @@
 """BERT pre-training (MLM + NSP): `bert-pretrain` / `python -m bert.pretrain`.
 
 One process on a CPU or GPU, or several GPUs and nodes through torchrun (DistributedDataParallel; NCCL on GPU,
-gloo on CPU). Every rank trains on its own slice of each global batch, and the losses are normalised by the
-number of labelled tokens and sequences in the whole global batch, so N ranks compute exactly what one process
-with the same global batch would. Checkpoints hold the model (save_pretrained), optimizer, scheduler, RNG states
+gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.packing; `--no-packing` pads
+length-bucketed batches instead), which `--compile` compiles once and `--cuda-graphs` captures. Every rank
+trains on its own micro-batches of each global step, and the losses are normalised by the number of labelled
+tokens and sequences in the whole global step, so N ranks compute exactly what one process accumulating N
+micro-batches would. Checkpoints hold the model (save_pretrained), optimizer, scheduler, RNG states
 and data position; `--resume` continues so that later losses equal those of an uninterrupted run.
 """
 from __future__ import annotations
@@ -49,20 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32,
                    help="sequences per optimizer step, over all ranks and accumulation steps (default 32)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
-                   help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
-                        "and almost no padding (default on; --no-packing pads length-bucketed batches instead)")
-    p.add_argument("--tokens-per-batch", type=int, default=None,
-                   help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
-                        "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "
-                        "times --max-seq-len")
-    p.add_argument("--instances-per-row", type=int, default=3,
-                   help="with packing: the most instances a row of --max-seq-len tokens holds (default 3)")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="torch.compile the model (backend default inductor); with packing it compiles once")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="capture each training step (forward, backward, clipping, fused AdamW) in one CUDA graph "
-                        "and replay it; needs packing, one GPU and bf16/fp32, else runs without, with a warning")
+    add_static_shape_options(p)
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
     p.add_argument("--warmup", type=float, default=0.01,
@@ -102,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(p)
     return p
+
+
+def add_static_shape_options(p: argparse.ArgumentParser) -> None:
+    """Packing into fixed shapes, and what fixed shapes allow: one compilation, CUDA graphs."""
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
+                        "and almost no padding (default on; --no-packing pads length-bucketed batches instead)")
+    p.add_argument("--tokens-per-batch", type=int, default=None,
+                   help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
+                        "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "
+                        "times --max-seq-len")
+    p.add_argument("--instances-per-row", type=int, default=3,
+                   help="with packing: the most instances a row of --max-seq-len tokens holds (default 3)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile the model (backend default inductor); with packing it compiles once")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture each training step (forward, backward, clipping, fused AdamW) in one CUDA graph "
+                        "and replay it; needs packing, one GPU and bf16/fp32, else runs without, with a warning")
 
 
 # Settings that make a run what it is: --resume compares them with the checkpoint's (the others only say how
@@ -319,8 +326,9 @@ class PretrainJob(Job):
     def sizes(self, batch):
         if "cu_seqlens" not in batch:
             return super().sizes(batch)
-        return (float(batch["cu_seqlens"][-1]), float((batch["next_sentence_label"] != -100).sum()),
-                float(batch["input_ids"].numel()))
+        real = batch["next_sentence_label"] != -100  # instances; not the rows' filler tails or unused slots
+        lengths = (batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1])[real]
+        return float(lengths.sum()), float(real.sum()), float(batch["input_ids"].numel())
 
     def loss_terms(self, out, batch):
         nsp_count = (batch["next_sentence_label"] != -100).sum()

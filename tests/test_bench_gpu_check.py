@@ -24,7 +24,7 @@ def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["all.tar.gz", "summary.md"]  # raw/ packed, then removed
     summary = (out / "summary.md").read_text()
-    assert "| smoke | ok |" in summary and f"{2 * 7} passed, 0 failed" in summary
+    assert "| smoke | ok |" in summary and f"{2 * 8} passed, 0 failed" in summary
     assert "not measured" in summary and "## GPU tests" in summary
     with tarfile.open(out / "all.tar.gz") as tar:
         names = {os.path.normpath(n) for n in tar.getnames()}
