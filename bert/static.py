@@ -59,6 +59,23 @@ def forbid_host_sync(device: torch.device | None = None):
             torch.cuda.set_sync_debug_mode(old_mode)
 
 
+def record_cuda_graph(fn, warmup: int, prepare):
+    """fn() run `warmup` times on a side stream (first launches, workspaces, lazily made state stay out of the
+    graph), then prepare(), then fn() captured as a CUDA graph. Returns (replay, fn's outputs in the graph's
+    memory, rewritten by every replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    prepare()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph.replay, outputs
+
+
 class GraphedStep:
     """One training step - `step_fn(batches, denominators)` running forward and backward over every
     micro-batch and then the optimizer step, returning a list of dicts of device scalars - captured as one CUDA
@@ -66,20 +83,22 @@ class GraphedStep:
 
     Every call must bring micro-batches of the same count, keys, shapes and dtypes (a packed batch's) and the
     same non-tensor values; `denominators` maps names to floats (or device scalars), which are copied into the
-    graph's inputs. The optimizer must have been built with capturable=True and a tensor learning rate."""
+    graph's inputs. The optimizer must have been built with capturable=True and a tensor learning rate.
+    `record` does the warm-up and capture (`record_cuda_graph`; tests pass a stand-in that runs on a CPU)."""
 
-    def __init__(self, step_fn, model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 3):
-        self.step_fn, self.model, self.optimizer, self.warmup = step_fn, model, optimizer, warmup
-        self.graph = None
+    def __init__(self, step_fn, model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 3,
+                 record=record_cuda_graph):
+        self.step_fn, self.model, self.optimizer, self.warmup, self.record = step_fn, model, optimizer, warmup, record
+        self.replay = None
         self.batches: list[dict] = []
         self.denominators: dict[str, torch.Tensor] = {}
         self.outputs: list[dict[str, torch.Tensor]] = []
 
     def __call__(self, batches: list[dict], denominators: dict) -> list[dict[str, torch.Tensor]]:
-        if self.graph is None:
+        if self.replay is None:
             self._capture(batches, denominators)
         self._load(batches, denominators)
-        self.graph.replay()
+        self.replay()
         # Cloned: the next replay overwrites the graph's outputs in place.
         return [{k: v.clone() for k, v in out.items()} for out in self.outputs]
 
@@ -107,26 +126,19 @@ class GraphedStep:
         self.batches = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
         self.denominators = {k: torch.zeros((), dtype=torch.float32, device=device) for k in denominators}
         self._load(batches, denominators)
-        saved = self._snapshot()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # first launches, workspaces and lazily made state, outside the graph
-            for _ in range(self.warmup):
-                self.step_fn(self.batches, self.denominators)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self.step_fn(self.batches, self.denominators)
+        saved = self._snapshot(device)
+        self.replay, self.outputs = self.record(lambda: self.step_fn(self.batches, self.denominators), self.warmup,
+                                                lambda: self.optimizer.zero_grad(set_to_none=True))
         self._restore(saved)
 
-    def _snapshot(self) -> dict:
+    def _snapshot(self, device: torch.device) -> dict:
         """Copies of what warm-up changes: parameters, optimizer state (absent before the first step), RNG."""
         state = self.optimizer.state
         return {"params": [p.detach().clone() for p in self.model.parameters()],
                 "optim": {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[p].items()}
                           for p in list(state)},
-                "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()}
+                "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
     @torch.no_grad()
     def _restore(self, saved: dict) -> None:
@@ -140,4 +152,5 @@ class GraphedStep:
                 if isinstance(v, torch.Tensor):
                     v.copy_(before[k]) if k in before else v.zero_()
         torch.set_rng_state(saved["rng"])
-        torch.cuda.set_rng_state(saved["cuda_rng"])
+        if saved["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(saved["cuda_rng"], next(self.model.parameters()).device)

@@ -84,11 +84,25 @@ def test_packed_training_step_reads_nothing_from_the_device(backend):
     assert torch.tensor(3).item() == 3  # and everything is put back
 
 
-# ---- on a GPU ----------------------------------------------------------------------------------------------
-def _gpu_step(model, opt):
+def _cpu_record(fn, warmup, prepare):
+    """A stand-in for record_cuda_graph on a CPU: the "capture" runs fn once (a real capture only records it;
+    GraphedStep undoes either), and replay runs fn again, writing its results into the captured outputs."""
+    for _ in range(warmup):
+        fn()
+    prepare()
+    outputs = fn()
+
+    def replay():
+        for mine, new in zip(outputs, fn()):
+            for k in mine:
+                mine[k].copy_(new[k])
+    return replay, outputs
+
+
+def _train_step(model, opt, autocast=torch.autocast("cpu", enabled=False)):
     """One packed training step as the trainer runs it, minus its bookkeeping."""
     def step(batches, denominators):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast:
             out = model(**batches[0])
         (out.loss / denominators["n"]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -96,6 +110,33 @@ def _gpu_step(model, opt):
         opt.zero_grad(set_to_none=True)
         return [{"loss": out.loss.detach().float()}]
     return step
+
+
+def test_graphed_step_warm_up_trains_nothing_and_replays_train_as_eager():
+    """GraphedStep's bookkeeping, on a CPU: warm-up and capture are undone (parameters, fresh optimizer state,
+    RNG), each call loads its batch into the static buffers, and the replays train exactly as eager steps."""
+    eager_model = tiny("torch", dropout=0.0)
+    graph_model = twin_of(eager_model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    graph_opt = torch.optim.AdamW(graph_model.parameters(), lr=1e-3)
+    eager = _train_step(eager_model, eager_opt)
+    graphed = GraphedStep(_train_step(graph_model, graph_opt), graph_model, graph_opt, record=_cpu_record)
+    for seed in range(3):
+        b = packed_batch(seed=seed)
+        want, got = eager([b], {"n": 2.0})[0]["loss"], graphed([b], {"n": 2.0})[0]["loss"]
+        assert torch.equal(want, got), (seed, want, got)
+    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-8), name
+    b = packed_batch()
+    with pytest.raises(ValueError, match="static shapes"):
+        graphed([{**b, "input_ids": b["input_ids"][:-1]}], {"n": 1.0})
+    with pytest.raises(ValueError, match="the same max_seqlen every step"):
+        graphed([{**b, "max_seqlen": 16}], {"n": 1.0})
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------------
+def _gpu_step(model, opt):
+    return _train_step(model, opt, torch.autocast("cuda", dtype=torch.bfloat16))
 
 
 def _capturable_adamw(model):
