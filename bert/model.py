@@ -367,9 +367,10 @@ class BertModel(BertPreTrainedModel):
 
     def encode_packed(self, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int,
                       validate: bool = False):
-        """A packed batch (bert.packing), every shape fixed: input_ids, token_type_ids, position_ids [T], the
-        sequences one after another as cu_seqlens [S + 1] says (empty ones allowed), filler after the last.
-        Returns (hidden [T, hidden], Unpadded). No host sync, unless `validate` checks the values (one sync)."""
+        """A packed batch (bert.packing), every shape fixed: input_ids, token_type_ids, position_ids [T] in rows of
+        max_seqlen tokens that no sequence crosses, the sequences one after another as cu_seqlens [S + 1] says
+        (empty ones allowed), filler after the last. Returns (hidden [T, hidden], Unpadded). No host sync, unless
+        `validate` checks the values (one sync)."""
         pack_check(self.config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate)
         u = packed_layout(cu_seqlens, input_ids.shape[0], int(max_seqlen))
         x = self.embeddings(input_ids, token_type_ids, position_ids, self.backend)
