@@ -71,14 +71,12 @@ def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str
 def _stepper(variant: str, model, device, amp, family: str):
     """The timed step: forward, backward, AdamW (fused on a GPU); for ours-packed-graphs, all of it captured
     as one CUDA graph on the first call (bert.static.GraphedStep, capturable AdamW) and replayed after."""
-    import torch
+    from bert.optim import adamw
 
     graphs = variant == "ours-packed-graphs"
     if graphs and device.type != "cuda":
         raise RuntimeError("CUDA graphs need a GPU")
-    lr = torch.tensor(1e-4, device=device) if graphs else 1e-4
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if device.type == "cuda" else {}),
-                            **({"capturable": True} if graphs else {}))
+    opt = adamw(model.parameters(), 1e-4, device, capturable=graphs)
 
     def step(batches, _denominators=None):
         with amp:

@@ -1,6 +1,30 @@
 """Optimizer pieces shared by pre-training and fine-tuning."""
 from __future__ import annotations
 
+import torch
+
+
+def adamw(params, lr: float, device: torch.device, capturable: bool = False, **kwargs) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA; `capturable` for a step captured as a CUDA graph, its step count and learning rate
+    then living on the device (see `set_lr_types`)."""
+    cuda = torch.device(device).type == "cuda"
+    opt = torch.optim.AdamW(params, lr=lr, **({"fused": True} if cuda else {}),
+                            **({"capturable": True} if capturable else {}), **kwargs)
+    set_lr_types(opt, device)
+    return opt
+
+
+def set_lr_types(opt: torch.optim.Optimizer, device) -> None:
+    """Each group's learning rate as the step reads it: a device tensor for a capturable optimizer (the captured
+    graph reads it; a scheduler fills it in place), a float otherwise; its base rate (`initial_lr`, which a
+    scheduler scales) always a float, so that setting the rate never reads the device. Called on a new
+    optimizer and again after load_state_dict, which brings back the saved types."""
+    capturable = opt.defaults.get("capturable", False)
+    for group in opt.param_groups:
+        lr = float(group["lr"])
+        group["initial_lr"] = float(group.get("initial_lr", lr))
+        group["lr"] = torch.tensor(lr, device=device) if capturable else lr
+
 
 def param_groups(model, weight_decay: float) -> list[dict]:
     """AdamW groups: weight decay on weights, none on biases and LayerNorm parameters (as BERT)."""

@@ -83,7 +83,7 @@ class GraphedStep:
 
     Every call must bring micro-batches of the same count, keys, shapes and dtypes (a packed batch's) and the
     same non-tensor values; `denominators` maps names to floats (or device scalars), which are copied into the
-    graph's inputs. The optimizer must have been built with capturable=True and a tensor learning rate.
+    graph's inputs. The optimizer must be capturable, its learning rate a device tensor (bert.optim.adamw).
     `record` does the warm-up and capture (`record_cuda_graph`; tests pass a stand-in that runs on a CPU)."""
 
     def __init__(self, step_fn, model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 3,

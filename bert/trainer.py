@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_write
-from .optim import linear_schedule, param_groups
+from .optim import adamw, linear_schedule, param_groups, set_lr_types
 
 
 # ---- distributed -------------------------------------------------------------------------------
@@ -289,7 +289,8 @@ class Trainer:
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         graphs = settings.cuda_graphs and self._graphs_possible()
-        self.optimizer = self._optimizer(capturable=graphs)
+        self.optimizer = adamw(param_groups(self.model, settings.weight_decay), settings.lr, device,
+                               capturable=graphs, betas=(0.9, 0.999), eps=settings.adam_eps)
         warmup = int(settings.warmup * settings.steps) if settings.warmup < 1 else int(settings.warmup)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_schedule(warmup, settings.steps))
         self.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "steps_before_epoch": 0}
@@ -318,18 +319,6 @@ class Trainer:
             warnings.warn(f"--cuda-graphs: running without CUDA graphs: {reason}", stacklevel=3)
         return reason is None
 
-    def _optimizer(self, capturable: bool) -> torch.optim.AdamW:
-        """AdamW, fused on CUDA. Capturable for CUDA graphs: its step count and learning rate live on the device
-        (the scheduler fills that tensor from float base rates, so setting it never reads the device)."""
-        cuda = self.device.type == "cuda"
-        lr = torch.tensor(self.s.lr, device=self.device) if capturable else self.s.lr
-        opt = torch.optim.AdamW(param_groups(self.model, self.s.weight_decay), lr=lr, betas=(0.9, 0.999),
-                                eps=self.s.adam_eps, **({"fused": True} if cuda else {}),
-                                **({"capturable": True} if capturable else {}))
-        for group in opt.param_groups:
-            group["initial_lr"] = self.s.lr
-        return opt
-
     def amp(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
@@ -348,10 +337,7 @@ class Trainer:
                                s.allow_config_changes)
         self.model.load_hf_state_dict(read_state_dict(path))
         self.optimizer.load_state_dict(saved["optimizer"])
-        capturable = self.optimizer.defaults.get("capturable", False)
-        for group in self.optimizer.param_groups:  # loading replaced the learning rate by the saved one's type
-            lr, group["initial_lr"] = float(group["lr"]), float(group["initial_lr"])
-            group["lr"] = torch.tensor(lr, device=self.device) if capturable else lr
+        set_lr_types(self.optimizer, self.device)
         self.scheduler.load_state_dict(saved["scheduler"])
         if self.scaler is not None and saved.get("scaler"):
             self.scaler.load_state_dict(saved["scaler"])

@@ -7,6 +7,7 @@ import torch
 
 import bert
 from bert.data import MLMCollator, SpecialIds
+from bert.optim import adamw
 from bert.packing import PackedShapes, PackingCollator
 from bert.static import GraphedStep, HostSyncError, forbid_host_sync
 
@@ -140,8 +141,7 @@ def _gpu_step(model, opt):
 
 
 def _capturable_adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True,
-                             capturable=True)
+    return adamw(model.parameters(), 1e-3, torch.device("cuda"), capturable=True)
 
 
 @pytest.mark.gpu
