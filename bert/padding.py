@@ -18,7 +18,8 @@ class Unpadded(NamedTuple):
     batch: int
     seqlen: int                # padded length of the input
     seq: torch.Tensor          # [total_tokens] int64, the sequence each packed token belongs to
-    pos: torch.Tensor          # [total_tokens] int64, its position among that sequence's kept tokens
+    pos: torch.Tensor | None   # [total_tokens] int64, its position among that sequence's kept tokens (None when
+                               # packed: attention over rows needs no positions)
     rows: int = 0              # a packed batch's rows of max_seqlen tokens that no sequence crosses (0: none)
 
 
@@ -42,13 +43,13 @@ def unpad_mask(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None
 def packed_layout(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> Unpadded:
     """The Unpadded description of an already packed batch (bert.packing): tokens [0, total_tokens) in rows of
     max_seqlen that no sequence crosses, sequences by cu_seqlens [S + 1] (empty ones allowed), tokens at or past
-    cu_seqlens[-1] are filler. Built without a host sync: max_seqlen is the caller's static bound. Filler tokens
-    get sequence S (one past the last), so that the PyTorch attention's block-diagonal mask keeps them apart."""
+    cu_seqlens[-1] are filler. Built without a host sync: max_seqlen (>= 1, dividing total_tokens: pack_check)
+    is the caller's static bound. Filler tokens get sequence S (one past the last), so that the PyTorch
+    attention's block-diagonal mask keeps them apart."""
     batch = cu_seqlens.numel() - 1
     t = torch.arange(total_tokens, device=cu_seqlens.device)
     seq = torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True)  # S for filler
-    pos = (t - cu_seqlens.long()[seq]).clamp(max=max(max_seqlen - 1, 0))
-    return Unpadded(t, cu_seqlens, max_seqlen, batch, max_seqlen, seq, pos, total_tokens // max(max_seqlen, 1))
+    return Unpadded(t, cu_seqlens, max_seqlen, batch, max_seqlen, seq, None, total_tokens // max_seqlen)
 
 
 def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate: bool) -> None:

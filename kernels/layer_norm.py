@@ -198,8 +198,8 @@ def _(x2, residual, weight, bias, eps, p, seed):
 def _layer_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, residual: torch.Tensor | None,
                     weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float,
                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dresidual, dweight, dbias); the last three are empty where the forward had no such input
-    (dbias is computed whenever there is a weight: one kernel sums both)."""
+    """(dx, dresidual, dweight, dbias float32); dresidual and dweight are empty where the forward had no
+    residual or weight (the kernel sums dbias in any case; the autograd wrapper drops it without a bias)."""
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     dr = torch.empty((m, n), dtype=residual.dtype, device=x2.device) if residual is not None else None
