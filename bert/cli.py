@@ -43,17 +43,28 @@ def check_numbers(args, positive=(), non_negative=(), fractions=()) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
+def add_nonfinite_flag(parser) -> None:
+    parser.add_argument("--max-nonfinite-steps", type=int, default=0, metavar="N",
+                        help="a step whose loss or gradient norm is not finite never changes the weights; allow up "
+                             "to N such steps in a row (skipped, like a loss scaler's) before the run stops with an "
+                             "error (default 0: stop at the first)")
+
+
 def add_debug_flag(parser) -> None:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (also BERTFUSE_DEBUG=1)")
 
 
+class ExpectedError(RuntimeError):
+    """A failure a command line reports in one line: not a bug (a diverged run, a busy output directory...)."""
+
+
 def run(prog: str, body, debug: bool = False) -> int:
-    """body() -> exit status. An expected error (bad arguments, missing or malformed files: ValueError, OSError)
-    prints `prog: error: message` and returns 2; anything else is a bug and keeps its traceback."""
+    """body() -> exit status. An expected error (bad arguments, missing or malformed files: ValueError, OSError,
+    ExpectedError) prints `prog: error: message` and returns 2; anything else is a bug and keeps its traceback."""
     try:
         return body()
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ExpectedError) as e:
         if debug or os.environ.get("BERTFUSE_DEBUG") == "1":
             raise
         message = str(e) or type(e).__name__

@@ -13,6 +13,9 @@ keys were new and which were dropped.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -22,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from . import cli
-from .cli import add_debug_flag, check_numbers, check_source
+from .cli import add_debug_flag, add_nonfinite_flag, check_numbers, check_source
+from .checkpoint import atomic_write
 from .config import read_json_object
 from .padding import pad_batch
 from .tasks import TASKS, Features, Task
 from .tokenizer import load_tokenizer
-from .trainer import Job, Settings, Trainer, micro_batch, prepare_output_dir, save_model, setup_device
+from .trainer import Job, Settings, Trainer, micro_batch, output_dir_lock, prepare_output_dir, setup_device
 
 logger = logging.getLogger("bert")
 
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="examples per optimizer step, over all ranks and accumulation steps (default 32)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off (default 1)")
+    add_nonfinite_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default auto)")
     p.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size (default 64)")
@@ -89,7 +94,11 @@ def validate_args(args) -> None:
     check_numbers(args, positive=("epochs", "max_steps", "lr", "batch_size", "eval_batch_size", "max_seq_len",
                                   "doc_stride", "max_answer_len", "n_best", "max_train_examples",
                                   "max_eval_examples", "grad_accum", "log_every", "keep_checkpoints"),
-                  non_negative=("weight_decay", "max_grad_norm", "eval_every", "save_every"), fractions=("warmup",))
+                  non_negative=("weight_decay", "max_grad_norm", "eval_every", "save_every", "max_nonfinite_steps"),
+                  fractions=("warmup",))
+    if args.train and args.batch_size < args.grad_accum:
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than --grad-accum {args.grad_accum}: every "
+                         "accumulation step needs at least one example")
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
     if args.task == "qa" and args.doc_stride >= args.max_seq_len:
@@ -164,13 +173,24 @@ def predict(task: Task, model, data, features: Features, device, id2label, batch
     return task.predict(outputs, data, features, id2label)
 
 
-def settings(args, total_steps: int) -> Settings:
+def settings(args, total_steps: int, data: dict) -> Settings:
+    """The trainer's settings; `data` (the training examples' fingerprint, the label set) joins what --resume
+    compares, so a changed file or label set behind the same --train is named, not loaded into the wrong head."""
     return Settings(output_dir=args.output_dir, steps=total_steps, lr=args.lr, warmup=args.warmup,
                     weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, precision=args.precision,
                     grad_accum=args.grad_accum, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                     eval_every=args.eval_every, log_every=args.log_every, seed=args.seed, resume=args.resume,
-                    allow_config_changes=args.allow_config_changes, progress=not args.no_progress, adam_eps=1e-8,
-                    run_settings={k: getattr(args, k) for k in RUN_SETTINGS})
+                    allow_config_changes=args.allow_config_changes, max_nonfinite_steps=args.max_nonfinite_steps,
+                    progress=not args.no_progress, adam_eps=1e-8,
+                    run_settings={**{k: getattr(args, k) for k in RUN_SETTINGS}, **data})
+
+
+def data_identity(train_data: list, id2label) -> dict:
+    """What identifies the training data beyond its path: a hash of the examples read, and the label set."""
+    text = json.dumps([dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in train_data],
+                      sort_keys=True, default=str)
+    return {"train_data_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "labels": [id2label[i] for i in sorted(id2label)] if id2label else None}
 
 
 def load(args, device, d):
@@ -202,45 +222,60 @@ def loss_history(log_path: str) -> dict:
 
 
 def run(args) -> dict:
-    """Fine-tune and evaluate; returns the metrics. Used by the CLI and by tests."""
+    """Fine-tune and/or evaluate; returns the metrics. Used by the CLI and by tests. The output directory is
+    locked for the run; an evaluation-only run writes its metrics and predictions there, never a model."""
     validate_args(args)
     device, d = setup_device()
-    torch.manual_seed(args.seed)
-    task, tokenizer, train_data, eval_data, id2label, model = load(args, device, d)
-    label2id = {v: k for k, v in id2label.items()} if id2label else None
-    os.makedirs(args.output_dir, exist_ok=True)
-    eval_features = task.features(eval_data, label2id, train=False) if eval_data else None
+    if args.train and args.batch_size < d.world * args.grad_accum:
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than {d.world} rank(s) x --grad-accum "
+                         f"{args.grad_accum}: every micro-batch needs at least one example")
+    with output_dir_lock(args.output_dir, d):
+        torch.manual_seed(args.seed)
+        task, tokenizer, train_data, eval_data, id2label, model = load(args, device, d)
+        label2id = {v: k for k, v in id2label.items()} if id2label else None
+        eval_features = task.features(eval_data, label2id, train=False) if eval_data else None
 
-    def evaluate(m):
-        scores, _ = predict(task, m, eval_data, eval_features, device, id2label, args.eval_batch_size)
-        return {f"eval_{k}": v for k, v in scores.items()}
+        def evaluate(m):
+            scores, _ = predict(task, m, eval_data, eval_features, device, id2label, args.eval_batch_size)
+            return {f"eval_{k}": v for k, v in scores.items()}
 
-    metrics = {}
-    if train_data:
+        metrics = {}
+        if train_data:
+            if d.main:
+                prepare_output_dir(args.output_dir, args.resume, args.overwrite)
+            d.barrier()
+            rows = task.features(train_data, label2id, train=True).rows
+            total = args.max_steps or max(1, int(math.ceil(len(rows) / args.batch_size) * args.epochs))
+            job = FinetuneJob(task, model, rows, args, tokenizer, evaluate if eval_data else None)
+            trainer = Trainer(job, settings(args, total, data_identity(train_data, id2label)), device, d)
+            trainer.fit()
+            model = trainer.model
+            metrics.update(train_steps=trainer.state["step"], **loss_history(trainer.log_path))
+        if eval_data and d.main:
+            scores, predictions = predict(task, model, eval_data, eval_features, device, id2label,
+                                          args.eval_batch_size)
+            print("evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()
+                                             if isinstance(v, (int, float))), flush=True)
+            metrics.update({f"eval_{k}": v for k, v in scores.items()}, eval_examples=len(eval_data))
+            task.write_predictions(eval_data, predictions, os.path.join(args.output_dir, task.prediction_file))
         if d.main:
-            prepare_output_dir(args.output_dir, args.resume, args.overwrite)
+            write_metrics(os.path.join(args.output_dir, "metrics.json"), metrics, merge=not train_data)
         d.barrier()
-        rows = task.features(train_data, label2id, train=True).rows
-        total = args.max_steps or max(1, int(math.ceil(len(rows) / args.batch_size) * args.epochs))
-        job = FinetuneJob(task, model, rows, args, tokenizer, evaluate if eval_data else None)
-        trainer = Trainer(job, settings(args, total), device, d)
-        trainer.fit()
-        model = trainer.model
-        metrics.update(train_steps=trainer.state["step"], **loss_history(trainer.log_path))
-    if eval_data and d.main:
-        scores, predictions = predict(task, model, eval_data, eval_features, device, id2label, args.eval_batch_size)
-        print("evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items() if isinstance(v, (int, float))),
-              flush=True)
-        metrics.update({f"eval_{k}": v for k, v in scores.items()}, eval_examples=len(eval_data))
-        task.write_predictions(eval_data, predictions, os.path.join(args.output_dir, task.prediction_file))
-    if d.main:
-        if not train_data:  # (training saved it already)
-            save_model(model, tokenizer, args.output_dir)
-            print(f"saved to {args.output_dir}", flush=True)
-        with open(os.path.join(args.output_dir, "metrics.json"), "w", encoding="utf-8") as f:
-            json.dump(metrics, f, indent=2)
-    d.barrier()
     return metrics
+
+
+def write_metrics(path: str, metrics: dict, merge: bool) -> None:
+    """metrics.json, atomically; an evaluation-only run adds its scores to the file a training run left there."""
+    old = {}
+    if merge and os.path.isfile(path):
+        with contextlib.suppress(ValueError, OSError):
+            old = read_json_object(path)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({**old, **metrics}, f, indent=2)
+
+    atomic_write(path, write)
 
 
 def main(argv=None) -> int:

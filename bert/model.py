@@ -15,7 +15,7 @@ from torch import nn
 from . import ops
 from .checkpoint import PretrainedMixin
 from .config import BertConfig
-from .padding import Unpadded, pack_check, packed_layout, pad, unpad, unpad_mask
+from .padding import Unpadded, checks_are_free, pack_check, packed_layout, pad, read_values, unpad, unpad_mask
 
 
 # ---- outputs (HF's field names) ------------------------------------------------------------------
@@ -370,9 +370,10 @@ class BertModel(BertPreTrainedModel):
         """A packed batch (bert.packing), every shape fixed: input_ids, token_type_ids, position_ids [T] in rows of
         max_seqlen tokens that no sequence crosses, the sequences one after another as cu_seqlens [S + 1] says
         (empty ones allowed), filler after the last. Returns (hidden [T, hidden], Unpadded). No host sync, unless
-        `validate` checks the values (one sync)."""
-        pack_check(self.config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate)
-        u = packed_layout(cu_seqlens, input_ids.shape[0], int(max_seqlen))
+        `validate` checks the values (one sync); a batch on the CPU is always checked (no sync to save)."""
+        max_seqlen = pack_check(self.config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
+                                validate)
+        u = packed_layout(cu_seqlens, input_ids.shape[0], max_seqlen)
         x = self.embeddings(input_ids, token_type_ids, position_ids, self.backend)
         return self.encoder(x, u, self.backend), u
 
@@ -444,22 +445,62 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
                        mlm_labels, next_sentence_label, validate: bool = False) -> BertForPreTrainingOutput:
         """Pre-training on a packed batch (bert.packing.PackingCollator): the labelled tokens are given as
         mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
-        unused slots. The same instances packed or padded give the same losses and gradients. Every shape is
-        fixed by (T, S, R) and nothing waits for the device (labels are checked by the collator, or here in one
-        sync with `validate`), so torch.compile traces it whole and a CUDA graph can capture it."""
+        unused slots, and a sequence whose next_sentence_label is -100 is filler (a row's tail, an unused slot).
+        The same instances packed or padded give the same losses and gradients. Every shape is fixed by (T, S, R)
+        and nothing waits for the device, so torch.compile traces it whole and a CUDA graph can capture it.
+
+        The values are checked (`check_packed_labels`) with `validate` (one sync) and always when the batch is on
+        the CPU (free). Unchecked, a slot whose position lies outside [0, T) or whose label lies outside the
+        vocabulary counts for nothing, on both backends: never a read out of bounds."""
         hidden, u = self.bert.encode_packed(input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
                                             validate)
-        if validate:
-            check_labels(mlm_labels, self.config.vocab_size, "mlm_labels", mlm_positions.shape)
-            check_labels(next_sentence_label, 2, "next_sentence_label", (cu_seqlens.numel() - 1,))
+        check_packed_labels(self.config, cu_seqlens, input_ids.shape[0], mlm_positions, mlm_labels,
+                            next_sentence_label, validate or checks_are_free(cu_seqlens))
         nsp_logits = self.cls.seq_relationship(self.bert.pool_packed(hidden, u))
-        head = self.cls.predictions
-        h = head.transform(hidden[mlm_positions], self.backend)
+        head, total = self.cls.predictions, input_ids.shape[0]
+        usable = (mlm_positions >= 0) & (mlm_positions < total) & (mlm_labels >= 0) & \
+            (mlm_labels < self.config.vocab_size)
+        mlm_labels = torch.where(usable, mlm_labels, -100)
+        h = head.transform(hidden[mlm_positions.clamp(0, max(total - 1, 0))], self.backend)
         mlm = ops.masked_lm_loss(h, head.decoder.weight, head.bias, mlm_labels, backend=self.backend)
         nsp_loss = cross_entropy(nsp_logits, next_sentence_label)
         return BertForPreTrainingOutput(loss=mlm.loss + nsp_loss, prediction_logits=mlm.logits,
                                         seq_relationship_logits=nsp_logits, mlm_loss=mlm.loss, nsp_loss=nsp_loss,
                                         mlm_correct=mlm.correct, mlm_count=(mlm_labels != -100).sum())
+
+
+def check_packed_labels(config, cu_seqlens, total: int, positions, labels, nsp, check_values: bool) -> None:
+    """The label side of a packed batch: shapes and dtypes always; with check_values (one read) that every used
+    MLM slot (label != -100) has a label in the vocabulary and a position inside an instance (in [0, T), before
+    cu_seqlens[-1], in a sequence with an NSP label), no position twice, and NSP labels in {0, 1, -100}, none on
+    an empty sequence."""
+    sequences = cu_seqlens.numel() - 1
+    for name, t, shape in (("mlm_positions", positions, labels.shape), ("mlm_labels", labels, positions.shape),
+                           ("next_sentence_label", nsp, (sequences,))):
+        if t.is_floating_point() or t.dtype == torch.bool or tuple(t.shape) != tuple(shape) or t.dim() != 1:
+            raise ValueError(f"packed {name} must be a 1-D integer tensor of shape {tuple(shape)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if not check_values:
+        return
+    used, nsp_used = labels != -100, nsp != -100
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    inside = (positions >= 0) & (positions < min(total, 2**62)) & (positions < cu_seqlens[-1].long())
+    # The sequence of each position (clamped: positions outside are counted apart), and whether it is an instance.
+    seq = torch.searchsorted(cu_seqlens[1:].contiguous().long(), positions.clamp(0, max(total - 1, 0)), right=True)
+    in_instance = nsp_used[seq.clamp(max=max(sequences - 1, 0))] if sequences else torch.zeros_like(used)
+    key = torch.where(used, positions, -1 - torch.arange(positions.numel(), device=positions.device)).sort().values
+    counts = read_values(torch.stack([
+        (used & ((labels < 0) | (labels >= config.vocab_size))).sum(), (used & ~inside).sum(),
+        (used & inside & ~in_instance).sum(), (key[1:] == key[:-1]).sum(),
+        (nsp_used & ((nsp < 0) | (nsp > 1))).sum(), (nsp_used & (lens <= 0)).sum()]))
+    problems = [f"{n} {message}" for n, message in zip(counts, (
+        f"mlm_labels outside [0, {config.vocab_size}) (and not -100)",
+        f"mlm_positions outside the sequences of the {total} tokens (negative, past cu_seqlens[-1] or the tokens)",
+        "mlm_positions in filler (a sequence whose next_sentence_label is -100)",
+        "mlm_positions given twice", "next_sentence_label(s) outside {0, 1, -100}",
+        "next_sentence_label(s) on an empty sequence")) if n]
+    if problems:
+        raise ValueError("packed batch: " + "; ".join(problems))
 
 
 class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):

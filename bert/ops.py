@@ -140,7 +140,8 @@ class MLMLoss(NamedTuple):
 
 def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
     """hidden [rows, H] (already gathered at labelled positions), weight [V, H], bias [V], labels [rows], checked
-    by the caller; rows labelled -100 (a packed batch's unused slots) count for nothing. No host sync."""
+    by the caller; rows labelled -100 (a packed batch's unused slots), or outside [0, V), count for nothing on
+    both backends. No host sync."""
     if backend == "triton":
         # Under autocast the head's output is half precision while the tied weight is float32.
         weight = weight.to(hidden.dtype)
@@ -150,7 +151,8 @@ def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
     logits = F.linear(hidden, weight, bias)
     # Rows labelled -100 (a packed batch's unused slots) are ignored; no labelled row gives 0, not F.cross_entropy's
     # NaN mean over nothing, without a sync.
-    used = labels != -100
+    used = (labels >= 0) & (labels < weight.shape[0])
+    labels = labels.masked_fill(~used, -100)
     loss = F.cross_entropy(logits.float(), labels, reduction="sum") / used.sum().clamp_min(1)
     correct = ((logits.argmax(-1) == labels) & used).sum()
     return MLMLoss(loss, correct, logits)

@@ -37,9 +37,11 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def linear_schedule(warmup: int, total: int):
-    """LambdaLR factor: linear warm-up over `warmup` steps, then linear decay to 0 at `total`."""
+    """LambdaLR factor: linear warm-up over `warmup` steps, then linear decay to 0 at `total`; the same numbers as
+    transformers' get_linear_schedule_with_warmup (so step 0 of a warm-up has learning rate 0), so that curves
+    compare step for step."""
     def factor(step):
         if step < warmup:
-            return (step + 1) / max(1, warmup)
+            return step / max(1, warmup)
         return max(0.0, (total - step) / max(1, total - warmup))
     return factor

@@ -6,6 +6,7 @@ so any 0/1 mask works (right padding, left padding or holes).
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -52,8 +53,35 @@ def packed_layout(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) 
     return Unpadded(t, cu_seqlens, max_seqlen, batch, max_seqlen, seq, None, total_tokens // max_seqlen)
 
 
-def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate: bool) -> None:
-    """Shapes and dtypes of a packed batch always (no sync); with `validate`, the values too, in one sync."""
+def static_max_seqlen(max_seqlen) -> int:
+    """A packed batch's max_seqlen as a Python int: an int, a NumPy integer or a one-element integer tensor (read
+    once: a sync when it lives on a GPU, so pass an int there)."""
+    if isinstance(max_seqlen, torch.Tensor):
+        if max_seqlen.numel() != 1 or max_seqlen.is_floating_point() or max_seqlen.dtype == torch.bool:
+            raise ValueError(f"packed max_seqlen must be an integer, got a {max_seqlen.dtype} tensor of shape "
+                             f"{tuple(max_seqlen.shape)}")
+        return int(max_seqlen.reshape(()))
+    try:
+        return operator.index(max_seqlen)
+    except TypeError:
+        raise ValueError(f"packed max_seqlen must be an integer, got {type(max_seqlen).__name__} "
+                         f"{max_seqlen!r}") from None
+
+
+def checks_are_free(t: torch.Tensor) -> bool:
+    """Whether reading t's values costs no device sync: it lives on the CPU and nothing is being traced."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def read_values(t: torch.Tensor) -> list:
+    """A small tensor's values on the host: through NumPy for a CPU tensor (no device involved, so allowed inside
+    bert.static.forbid_host_sync), a sync otherwise."""
+    return t.numpy().tolist() if t.device.type == "cpu" else t.tolist()
+
+
+def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, validate: bool) -> int:
+    """Shapes and dtypes of a packed batch always (no sync); the values too with `validate` (one sync), and
+    whenever the batch is on the CPU (free). Returns max_seqlen as an int."""
     n = input_ids.shape[0] if input_ids.dim() == 1 else -1
     for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
         if t.dim() != 1 or t.shape[0] != n or t.is_floating_point():
@@ -61,17 +89,26 @@ def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_
                              f"{tuple(t.shape)}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("packed cu_seqlens must be a 1-D int32 tensor [sequences + 1]")
-    if not isinstance(max_seqlen, int) or max_seqlen < 1 or n % max_seqlen:
+    max_seqlen = static_max_seqlen(max_seqlen)
+    if max_seqlen < 1:
+        raise ValueError(f"packed max_seqlen must be at least 1, got {max_seqlen}")
+    if n % max_seqlen:
         raise ValueError(f"a packed batch is rows of max_seqlen tokens: {n} tokens are not a multiple of "
                          f"max_seqlen={max_seqlen}")
-    if not validate:
-        return
+    if validate or checks_are_free(cu_seqlens):
+        _check_pack_values(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen)
+    return max_seqlen
+
+
+def _check_pack_values(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int) -> None:
+    n = input_ids.shape[0]
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     # A sequence crosses a row boundary when its first and last token lie in different rows.
     crossing = ((lens > 0) & (cu_seqlens[:-1] // max_seqlen != (cu_seqlens[1:] - 1) // max_seqlen)).sum()
-    checks = torch.stack([input_ids.min(), input_ids.max(), token_type_ids.min(), token_type_ids.max(),
-                          position_ids.min(), position_ids.max(), cu_seqlens[0].long(), cu_seqlens[-1].long(),
-                          (lens < 0).sum(), lens.max().long(), crossing]).tolist()
+    ids = [input_ids.min(), input_ids.max(), token_type_ids.min(), token_type_ids.max(), position_ids.min(),
+           position_ids.max()] if n else [torch.zeros((), dtype=torch.long, device=input_ids.device)] * 6
+    checks = read_values(torch.stack([*(t.long() for t in ids), cu_seqlens[0].long(), cu_seqlens[-1].long(),
+                                      (lens < 0).sum(), lens.max().long(), crossing]))
     id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, first, last, decreasing, longest, crossing = checks
     problems = [message for bad, message in (
         (id_lo < 0 or id_hi >= config.vocab_size, f"input_ids outside [0, {config.vocab_size})"),
@@ -79,7 +116,7 @@ def pack_check(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_
         (pos_lo < 0 or pos_hi >= config.max_position_embeddings,
          f"position_ids outside [0, {config.max_position_embeddings})"),
         (first != 0, "cu_seqlens does not start at 0"),
-        (last > n, f"cu_seqlens ends past the {n} tokens"),
+        (last > n, f"cu_seqlens ends at {last}, past the {n} tokens"),
         (decreasing, "cu_seqlens decreases"),
         (longest > max_seqlen, f"a sequence is longer than max_seqlen={max_seqlen}"),
         (crossing, f"{crossing} sequence(s) cross a row boundary (a multiple of max_seqlen={max_seqlen})")) if bad]

@@ -27,9 +27,9 @@ from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, ite
     tokenize_corpus
 from .model import BertForPreTraining
 from .packing import PackedShapes, PackingCollator, epoch_packs
-from .cli import add_debug_flag, check_numbers, check_source, run
+from .cli import add_debug_flag, add_nonfinite_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from .trainer import Dist, Job, Settings, Trainer, prepare_output_dir, setup_device, slice_bounds
+from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device, slice_bounds
 
 PRESETS = ("tiny", "mini", "base", "large")
 
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay, not on biases and "
                                                                      "LayerNorm (default 0.01)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off (default 1)")
+    add_nonfinite_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default auto)")
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
@@ -102,7 +103,7 @@ def add_static_shape_options(p: argparse.ArgumentParser) -> None:
                    help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
                         "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "
                         "times --max-seq-len")
-    p.add_argument("--instances-per-row", type=int, default=3,
+    p.add_argument("--instances-per-row", type=int, default=None,
                    help="with packing: the most instances a row of --max-seq-len tokens holds (default 3)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile the model (backend default inductor); with packing it compiles once")
@@ -125,13 +126,14 @@ def validate_args(args) -> None:
                                   "eval_batches", "num_proc", "train_tokenizer", "max_documents", "log_every",
                                   "tokens_per_batch", "instances_per_row"),
                   non_negative=("warmup", "weight_decay", "max_grad_norm", "save_every", "eval_every",
-                                "num_workers"),
+                                "num_workers", "max_nonfinite_steps"),
                   fractions=("eval_fraction",))
     if not 0 < args.mlm_probability <= 1:
         raise ValueError(f"--mlm-probability must be in (0, 1], got {args.mlm_probability}")
     if args.max_seq_len < 8:
         raise ValueError(f"--max-seq-len must be at least 8 ([CLS] A [SEP] B [SEP] needs room), got "
                          f"{args.max_seq_len}")
+    check_static_shape_options(args)
     if args.packing and args.tokens_per_batch is not None and args.tokens_per_batch % args.max_seq_len:
         raise ValueError(f"--tokens-per-batch {args.tokens_per_batch} must be a multiple of --max-seq-len "
                          f"{args.max_seq_len} (packed micro-batches are rows of that length)")
@@ -142,6 +144,24 @@ def validate_args(args) -> None:
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file or directory")
     if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
         raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
+
+
+def check_static_shape_options(args) -> None:
+    """Packing's options only with packing (never silently ignored), a --compile backend torch knows, checked
+    before any tokenising."""
+    if not args.packing:
+        given = [flag for flag, value in (("--tokens-per-batch", args.tokens_per_batch),
+                                          ("--instances-per-row", args.instances_per_row)) if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply to packed batches; drop them or --no-packing")
+    elif args.instances_per_row is None:
+        args.instances_per_row = 3
+    if args.compile:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if args.compile not in known:
+            raise ValueError(f"--compile {args.compile}: not a torch.compile backend (known: {', '.join(known)})")
 
 
 def run_settings(args) -> dict:
@@ -343,6 +363,14 @@ class PretrainJob(Job):
         return {"mlm_loss": sums["mlm"] / mlm, "nsp_loss": sums["nsp"] / nsp, "mlm_acc": sums["mlm_hits"] / mlm,
                 "nsp_acc": sums["nsp_hits"] / nsp}
 
+    def no_full_step(self):
+        if self.packing is None:
+            return super().no_full_step()
+        shapes, n = self.packing.shapes, len(self.corpus.instances(0))
+        return (f"the corpus's {n} instances do not fill one step of {shapes.rows} row(s) of {shapes.max_seqlen} "
+                f"tokens per micro-batch x {self.args.grad_accum} accumulation step(s) x the ranks; lower "
+                "--tokens-per-batch (or --batch-size), or give more data")
+
     def evaluate(self, model):
         return evaluate(model, self.corpus, self.collator, max(1, self.args.batch_size), self.args.eval_batches,
                         self.device)
@@ -364,6 +392,7 @@ def settings(args) -> Settings:
                     grad_accum=args.grad_accum, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                     eval_every=args.eval_every, log_every=args.log_every, num_workers=args.num_workers,
                     seed=args.seed, resume=args.resume, allow_config_changes=args.allow_config_changes,
+                    max_nonfinite_steps=args.max_nonfinite_steps,
                     progress=not args.no_progress, adam_eps=1e-6, compile=args.compile,
                     cuda_graphs=args.cuda_graphs, run_settings=run_settings(args))
 
@@ -377,6 +406,11 @@ def train(args) -> TrainResult:
     """Run pre-training with parsed CLI arguments. Used by the CLI and by tests."""
     validate_args(args)
     device, d = setup_device()
+    with output_dir_lock(args.output_dir, d):
+        return _train(args, device, d)
+
+
+def _train(args, device, d: Dist) -> TrainResult:
     if d.main:
         prepare_output_dir(args.output_dir, args.resume, args.overwrite)
     d.barrier()

@@ -7,6 +7,13 @@ resume (model, optimizer, scheduler, scaler, RNG states, data position; a change
 allowed; log rows after the checkpoint are dropped), SIGTERM/SIGINT (checkpoint, then stop), and logging
 (console, OUTPUT_DIR/log.jsonl, TensorBoard when installed, tqdm) with real tokens/s and sequences/s.
 
+Nothing non-finite is trained on or saved: a step whose loss or gradient norm is not finite never changes the
+weights (the fused optimizer skips it on the device, as a gradient scaler's step does; the CPU one reads the flag,
+which costs no device sync there), the flags are read with the log window, and more than `max_nonfinite_steps`
+such steps in a row stop the run with `NonFiniteError` naming the step. Every window is read before a checkpoint
+(log windows restart at checkpoints, so a resumed run logs what an uninterrupted one does), and no weights that
+are not finite are ever written. `output_dir_lock` keeps a second job out of a run's directory.
+
 A job supplies the rest (see `Job`): its model, its data as global steps of rank-local micro-batches, the loss
 terms of a micro-batch, its log fields and its evaluation. Losses are normalised over the whole global batch
 (every micro-batch on every rank): each term is a sum over its items divided by the global count of items, so
@@ -16,7 +23,10 @@ back from the device inside a step: step statistics are summed on the device and
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
+import math
 import os
 import shutil
 import signal
@@ -28,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_write
+from .cli import ExpectedError
 from .optim import adamw, linear_schedule, param_groups, set_lr_types
 
 
@@ -117,6 +128,10 @@ class Job:
     def evaluate(self, model) -> dict:
         return {}
 
+    def no_full_step(self) -> str:
+        """The error when an epoch's data fills no global step: what to change."""
+        return "the data yields no full batch; lower the batch size"
+
     def save(self, model, path: str) -> None:
         save_model(model, getattr(self, "tokenizer", None), path)
 
@@ -152,6 +167,7 @@ class Settings:
     adam_eps: float = 1e-6
     compile: str | None = None         # a torch.compile backend ("inductor", "aot_eager"...), or None
     cuda_graphs: bool = False          # capture each step in a CUDA graph (static shapes, one GPU)
+    max_nonfinite_steps: int = 0       # non-finite steps in a row that are skipped before the run stops
     run_settings: dict = field(default_factory=dict)   # what --resume compares with the checkpoint's
 
 
@@ -214,6 +230,42 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
+class NonFiniteError(ExpectedError):
+    """Training produced a loss or gradient norm that is not finite (more often in a row than allowed)."""
+
+
+class OutputDirBusy(ExpectedError):
+    """Another job holds the output directory."""
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str, d: "Dist | None" = None):
+    """Hold OUTPUT_DIR/.lock for the length of a job, so that a second job started on the same directory is
+    refused at once instead of interleaving its log and checkpoints with the first's. An flock, which the kernel
+    drops when its process dies: a killed job leaves no stale lock. Rank 0 alone takes it under torchrun."""
+    if d is not None and not d.main:
+        yield
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise OutputDirBusy(f"{output_dir} is in use by another job ({holder}); wait for it to finish or "
+                                "choose another --output-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  .encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def prepare_output_dir(output_dir: str, resume, overwrite: bool) -> None:
     """A fresh run refuses an output directory that holds another run (its log, checkpoints or model), unless
     `overwrite`, which deletes the old log and checkpoints so that a later --resume cannot pick them up."""
@@ -246,15 +298,22 @@ def micro_batch(global_batch, rank: int, world_size: int, accum_step: int, accum
     return global_batch[start:end]
 
 
+def warmup_steps(warmup: float, steps: int) -> int:
+    """Warm-up steps from a fraction of `steps` (rounded up, as transformers does) or a number of steps."""
+    return math.ceil(warmup * steps) if warmup < 1 else int(warmup)
+
+
 # ---- the loop ----------------------------------------------------------------------------------
 class _Window:
     """Sums of a log window: loss terms and stats on the device (read once, at the log step), item counts,
-    tokens and sequences from the CPU batches."""
+    tokens and sequences from the CPU batches, and each step's health [non-finite flag, loss, gradient norm]."""
 
-    def __init__(self):
+    def __init__(self, first_step: int = 1):
         self.device_sums: dict[str, torch.Tensor] = {}
+        self.health: list[torch.Tensor] = []
         self.counts: dict[str, float] = {}
         self.tokens = self.seqs = self.slots = 0.0
+        self.first_step = first_step
         self.start = time.perf_counter()
 
     def add(self, values: dict[str, torch.Tensor]) -> None:
@@ -265,17 +324,41 @@ class _Window:
     def add_sizes(self, tokens: float, seqs: float, slots: float) -> None:
         self.tokens, self.seqs, self.slots = self.tokens + tokens, self.seqs + seqs, self.slots + slots
 
-    def read(self, d: Dist, device) -> tuple[dict, dict, tuple[float, float, float]]:
-        """(summed device values, counts, (tokens, sequences, slots)), over every rank."""
+    def read(self, d: Dist, device) -> "WindowValues":
+        """The window's values over every rank, in one read from the device."""
         names = sorted(self.device_sums)
         local = torch.stack([self.device_sums[k] for k in names]) if names else torch.zeros(0, device=device)
+        health = torch.stack(self.health) if self.health else torch.zeros((0, 3), device=device)
         cpu = torch.tensor([*self.counts.values(), self.tokens, self.seqs, self.slots], dtype=torch.float64)
         if d.world > 1:  # counts, tokens and sequences of every rank
             cpu = d.all_sum(cpu.to(device)).cpu()
-            local = d.all_sum(local)
-        sums = dict(zip(names, local.tolist()))
+            local, health = d.all_sum(local), d.all_sum(health.float())
+        values = torch.cat([local.float(), health.float().flatten()]).tolist()
         *counts, tokens, seqs, slots = cpu.tolist()
-        return sums, dict(zip(self.counts, counts)), (tokens, seqs, slots)
+        health_rows = [values[len(names) + 3 * i:len(names) + 3 * i + 3] for i in range(len(self.health))]
+        return WindowValues(dict(zip(names, values[:len(names)])), dict(zip(self.counts, counts)),
+                            (tokens, seqs, slots), health_rows)
+
+
+@dataclass
+class WindowValues:
+    sums: dict[str, float]
+    counts: dict[str, float]
+    sizes: tuple[float, float, float]      # real tokens, sequences, token slots
+    health: list[list[float]]              # per step: [non-finite (> 0), loss, gradient norm]
+
+
+HEALTH = "_health"  # the key of a step's [non-finite, loss, gradient norm] in what _train_step returns
+
+
+def grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """The gradients' total 2-norm (a device scalar), clipping them to max_norm when it is positive."""
+    params = [p for p in parameters if p.grad is not None]
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if not params:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
 
 
 class Trainer:
@@ -291,7 +374,7 @@ class Trainer:
         graphs = settings.cuda_graphs and self._graphs_possible()
         self.optimizer = adamw(param_groups(self.model, settings.weight_decay), settings.lr, device,
                                capturable=graphs, betas=(0.9, 0.999), eps=settings.adam_eps)
-        warmup = int(settings.warmup * settings.steps) if settings.warmup < 1 else int(settings.warmup)
+        warmup = warmup_steps(settings.warmup, settings.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_schedule(warmup, settings.steps))
         self.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "steps_before_epoch": 0}
         self._resume()
@@ -347,12 +430,34 @@ class Trainer:
         self.state = {k: saved[k] for k in self.state}
 
     def save_checkpoint(self) -> str:
-        """Written into a temporary directory, then renamed: a checkpoint is either complete or absent."""
+        """Written into a temporary directory, then renamed: a checkpoint is either complete or absent. A failed
+        write (a full disk...) removes the temporary directory and raises one OSError naming the disk; the
+        earlier checkpoints are untouched."""
         root = checkpoint_dir(self.s.output_dir)
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{self.state['step']:08d}")
+        for name in os.listdir(root):  # left by a killed run (the output-dir lock says no one else writes here)
+            if name.startswith(".tmp-step-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         tmp = os.path.join(root, f".tmp-step-{self.state['step']:08d}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        self._check_weights()
+        try:
+            self._write_checkpoint(tmp)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(root).free
+            raise OSError(errno.ENOSPC if getattr(e, "errno", None) == errno.ENOSPC else errno.EIO,
+                          f"step {self.state['step']}: the checkpoint could not be written to {root} "
+                          f"({_first_line(e)}); that disk has {free / 2**20:.0f} MiB free. Earlier checkpoints are "
+                          "intact; free some space and --resume") from e
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+        for old in names[:-self.s.keep_checkpoints] if self.s.keep_checkpoints > 0 else []:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        return final
+
+    def _write_checkpoint(self, tmp: str) -> None:
         self.job.save(self.model, tmp)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -360,12 +465,6 @@ class Trainer:
                     "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                     "run_settings": json.dumps(self.s.run_settings), **self.state},
                    os.path.join(tmp, "training_state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
-        for old in names[:-self.s.keep_checkpoints] if self.s.keep_checkpoints > 0 else []:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-        return final
 
     # -- the loop --
     def fit(self) -> dict:
@@ -374,32 +473,40 @@ class Trainer:
         if d.main:
             truncate_log(self.log_path, self.state["step"])
         writer, progress = self._sinks()
-        last: dict = {}
-        window = _Window()
         self.model.train()
-        with _StopFlag() as stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") as log:
-            while self.state["step"] < s.steps and not last.get("stopped"):
-                steps, loader = self._loader()
-                for micro_batches in loader:
-                    lr = self._step(micro_batches, window)
-                    stopping = self._stopping(stop)
-                    row = self._end_of_step(window, lr, stopping, log, writer, progress)
-                    if row is not None:
-                        last, window = row, _Window()
-                    if stopping or self.state["step"] >= s.steps:
-                        break
-                else:
-                    self.state["steps_before_epoch"] += len(steps)
-                    self.state["epoch"] += 1
-                    self.state["batch_in_epoch"] = 0
-        if progress:
-            progress.close()
-        if writer:
-            writer.close()
+        try:
+            with _StopFlag() as stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") as log:
+                last = self._loop(stop, log, writer, progress)
+        finally:
+            if progress:
+                progress.close()
+            if writer:
+                writer.close()
         if d.main and not last.get("stopped"):
+            self._check_weights()
             self.job.save(self.model, s.output_dir)
             say(progress, f"saved to {s.output_dir}")
         d.barrier()
+        return last
+
+    def _loop(self, stop, log, writer, progress) -> dict:
+        last: dict = {}
+        window = _Window(self.state["step"] + 1)
+        self.nonfinite_run = 0
+        while self.state["step"] < self.s.steps and not last.get("stopped"):
+            steps, loader = self._loader()
+            for micro_batches in loader:
+                lr = self._step(micro_batches, window)
+                stopping = self._stopping(stop)
+                row = self._end_of_step(window, lr, stopping, log, writer, progress)
+                if row is not None:
+                    last, window = row, _Window(self.state["step"] + 1)
+                if stopping or self.state["step"] >= self.s.steps:
+                    break
+            else:
+                self.state["steps_before_epoch"] += len(steps)
+                self.state["epoch"] += 1
+                self.state["batch_in_epoch"] = 0
         return last
 
     def _sinks(self):
@@ -421,7 +528,7 @@ class Trainer:
     def _loader(self):
         steps = self.job.epoch_steps(self.state["epoch"], self.state["steps_before_epoch"], self.d, self.s.grad_accum)
         if len(steps) == 0:
-            raise ValueError("the data yields no full batch; lower the batch size")
+            raise ValueError(self.job.no_full_step())
         subset = torch.utils.data.Subset(steps, range(self.state["batch_in_epoch"], len(steps)))
         # Its own generator: the loader never draws from the global RNG, which dropout uses.
         return steps, torch.utils.data.DataLoader(subset, batch_size=None, num_workers=self.s.num_workers,
@@ -445,6 +552,7 @@ class Trainer:
         batches = [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                     for k, v in batch.items()} for batch in micro_batches]
         logged = (self.graphed or self._train_step)(batches, denominators)
+        window.health.append(logged[-1].pop(HEALTH))
         for values in logged:
             window.add(values)
         for n, v in local.items():
@@ -457,9 +565,10 @@ class Trainer:
 
     def _train_step(self, batches: list[dict], denominators: dict) -> list[dict[str, torch.Tensor]]:
         """Forward and backward of every micro-batch (device tensors), then the optimizer step; returns each
-        micro-batch's loss terms and stats (device scalars). Nothing here reads the device, so that it can be
-        captured as a CUDA graph (bert.static.GraphedStep) when the batches are packed."""
-        logged = []
+        micro-batch's loss terms and stats (device scalars), the last with the step's health (HEALTH). Nothing
+        here reads the device, so that it can be captured as a CUDA graph (bert.static.GraphedStep) when the
+        batches are packed."""
+        logged, step_loss = [], 0.0
         for a, batch in enumerate(batches):
             sync = a == len(batches) - 1 or self.d.world == 1
             with self.ddp.no_sync() if not sync else contextlib.nullcontext():
@@ -468,21 +577,29 @@ class Trainer:
                 terms = self.job.loss_terms(out, batch)
                 loss = sum(terms[n] / denominators[n] for n in denominators) * self.d.world
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
+            step_loss = step_loss + loss.detach().float() / self.d.world
             logged.append({**terms, **self.job.stats(out, batch)})
-        self._optimizer_step()
+        logged[-1][HEALTH] = self._optimizer_step(step_loss)
         return logged
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """Clip and step, unless the loss or the gradient norm is not finite: then the weights and the optimizer's
+        state stay as they were. Returns [non-finite, loss, gradient norm] (device, float32). With fp16's scaler,
+        non-finite gradients are its business (it skips the step and lowers the scale); only the loss counts."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if self.s.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm)
+        norm = grad_norm(self.model.parameters(), self.s.max_grad_norm)
+        bad = ~torch.isfinite(loss) if self.scaler else ~(torch.isfinite(loss) & torch.isfinite(norm))
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = bad.float()  # read by the fused kernel: the step is skipped on the device
+            self.optimizer.step()
+        elif not bad.item():  # the CPU's AdamW: a read costs nothing (it reads its step count anyway)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return torch.stack([bad.float(), loss.float(), norm.float()])
 
     def _stopping(self, stop: _StopFlag) -> bool:
         if self.d.world == 1:
@@ -491,33 +608,63 @@ class Trainer:
         return bool(flag.item())  # every rank stops at the same step
 
     def _end_of_step(self, window, lr, stopping, log, writer, progress) -> dict | None:
-        """Log (every log_every steps, at evaluations, the last step and a stop), evaluate, checkpoint."""
+        """Log (every log_every steps, at evaluations and checkpoints, the last step and a stop), check the window's
+        steps were finite, evaluate, checkpoint."""
         s, step = self.s, self.state["step"]
         done = step >= s.steps
         evaluating = bool(s.eval_every) and step % s.eval_every == 0
-        row = None
-        if stopping or done or evaluating or step % s.log_every == 0:
-            sums, counts, (tokens, seqs, slots) = window.read(self.d, self.device)
-            elapsed = max(time.perf_counter() - window.start, 1e-9)
-            row = {"step": step, **self.job.log_fields(sums, counts), "lr": lr, "tokens_per_s": tokens / elapsed,
-                   "seqs_per_s": seqs / elapsed, "packing_efficiency": tokens / max(slots, 1.0)}
-            if stopping:
-                row["stopped"] = True
-            if evaluating and self.d.main:
-                with self.amp():
-                    scores = self.job.evaluate(self.model)
-                row.update(scores)
-                if scores:
-                    say(progress, f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
-            if self.d.main:
-                self._write(row, log, writer, progress)
-        if stopping or done or (s.save_every and step % s.save_every == 0):
+        saving = stopping or done or bool(s.save_every and step % s.save_every == 0)
+        if not (saving or evaluating or step % s.log_every == 0):
+            return None
+        v = window.read(self.d, self.device)
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        tokens, seqs, slots = v.sizes
+        row = {"step": step, "steps": len(v.health), **self.job.log_fields(v.sums, v.counts), "lr": lr,
+               "tokens_per_s": tokens / elapsed, "seqs_per_s": seqs / elapsed,
+               "packing_efficiency": tokens / max(slots, 1.0),
+               "grad_norm": sum(h[2] for h in v.health) / max(len(v.health), 1),
+               "nonfinite_steps": sum(h[0] > 0 for h in v.health)}
+        failure = self._check_health(v.health, window.first_step)
+        if stopping:
+            row["stopped"] = True
+        if evaluating and self.d.main and not failure:
+            with self.amp():
+                scores = self.job.evaluate(self.model)
+            row.update(scores)
+            if scores:
+                say(progress, f"step {step}: " + ", ".join(f"{k} {x:.4g}" for k, x in scores.items()))
+        if self.d.main:
+            self._write(row, log, writer, progress)
+        if failure:
+            raise NonFiniteError(failure)
+        if saving:
             if self.d.main:
                 self.save_checkpoint()
             self.d.barrier()
         if stopping and self.d.main:
             say(progress, f"stopped by signal at step {step}; checkpoint saved")
         return row
+
+    def _check_health(self, health: list[list[float]], first_step: int) -> str | None:
+        """Count the window's non-finite steps in a row (carried over windows); the error message once there are
+        more than max_nonfinite_steps in a row."""
+        for i, (bad, loss, norm) in enumerate(health):
+            self.nonfinite_run = self.nonfinite_run + 1 if bad > 0 else 0
+            if self.nonfinite_run > self.s.max_nonfinite_steps:
+                latest = latest_checkpoint(self.s.output_dir)
+                in_a_row = f" ({self.nonfinite_run} in a row)" if self.nonfinite_run > 1 else ""
+                return (f"step {first_step + i}: the loss ({loss:.4g}) or the gradient norm ({norm:.4g}) is not "
+                        f"finite{in_a_row}; training stopped. The step changed no weight and nothing was saved "
+                        f"after it; the last checkpoint is {latest or 'none'}. Lower --lr, or let up to N such "
+                        "steps in a row be skipped with --max-nonfinite-steps N")
+        return None
+
+    def _check_weights(self) -> None:
+        """The last guard before anything is written: every parameter finite (one reduction, one read)."""
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise NonFiniteError(f"step {self.state['step']}: {len(bad)} parameter tensor(s) hold values that are "
+                                 f"not finite ({bad[0]}...); nothing saved")
 
     def _write(self, row, log, writer, progress) -> None:
         log.write(json.dumps(row) + "\n")
@@ -529,6 +676,11 @@ class Trainer:
         if progress:
             progress.update(row["step"] - progress.n)
             progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k.endswith(("loss", "acc"))})
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
 
 
 def say(progress, message: str) -> None:

@@ -83,6 +83,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def interpreter_upcast(*tensors):
+    """Triton's interpreter computes tl.dot on bfloat16 wrongly (relative errors of 1e8), so there the kernels
+    that multiply matrices get float32 copies of bfloat16 operands (bfloat16 products are exact in float32) and
+    their callers cast the results back: the CPU path gives bfloat16 answers, never garbage. Compiled kernels
+    (a GPU) get the tensors unchanged."""
+    if not INTERPRET:
+        return tensors
+    return tuple(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors)
+
+
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dimension is contiguous, else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, keep_mask, seed_tensor,
-                      unit_stride)
+from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, interpreter_upcast,
+                      keep_mask, seed_tensor, unit_stride)
 from . import tuned
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -39,10 +39,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _sequence(CuSeqlens, b):
-    """(first token, length) of sequence b."""
-    start = tl.load(CuSeqlens + b)
-    return start, tl.load(CuSeqlens + b + 1) - start
+def _sequence(CuSeqlens, b, total_tokens):
+    """(first token, length) of sequence b, cut to the tokens [0, total_tokens) whatever cu_seqlens holds: every
+    load and store of the kernels then stays inside the buffers, even for cu_seqlens that `validate` would refuse
+    (two clamps per program; nothing per element)."""
+    start = tl.minimum(tl.maximum(tl.load(CuSeqlens + b), 0), total_tokens)
+    end = tl.minimum(tl.maximum(tl.load(CuSeqlens + b + 1), start), total_tokens)
+    return start, end - start
 
 
 @triton.jit
@@ -113,7 +116,7 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_start, seq_len = _sequence(CuSeqlens, b)
+    seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
     if start_m * BLOCK_M >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
@@ -177,7 +180,7 @@ def _attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_start, seq_len = _sequence(CuSeqlens, b)
+    seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
     if start_n * BLOCK_N >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
@@ -226,7 +229,7 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_start, seq_len = _sequence(CuSeqlens, b)
+    seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
     if start_m * BLOCK_M >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
@@ -327,12 +330,15 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    dropout_p: float, softmax_scale: float, seed: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, H, D], lse [H, T] float32) for q, k, v [T, H, D] with unit stride along D."""
+    dtype = q.dtype
+    q, k, v = interpreter_upcast(q, k, v)
     total, heads, dim = q.shape
     batch = cu_seqlens.numel() - 1
     # Zeros, not empty: tokens past cu_seqlens[-1] (the filler of a packed batch) belong to no sequence and are
-    # never written; they must stay finite, or 0 * NaN poisons the weight gradients.
+    # never written; they must stay finite, or 0 * NaN poisons the weight gradients. Their lse is 0 too: a defined
+    # value (garbage there made results differ from call to call).
     o = torch.zeros_like(q)
-    lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+    lse = torch.zeros((heads, total), dtype=torch.float32, device=q.device)
     block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, q.device, max_seqlen)
     if total and batch and max_seqlen:
         _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
@@ -341,7 +347,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
             total, max_seqlen, softmax_scale * LOG2E, dropout_p,
             HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
-    return o, lse
+    return o.to(dtype), lse
 
 
 @_attention_fwd.register_fake
@@ -355,12 +361,13 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    softmax_scale: float, seed: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv); zero at filler tokens."""
+    dtype = q.dtype
+    do, q, k, v, o = interpreter_upcast(unit_stride(do), q, k, v, o)
     total, heads, dim = q.shape
     batch = cu_seqlens.numel() - 1
-    do = unit_stride(do)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if not (total and batch and max_seqlen):
-        return dq, dk, dv
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
     delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
@@ -382,7 +389,7 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     grid, meta = launch("dq")
     _attention_bwd_dq_kernel[grid](
         q, k, v, do, dq, lse, delta, cu_seqlens, seed, *strides, dq.stride(0), dq.stride(1), *scalars, **meta)
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 @_attention_bwd.register_fake
@@ -417,7 +424,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     attention probabilities uses Philox with `seed` (an int or a one-element device tensor; default: drawn by
     torch's generator of q's device, on the device). `validate=False` skips the checks of cu_seqlens' values,
     which need a device sync; pass it only for cu_seqlens built by trusted code (the model does). Runs as the
-    custom ops bertfuse::varlen_attention_fwd / _bwd, which torch.compile traces through.
+    custom ops bertfuse::varlen_attention_fwd / _bwd, which torch.compile traces through. Unvalidated
+    cu_seqlens never make the kernels read or write outside q, k, v and the output: each sequence is cut to the
+    tokens [0, total_tokens) inside the kernels.
     """
     _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)

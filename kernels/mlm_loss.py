@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from . import tuned
-from ._common import INTERPRET, check_device, check_float, dense, dot_precision, programs_wanted, unit_stride
+from ._common import (INTERPRET, check_device, check_float, dense, dot_precision, interpreter_upcast, programs_wanted,
+                      unit_stride)
 
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -244,6 +245,7 @@ def _mlm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss per row [N] float32, hit per row [N] bool, lse [N] float32) of rows hidden [N, H]; a row whose label
     lies outside [0, V) matches no logit: its loss is its lse (callers zero it) and it never hits."""
+    hidden, weight, bias = interpreter_upcast(hidden, weight, bias)
     n, h = hidden.shape
     v = weight.shape[0]
     t = _config("fwd", hidden)
@@ -278,6 +280,8 @@ def _mlm_loss_bwd(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tenso
                   labels: torch.Tensor, lse: torch.Tensor, need_hidden: bool, need_weight: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias float32 [V]) for the upstream gradient dloss [N] of each row's loss."""
+    dtypes = hidden.dtype, weight.dtype
+    hidden, weight, bias = interpreter_upcast(hidden, weight, bias)
     n, h = hidden.shape
     v = weight.shape[0]
     g = dloss.float().contiguous()
@@ -295,7 +299,7 @@ def _mlm_loss_bwd(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tenso
         _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, t.BLOCK_V), triton.cdiv(h, t.BLOCK_HO))](
             hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
             dweight.stride(0), n, v, h, **common, **t._asdict())
-    return dhidden, dweight, dbias
+    return dhidden.to(dtypes[0]), dweight.to(dtypes[1]), dbias
 
 
 @_mlm_loss_bwd.register_fake
@@ -370,7 +374,8 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                 raise ValueError(f"masked_lm_loss: labels must be in [0, {weight.shape[0]}) or ignore_index="
                                  f"{ignore_index}; got values in [{lo}, {hi}]")
         h, count = hidden[rows], max(rows.numel(), 1)
-    else:
+    else:  # a label outside [0, V) is treated as ignored, as documented
+        used = used & (labels >= 0) & (labels < weight.shape[0])
         picked, h, count = labels.masked_fill(~used, -1), hidden, used.sum().clamp_min(1)
     per_row, hit, _ = _mlm_loss_fwd(unit_stride(h), unit_stride(weight), dense(bias),
                                     picked.to(torch.int64).contiguous())

@@ -69,6 +69,11 @@ def test_float16(device, dim, heads):
     run_case(LENGTHS, heads, dim, torch.float16, device)
 
 
+def test_bfloat16(device):
+    """bfloat16 on every device: in the interpreter (whose bf16 tl.dot is wrong) the dots run on float32 copies."""
+    run_case(LENGTHS, 2, 32, torch.bfloat16, device)
+
+
 def test_single_token_sequences_and_custom_scale(device):
     run_case([1, 1, 1], 2, 32, torch.float32, device, scale=0.37)
 
@@ -212,3 +217,39 @@ def test_filler_after_the_last_sequence_is_zero_and_gets_zero_gradient(device, p
     torch.testing.assert_close(out[:real], ref[:real])
     for a, b in zip(grads, torch.autograd.grad(ref, clean, dout)):
         torch.testing.assert_close(a[:real], b[:real])
+
+
+def test_cu_seqlens_past_the_tokens_never_leave_the_buffers(device):
+    """Unvalidated cu_seqlens beyond the token count (and negative) are cut to the tokens inside the kernels: no
+    access outside the buffers (the compiled kernels crashed here), finite outputs and gradients, and sequences
+    inside the tokens computed as usual. Guard bands around the inputs catch a read or write outside them."""
+    total, heads, dim = 96, 2, 16
+    g = torch.Generator().manual_seed(5)
+    band = torch.full((8, heads, dim), float("nan"))
+    big = [torch.cat([band, torch.randn(total, heads, dim, generator=g), band]).to(device).requires_grad_()
+           for _ in range(3)]
+    leaves = [t[8:8 + total] for t in big]  # views into the banded buffers: a stray access reads NaN
+    cu = torch.tensor([0, 30, 32, 39, 58, 64, 64, 64, 4000, 4020], dtype=torch.int32, device=device)
+    out = kernels.varlen_attention(*leaves, cu, 64, validate=False)
+    grads = [gr[8:8 + total] for gr in torch.autograd.grad(out.sum(), big)]
+    assert torch.isfinite(out).all() and all(torch.isfinite(gr).all() for gr in grads)
+    good = cu[:6]
+    ref = kernels.varlen_attention(*[t.detach() for t in leaves], good, 64, validate=False)
+    torch.testing.assert_close(out[:64], ref[:64])
+    negative = torch.tensor([-50, 10, 96], dtype=torch.int32, device=device)
+    assert torch.isfinite(kernels.varlen_attention(*leaves, negative, 96, validate=False)).all()
+    with pytest.raises(ValueError, match="cu_seqlens ends at 4020 but there are only 96 tokens"):
+        kernels.varlen_attention(*leaves, cu, 64)
+
+
+def test_lse_is_defined_at_filler_tokens(device):
+    """The forward op's log-sum-exp rows of tokens in no sequence hold 0, the same on every call (they were left
+    uninitialised, which made opcheck's comparisons fail now and then)."""
+    from kernels.attention import _attention_fwd
+
+    q = torch.randn(40, 2, 16, device=device)
+    cu = torch.tensor([0, 9, 25], dtype=torch.int32, device=device)
+    for _ in range(2):
+        _, lse = _attention_fwd(q, q, q, cu, 16, 0.0, 0.25, None)
+        assert torch.equal(lse[:, 25:], torch.zeros_like(lse[:, 25:]))
+        assert torch.isfinite(lse).all()

@@ -173,7 +173,7 @@ def test_packed_validation_names_the_problem():
     model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=1000, backend="torch"))
     ids = torch.randint(5, 999, (16,))
     cu = torch.tensor([0, 9, 20], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_seqlens ends past the 16 tokens"):
+    with pytest.raises(ValueError, match="cu_seqlens ends at 20, past the 16 tokens"):
         model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16), cu, 16, validate=True)
     with pytest.raises(ValueError, match="packed token_type_ids must be integer"):
         model.bert.encode_packed(ids, torch.zeros(15, dtype=torch.long), torch.arange(16), cu, 16)
