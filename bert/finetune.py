@@ -189,8 +189,8 @@ def data_identity(train_data: list, id2label) -> dict:
     """What identifies the training data beyond its path: a hash of the examples read, and the label set."""
     text = json.dumps([dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in train_data],
                       sort_keys=True, default=str)
-    return {"train_data_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "labels": [id2label[i] for i in sorted(id2label)] if id2label else None}
+    return {"train_examples_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "train_labels": [id2label[i] for i in sorted(id2label)] if id2label else None}
 
 
 def load(args, device, d):

@@ -254,3 +254,60 @@ def test_ddp_two_processes_equal_one_process(tmp_path, still_checkpoint):
     one, two = read_log(tmp_path / "one" / "log.jsonl"), read_log(tmp_path / "two" / "log.jsonl")
     assert [abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"] for x, y in zip(one, two)] == [True] * 3
     same_weights(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_diverging_run_stops_with_one_line_and_writes_no_nan_model(tmp_path, checkpoint, capsys):
+    """The issue's repro: --lr 1e6 made the loss NaN from step 2, and the run exited 0 with a NaN model (and an
+    accuracy for it). Now: exit 2, one line naming the step, no model written, the step-1 checkpoint intact."""
+    from bert.finetune import main
+
+    train, dev = sentiment_files(tmp_path, n=64)
+    out = tmp_path / "out"
+    code = main(["classify", "--model", checkpoint, "--train", train, "--eval", dev, "--output-dir", str(out),
+                 "--batch-size", "16", "--max-steps", "4", "--lr", "1e6", "--warmup", "0", "--log-every", "1",
+                 "--save-every", "1", "--max-seq-len", "48", "--no-progress", "--backend", "torch"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("bert-finetune: error: step ") and "is not finite" in err
+    assert not (out / "model.safetensors").exists() and not (out / "metrics.json").exists()
+    for name in os.listdir(out / "checkpoints"):
+        sd = bert.checkpoint.read_state_dict(str(out / "checkpoints" / name))
+        assert all(torch.isfinite(t).all() for t in sd.values()), name
+
+
+def test_evaluation_only_writes_no_model_into_a_fine_tuned_directory(tmp_path, checkpoint):
+    train, dev = sentiment_files(tmp_path, n=16)
+    d = tmp_path / "d"
+    run(args("classify", checkpoint, train, dev, d, "--max-steps", "2", "--save-every", "1", "--backend", "torch"))
+    saved = {n: (d / n).read_bytes() for n in ("model.safetensors", "config.json", "log.jsonl")}
+    before = json.loads((d / "metrics.json").read_text())
+    ckpts = sorted(os.listdir(d / "checkpoints"))
+    again = build_parser().parse_args(["classify", "--model", checkpoint, "--eval", dev, "--output-dir", str(d),
+                                       "--max-seq-len", "48", "--no-progress"])
+    metrics = run(again)
+    assert {n: (d / n).read_bytes() for n in saved} == saved and sorted(os.listdir(d / "checkpoints")) == ckpts
+    after = json.loads((d / "metrics.json").read_text())
+    assert after["train_steps"] == before["train_steps"] and after["eval_accuracy"] == metrics["eval_accuracy"]
+
+
+def test_micro_batches_without_examples_are_refused_up_front(tmp_path, checkpoint, capsys):
+    from bert.finetune import main
+
+    train, _ = sentiment_files(tmp_path, n=16)
+    assert main(["classify", "--model", checkpoint, "--train", train, "--batch-size", "4", "--grad-accum", "8",
+                 "--output-dir", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "--batch-size 4 is smaller than --grad-accum 8" in capsys.readouterr().err
+
+
+def test_resume_names_changed_training_data_and_labels(tmp_path, checkpoint):
+    train, _ = sentiment_files(tmp_path, n=16)
+    common = ("--max-steps", "4", "--save-every", "2", "--backend", "torch")
+    run(args("classify", checkpoint, train, train, tmp_path / "a", *common))
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "step-00000004")
+    text = open(train).read()
+    open(train, "w").write(text.replace("good", "fine"))  # same path, other contents
+    with pytest.raises(ValueError, match="--train-examples-sha256 was '[0-9a-f]{64}', now '[0-9a-f]{64}'"):
+        run(args("classify", checkpoint, train, train, tmp_path / "a", *common, "--resume"))
+    open(train, "w").write(text.replace("\t1\n", "\tpos\n").replace("\t0\n", "\tneg\n"))
+    with pytest.raises(ValueError, match=r"--train-labels was \['0', '1'\], now \['neg', 'pos'\]"):
+        run(args("classify", checkpoint, train, train, tmp_path / "a", *common, "--resume"))

@@ -1,0 +1,194 @@
+"""bert.trainer's guarantees on a tiny classification job: non-finite steps never update or get saved, one job
+per output directory, a failed checkpoint write says so and leaves the earlier ones, log windows restart at
+checkpoints, and the warm-up follows transformers."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import bert
+from bert.trainer import Job, NonFiniteError, OutputDirBusy, Settings, Trainer, latest_checkpoint, output_dir_lock, \
+    warmup_steps
+from bert.checkpoint import read_state_dict
+from bert.optim import linear_schedule
+
+POISON = float("nan")
+
+
+class Poisonable(bert.BertForSequenceClassification):
+    """The classifier, whose loss a batch can multiply by NaN (a diverging step, on demand)."""
+
+    def forward(self, poison=None, **batch):
+        out = super().forward(**batch)
+        out.loss = out.loss * poison
+        return out
+
+
+class TinyJob(Job):
+    """Global step i: one micro-batch of 4 random sequences; the steps in `poisoned` (1-based) give a NaN loss."""
+    name = "tiny"
+
+    def __init__(self, poisoned=(), seed=0):
+        torch.manual_seed(seed)
+        cfg = bert.BertConfig.tiny(vocab_size=50, max_position_embeddings=32, num_labels=2, backend="torch",
+                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.model, self.poisoned = Poisonable(cfg), set(poisoned)
+
+    def epoch_steps(self, epoch, steps_before, d, accum):
+        steps = []
+        for i in range(100):
+            g = torch.Generator().manual_seed(i)
+            bad = steps_before + i + 1 in self.poisoned
+            steps.append([{"input_ids": torch.randint(1, 50, (4, 8), generator=g),
+                           "attention_mask": torch.ones(4, 8, dtype=torch.long),
+                           "labels": torch.randint(0, 2, (4,), generator=g),
+                           "poison": torch.tensor(POISON if bad else 1.0)}])
+        return steps
+
+    def counts(self, batch):
+        return {"task": 4.0}
+
+    def loss_terms(self, out, batch):
+        return {"task": out.loss * 4}
+
+
+def settings(out, **kw):
+    os.makedirs(out, exist_ok=True)
+    base = dict(output_dir=str(out), steps=6, lr=1e-3, log_every=1, progress=False)
+    return Settings(**{**base, **kw})
+
+
+def fit(job, s):
+    trainer = Trainer(job, s, torch.device("cpu"), bert.trainer.Dist())
+    return trainer, trainer.fit()
+
+
+def rows(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_saves_nothing_after_it(tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(TinyJob(poisoned={3}), settings(out, save_every=2, log_every=4), torch.device("cpu"),
+                      bert.trainer.Dist())
+    with pytest.raises(NonFiniteError, match=r"step 3: the loss \(nan\).*not finite.*step-00000002"):
+        trainer.fit()
+    assert latest_checkpoint(str(out)).endswith("step-00000002")  # the window was read before step 4's checkpoint
+    assert not (out / "model.safetensors").exists()
+    assert all(torch.isfinite(t).all() for t in read_state_dict(latest_checkpoint(str(out))).values())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # step 3 changed no weight
+    log = rows(out)
+    assert [r["step"] for r in log] == [2, 4] and log[1]["nonfinite_steps"] == 1 and log[1]["steps"] == 2
+
+
+def test_a_skipped_step_changes_nothing_and_the_run_goes_on(tmp_path):
+    """--max-nonfinite-steps 1: step 3's update is skipped (weights, Adam moments, step count), steps 1-2 and 4-5
+    train as usual: the same weights as a run whose step 3 brings no batch at all."""
+    trainer, last = fit(TinyJob(poisoned={3}), settings(tmp_path / "a", steps=5, max_nonfinite_steps=1))
+    assert last["step"] == 5 and [r["nonfinite_steps"] for r in rows(tmp_path / "a")] == [0, 0, 1, 0, 0]
+    assert all(torch.isfinite(t).all() for t in read_state_dict(str(tmp_path / "a")).values())
+
+    ref = Trainer(TinyJob(), settings(tmp_path / "b", steps=5), torch.device("cpu"), bert.trainer.Dist())
+    steps = ref.job.epoch_steps(0, 0, ref.d, 1)
+    window = bert.trainer._Window()
+    for i in range(5):
+        if i == 2:  # what a skipped step still does: the learning-rate schedule moves on
+            ref.scheduler.step()
+            continue
+        ref._step(steps[i], window)
+    for (name, a), b in zip(trainer.model.named_parameters(), ref.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_more_non_finite_steps_in_a_row_than_allowed_stop_the_run(tmp_path):
+    with pytest.raises(NonFiniteError, match=r"step 5: .*\(2 in a row\)"):
+        fit(TinyJob(poisoned={2, 4, 5}), settings(tmp_path, steps=8, max_nonfinite_steps=1, log_every=3))
+
+
+def test_weights_that_are_not_finite_are_never_written(tmp_path):
+    job = TinyJob()
+    trainer = Trainer(job, settings(tmp_path, steps=1), torch.device("cpu"), bert.trainer.Dist())
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match="not finite.*nothing saved"):
+        trainer.save_checkpoint()
+    assert latest_checkpoint(str(tmp_path)) is None
+
+
+def test_a_failed_checkpoint_write_is_one_error_and_leaves_the_earlier_checkpoints(tmp_path, monkeypatch):
+    trainer, _ = fit(TinyJob(), settings(tmp_path, steps=2, save_every=2))
+    before = latest_checkpoint(str(tmp_path))
+    trainer.state["step"] = 4
+
+    def full_disk(obj, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=r"step 4: the checkpoint could not be written to .*checkpoints "
+                                      r"\(\[enforce fail.*MiB free. Earlier checkpoints are intact") as e:
+        trainer.save_checkpoint()
+    assert "\n" not in str(e.value)
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step-00000002"] and latest_checkpoint(str(tmp_path)) == before
+    assert (root / "step-00000002" / "training_state.pt").stat().st_size > 1000
+
+
+def test_log_windows_restart_at_checkpoints_so_a_resume_logs_the_same_rows(tmp_path):
+    fit(TinyJob(), settings(tmp_path / "full", steps=10, log_every=5, save_every=4))
+    full = rows(tmp_path / "full")
+    assert [(r["step"], r["steps"]) for r in full] == [(4, 4), (5, 1), (8, 3), (10, 2)]
+    fit(TinyJob(), settings(tmp_path / "cut", steps=10, log_every=5, save_every=4))
+    ckpt = tmp_path / "cut" / "checkpoints" / "step-00000004"
+    fit(TinyJob(), settings(tmp_path / "cut", steps=10, log_every=5, save_every=4, resume=str(ckpt)))
+    resumed = rows(tmp_path / "cut")
+    assert [r["step"] for r in resumed] == [4, 5, 8, 10]
+    for a, b in zip(full, resumed):
+        assert a["task_loss"] == pytest.approx(b["task_loss"], rel=1e-6) and a["steps"] == b["steps"]
+
+
+def test_warm_up_follows_transformers():
+    transformers = pytest.importorskip("transformers")
+    assert warmup_steps(0.01, 50) == 1 and warmup_steps(0.1, 25) == 3 and warmup_steps(4, 10) == 4
+    for warmup, total in ((0, 10), (3, 10), (1, 2)):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        ref = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
+        ours = linear_schedule(warmup, total)
+        for step in range(total + 1):
+            assert ours(step) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12), (warmup, total, step)
+
+
+LOCK_HOLDER = """
+import sys, time
+from bert.trainer import output_dir_lock
+with output_dir_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_holder_leaves_no_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirBusy, match=rf"in use by another job \(pid {holder.pid} on "):
+            with output_dir_lock(str(tmp_path)):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with output_dir_lock(str(tmp_path)):  # the kernel dropped the dead process's lock
+        with open(tmp_path / ".lock") as f:
+            assert f"pid {os.getpid()}" in f.read()
