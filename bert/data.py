@@ -284,8 +284,27 @@ def iter_instances(documents, max_seq_len: int, special: SpecialIds, seed: int, 
                 yield {"input_ids": ids, "token_type_ids": types, "next_sentence_label": label}
 
 
+def check_instance(x: dict, vocab_size: int, where: str) -> torch.Tensor:
+    """A pre-training instance's input_ids as a tensor, after checking what the model would otherwise meet as a
+    wrong loss or an index error: at least one token, ids in [0, vocab_size), token_type_ids of the same length
+    in {0, 1}, a next_sentence_label of 0 or 1. `where` names the instance in the error."""
+    ids = torch.as_tensor(x["input_ids"], dtype=torch.long)
+    types = torch.as_tensor(x["token_type_ids"], dtype=torch.long)
+    nsp = x["next_sentence_label"]
+    problems = [message for bad, message in (
+        (ids.dim() != 1 or ids.numel() == 0, "has no tokens"),
+        (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size), f"has ids outside [0, {vocab_size})"),
+        (types.shape != ids.shape or (types.numel() and (int(types.min()) < 0 or int(types.max()) > 1)),
+         "has token_type_ids that are not 0/1 for each token"),
+        (nsp not in (0, 1), f"has next_sentence_label {nsp!r}, not 0 or 1")) if bad]
+    if problems:
+        raise ValueError(f"{where} " + ", ".join(problems))
+    return ids
+
+
 class MLMCollator:
-    """Pads a list of instances to the longest (rounded up to a multiple of 8) and masks them for MLM.
+    """Pads a list of instances to the longest (rounded up to a multiple of 8) and masks them for MLM; instances
+    are checked first (`check_instance`).
 
     Each row is masked with its own generator, seeded from the collator's seed and the row's key (the trainer
     passes the instance's place in the run: global step and position in the global batch). So a row is masked
@@ -310,9 +329,12 @@ class MLMCollator:
 
     def __call__(self, instances: list[dict], keys: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
         keys = list(range(len(instances))) if keys is None else list(keys)
+        if len(keys) != len(instances):
+            raise ValueError(f"{len(instances)} instances but {len(keys)} masking keys")
         rows = []
-        for x, key in zip(instances, keys):
-            masked, labels = self._mask_row(torch.as_tensor(x["input_ids"], dtype=torch.long), key)
+        for i, (x, key) in enumerate(zip(instances, keys)):
+            ids = check_instance(x, self.special.vocab_size, f"instance {i} of the batch")
+            masked, labels = self._mask_row(ids, key)
             rows.append({"input_ids": masked, "token_type_ids": x["token_type_ids"], "labels": labels,
                          "next_sentence_label": x["next_sentence_label"]})
         return pad_batch(rows, self.special.pad, self.multiple)

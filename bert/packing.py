@@ -33,13 +33,19 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .data import MLMCollator
+from .data import MLMCollator, check_instance
 
 
 def pack(lengths, budget: int, max_seqs: int, window: int = 1024) -> list[list[int]]:
     """Indices of `lengths` grouped into packs of at most `budget` tokens and `max_seqs` sequences: best-fit
     decreasing within consecutive windows of `window` instances. Every index appears exactly once."""
     lengths = [int(n) for n in lengths]
+    for name, value in (("budget", budget), ("max_seqs", max_seqs), ("window", window)):
+        if int(value) < 1:
+            raise ValueError(f"pack: {name} must be at least 1, got {value}")
+    negative = [i for i, n in enumerate(lengths) if n < 0]
+    if negative:
+        raise ValueError(f"pack: instance {negative[0]} has a negative length {lengths[negative[0]]}")
     too_long = [i for i, n in enumerate(lengths) if n > budget]
     if too_long:
         raise ValueError(f"instance {too_long[0]} has {lengths[too_long[0]]} tokens, more than the budget {budget}")
@@ -118,15 +124,19 @@ class PackingCollator:
                                  f"does not fit {per_row} instances of {L} tokens")
 
     def __call__(self, rows: list[list[dict]], keys) -> dict:
-        """rows: lists of instances; keys: one masking key per instance, in order."""
+        """rows: lists of instances; keys: one masking key per instance, in order. Every instance is checked
+        (bert.data.check_instance), so the batch passes the model's packed validation."""
         self._check(rows)
+        keys = list(keys)
+        if len(keys) != sum(len(row) for row in rows):
+            raise ValueError(f"{sum(len(row) for row in rows)} instances but {len(keys)} masking keys")
         out, L = self._empty(), self.shapes.max_seqlen
         keys, s, labelled = iter(keys), 0, 0
         for r, row in enumerate(rows):
             start = r * L
-            for x in row:
-                n = len(x["input_ids"])
-                ids = torch.as_tensor(x["input_ids"], dtype=torch.long)
+            for j, x in enumerate(row):
+                ids = check_instance(x, self.masker.special.vocab_size, f"instance {j} of row {r}")
+                n = len(ids)
                 masked, labels = self.masker.mask_exact(ids, next(keys))
                 chosen = (labels != -100).nonzero().squeeze(1)
                 over = chosen[self.shapes.labels - labelled:]  # past R: undone (rare; see the module docstring)

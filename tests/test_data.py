@@ -16,7 +16,7 @@ def create_instances(documents, max_seq_len, special, seed):
     """All NSP instances of `documents` as a list."""
     return list(iter_instances(documents, max_seq_len, special, seed))
 
-SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
+SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=40_000, special=(0, 1, 2, 3, 4))  # id_documents: < 32,000
 
 
 def id_documents(n_docs=30, sentences=20, length=10):

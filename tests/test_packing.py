@@ -182,3 +182,106 @@ def test_packed_validation_names_the_problem():
     crossing = torch.tensor([0, 5, 12], dtype=torch.int32)  # rows of 8: the second sequence spans both
     with pytest.raises(ValueError, match="1 sequence\\(s\\) cross a row boundary"):
         model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16) % 8, crossing, 8, validate=True)
+
+
+def _model_and_batch(backend="torch"):
+    import bert
+
+    torch.manual_seed(0)
+    model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=1000, backend=backend,
+                                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    rng = random.Random(2)
+    insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
+    shapes = PackedShapes.for_rows(rows=2, max_seqlen=48, per_row=2, mlm_probability=0.15)
+    batch = PackingCollator(MLMCollator(SPECIAL, seed=3), shapes)([[insts[0]], [insts[1], insts[2]]], keys=[1, 2, 3])
+    return model, batch
+
+
+def _with(batch, **changes):
+    out = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    for key, (index, value) in changes.items():
+        out[key][index] = value
+    return out
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mlm_positions=(0, -1)), "1 mlm_positions outside the sequences"),
+    (dict(mlm_positions=(0, 96)), "1 mlm_positions outside the sequences"),     # == T: was a raw IndexError
+    (dict(mlm_positions=(0, 44)), "1 mlm_positions in filler"),                  # row 0's filler tail
+    (dict(mlm_labels=(0, 1000)), "1 mlm_labels outside [0, 1000)"),
+    (dict(next_sentence_label=(5, 1)), "1 next_sentence_label(s) on an empty sequence"),
+    (dict(next_sentence_label=(0, 5)), "1 next_sentence_label(s) outside {0, 1, -100}"),
+    (dict(cu_seqlens=(-1, 4000)), "cu_seqlens ends at 4000, past the 96 tokens"),
+])
+def test_packed_validation_covers_the_label_side(change, message):
+    """Each of these changed the loss (or raised a raw IndexError) under validate=True; now each is named. On the
+    CPU the check is free, so it runs without validate too."""
+    model, batch = _model_and_batch()
+    bad = _with(batch, **change)
+    for validate in (True, False):
+        with pytest.raises(ValueError, match="packed batch: .*" + message.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[").replace("{", r"\{")):
+            model(**bad, validate=validate)
+
+
+def test_a_duplicated_mlm_position_is_refused():
+    model, batch = _model_and_batch()
+    used = (batch["mlm_labels"] != -100).nonzero().squeeze(1)
+    bad = _with(batch, mlm_positions=(used[1], batch["mlm_positions"][used[0]]),
+                mlm_labels=(used[1], batch["mlm_labels"][used[0]]))
+    with pytest.raises(ValueError, match="1 mlm_positions given twice"):
+        model(**bad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_unchecked_slots_outside_the_tokens_or_vocabulary_count_for_nothing_on_both_backends(backend, monkeypatch):
+    """Where values go unchecked (a GPU batch without validate; here the CPU's free check switched off), a slot
+    whose position or label is out of range is ignored alike on both backends: never a read out of bounds, an
+    error inside a kernel, or a different loss."""
+    import bert.model
+
+    model, batch = _model_and_batch(backend)
+    reference = model(**batch)
+    used = (batch["mlm_labels"] != -100).nonzero().squeeze(1)
+    dropped = _with(batch, mlm_labels=(used[:2], -100))
+    monkeypatch.setattr(bert.model, "checks_are_free", lambda t: False)
+    monkeypatch.setattr(bert.padding, "checks_are_free", lambda t: False)
+    expected = model(**dropped)
+    for change in (dict(mlm_positions=(used[:2], torch.tensor([-7, 10**6]))),
+                   dict(mlm_labels=(used[:2], torch.tensor([1000, -3])))):
+        out = model(**_with(batch, **change))
+        torch.testing.assert_close(out.mlm_loss, expected.mlm_loss)
+        assert int(out.mlm_count) == int(expected.mlm_count) == int(reference.mlm_count) - 2
+
+
+def test_packed_max_seqlen_may_be_a_numpy_integer_or_a_zero_d_tensor():
+    import numpy as np
+
+    model, batch = _model_and_batch()
+    ref = model(**batch).loss
+    for form in (np.int64(48), torch.tensor(48), torch.tensor([48])):
+        torch.testing.assert_close(model(**{**batch, "max_seqlen": form}).loss, ref)
+    with pytest.raises(ValueError, match="packed max_seqlen must be an integer, got float 48.0"):
+        model(**{**batch, "max_seqlen": 48.0})
+
+
+def test_collator_and_pack_check_their_inputs():
+    rng = random.Random(0)
+    collate = PackingCollator(MLMCollator(SPECIAL, seed=0), PackedShapes.for_rows(2, 48, 2, 0.15))
+    good = instance(20, rng, 1)
+    cases = [
+        (([[good, good]], [1]), "2 instances but 1 masking keys"),
+        (([[{**good, "next_sentence_label": 5}]], [1]), "instance 0 of row 0 has next_sentence_label 5, not 0 or 1"),
+        (([[{**good, "input_ids": good["input_ids"][:-1] + [1000]}]], [1]), "has ids outside [0, 1000)"),
+        (([[good], [{"input_ids": [], "token_type_ids": [], "next_sentence_label": 0}]], [1, 2]),
+         "instance 0 of row 1 has no tokens"),
+    ]
+    for (rows, keys), message in cases:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+            collate(rows, keys)
+    with pytest.raises(ValueError, match=r"instance 0 of the batch has next_sentence_label 5"):
+        MLMCollator(SPECIAL)([{**good, "next_sentence_label": 5}])
+    with pytest.raises(ValueError, match="pack: max_seqs must be at least 1, got 0"):
+        pack([3, 4], budget=10, max_seqs=0)
+    with pytest.raises(ValueError, match="pack: instance 1 has a negative length -4"):
+        pack([3, -4], budget=10, max_seqs=2)
