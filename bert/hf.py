@@ -29,8 +29,8 @@ output_hidden_states, or with a mask that differs between queries, runs the orig
 """
 from __future__ import annotations
 
+import inspect
 import math
-import types
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -374,33 +374,62 @@ def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Te
     return _get(task, head.norm)(x)
 
 
-def _fused_mlm_forward(self, input_ids=None, attention_mask=None, labels=None, next_sentence_label=None,
-                       **kwargs):
-    """A masked-LM task model's forward that, given labels, never forms the vocabulary logits."""
-    head, base = self._bertfuse_mlm
-    if labels is None or kwargs.get("output_attentions") or kwargs.get("output_hidden_states") \
-            or kwargs.get("return_dict") is False:
-        if next_sentence_label is not None:
-            kwargs["next_sentence_label"] = next_sentence_label
-        return self._bertfuse_forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-    kwargs.pop("return_dict", None)
-    out = getattr(self, base)(input_ids, attention_mask=attention_mask, **kwargs)
-    hidden, labels = out[0], labels.reshape(-1)
-    decoder = _get(self, head.decoder)
-    check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
-    rows = (labels != -100).nonzero().squeeze(1)
-    h = _head_transform(self, head, hidden.reshape(-1, hidden.shape[-1])[rows])
-    loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=_backend(h)).loss
-    if _has(self, "cls.seq_relationship"):  # BERT pre-training: next-sentence prediction as well
-        from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
+class FusedMLMForward:
+    """A masked-LM task model's forward that, given labels, never forms the vocabulary logits; set as the task
+    model's `forward` attribute. Arguments bind as the model's own forward binds them (so a positional call means
+    the same fused and unfused), and it pickles with the model (a plain object, not a bound function)."""
 
-        nsp_logits = self.cls.seq_relationship(out[1])
-        if next_sentence_label is not None:
-            loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), next_sentence_label.view(-1))
-        return BertForPreTrainingOutput(loss=loss, prediction_logits=None, seq_relationship_logits=nsp_logits)
-    from transformers.modeling_outputs import MaskedLMOutput
+    def __init__(self, task: nn.Module, head: MLMHead, base: str):
+        self.task, self.head, self.base = task, head, base
+        self.original = task.__dict__.get("forward")  # another wrapper's, if any; else the class's forward
 
-    return MaskedLMOutput(loss=loss, logits=None)
+    def unfused(self, *args, **kwargs):
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.task).forward(self.task, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The unfused forward's: what inspect (transformers.Trainer choosing its input columns...) sees."""
+        return inspect.signature(self.original or type(self.task).forward.__get__(self.task))
+
+    def _arguments(self, args, kwargs) -> dict:
+        """Every argument by name, as the unfused forward would bind it."""
+        bound = self.__signature__.bind(*args, **kwargs)
+        named = {}
+        for name, value in bound.arguments.items():
+            kind = bound.signature.parameters[name].kind
+            named.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+        return named
+
+    def __call__(self, *args, **kwargs):
+        kw = self._arguments(args, kwargs)
+        labels, nsp_label = kw.pop("labels", None), kw.pop("next_sentence_label", None)
+        if labels is None or kw.get("output_attentions") or kw.get("output_hidden_states") \
+                or kw.get("return_dict") is False:
+            return self.unfused(*args, **kwargs)
+        kw.pop("return_dict", None)
+        out = getattr(self.task, self.base)(**{k: v for k, v in kw.items() if v is not None})
+        return self._loss(out, labels, nsp_label)
+
+    def _loss(self, out, labels, nsp_label):
+        task, head = self.task, self.head
+        hidden, labels = out[0], labels.reshape(-1)
+        decoder = _get(task, head.decoder)
+        check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
+        rows = (labels != -100).nonzero().squeeze(1)
+        h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
+        loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=_backend(h)).loss
+        if _has(task, "cls.seq_relationship"):  # BERT pre-training: next-sentence prediction as well
+            from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
+
+            nsp_logits = task.cls.seq_relationship(out[1])
+            if nsp_label is not None:
+                loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), nsp_label.view(-1))
+            return BertForPreTrainingOutput(loss=loss, prediction_logits=None, seq_relationship_logits=nsp_logits)
+        from transformers.modeling_outputs import MaskedLMOutput
+
+        return MaskedLMOutput(loss=loss, logits=None)
 
 
 def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports) -> list:
@@ -416,8 +445,7 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports) -> list:
                 report.fused.append(f"{n} head modules ({type(task).__name__})")
             head = _mlm_head(task)
             if head is not None and task not in patched:
-                task._bertfuse_forward, task._bertfuse_mlm = task.forward, (head, base)
-                task.forward = types.MethodType(_fused_mlm_forward, task)
+                task.forward = FusedMLMForward(task, head, base)
                 patched.append(task)
                 report.fused.append(f"MLM loss at labelled positions ({type(task).__name__})")
     return patched
@@ -450,7 +478,10 @@ def unfuse(model: nn.Module) -> nn.Module:
         old.train(getattr(parent, name).training)
         setattr(parent, name, old)
     for task in heads:
-        del task.forward, task._bertfuse_forward, task._bertfuse_mlm
+        original = task.forward.original
+        del task.forward
+        if original is not None:
+            task.forward = original
     object.__delattr__(model, _ORIGINALS)
     object.__delattr__(model, _REPORT)
     return model

@@ -188,3 +188,58 @@ def test_one_training_step_through_transformers_trainer(tmp_path):
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(model.roberta.encoder.layer[0].attention.self.query.weight, before)
     assert "MLM loss at labelled positions (RobertaForMaskedLM)" in fuse_report(model)[0].fused
+
+
+MLM_CLASSES = [("bert", "ForPreTraining"), ("bert", "ForMaskedLM"), ("roberta", "ForMaskedLM"),
+               ("xlm-roberta", "ForMaskedLM"), ("camembert", "ForMaskedLM"), ("electra", "ForMaskedLM"),
+               ("distilbert", "ForMaskedLM")]
+
+
+def _positional(model, ids, mask, labels):
+    """Arguments in the order of the model's own forward, up to the labels (BERT pre-training's NSP label too):
+    ids, mask, token type ids (all zero) where the family has them, None for the rest."""
+    import inspect
+
+    nsp = torch.tensor([0, 1, 0]) if labels is not None else None
+    values = {"input_ids": ids, "attention_mask": mask, "labels": labels, "token_type_ids": torch.zeros_like(ids),
+              "next_sentence_label": nsp}
+    names = [n for n, p in inspect.signature(type(model).forward).parameters.items()
+             if n != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    last = "next_sentence_label" if "next_sentence_label" in names else "labels"
+    return [values.get(n) for n in names[:names.index(last) + 1]]
+
+
+@pytest.mark.parametrize("family, head", MLM_CLASSES)
+def test_positional_calls_mean_the_same_fused_and_unfused(family, head):
+    """The fused forward binds arguments as the model's own does: `model(ids, mask, token_type_ids)` took the third
+    as labels when fused (a loss, no logits) and as token_type_ids unfused."""
+    ref = build(family, head)
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, labels = batch(family)
+    three = _positional(ref, ids, mask, None)[:3]
+    with torch.no_grad():
+        a, b = ref(*three), fused(*three)
+    assert a.loss is None and b.loss is None
+    logits = "prediction_logits" if head == "ForPreTraining" else "logits"
+    assert rel_err(getattr(b, logits)[mask.bool()], getattr(a, logits)[mask.bool()]) <= TOL
+    args = _positional(ref, ids, mask, labels)
+    a, b = ref(*args), fused(*args)
+    assert getattr(b, logits) is None and rel_err(b.loss, a.loss) <= TOL
+
+
+def test_a_fused_model_pickles_both_ways(tmp_path):
+    """torch.save of a fused model used to load into an error ('no attribute _fused_mlm_forward'); now it loads
+    fused, computes the same, and unfuses."""
+    ref = build("bert", "ForPreTraining")
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, labels = batch("bert")
+    torch.save(fused, tmp_path / "fused.pt")
+    loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
+    assert fuse_report(loaded)
+    want = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, labels=labels).loss, want)
+    unfuse(loaded)
+    assert "forward" not in loaded.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).prediction_logits,
+                                   ref(input_ids=ids, attention_mask=mask).prediction_logits)
