@@ -96,9 +96,9 @@ class _PoolLabels:
     """Stands in for the MLM masker of bert.packing.PackingCollator: instance `key` of a synthetic pool keeps the
     labels make_batch drew for it."""
 
-    def __init__(self, pool: Batch):
+    def __init__(self, pool: Batch, vocab: int):
         self.pool = pool
-        self.special = type("Special", (), {"pad": 0})
+        self.special = type("Special", (), {"pad": 0, "vocab_size": vocab})  # what PackingCollator reads
 
     def mask_exact(self, ids: torch.Tensor, key: int):
         return ids, self.pool.labels[key, :len(ids)]
@@ -117,6 +117,6 @@ def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, 
     rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))[:batch]]
     instances = [[{"input_ids": pool.input_ids[i, :lengths[i]], "token_type_ids": pool.token_type_ids[i, :lengths[i]],
                    "next_sentence_label": int(pool.next_sentence_label[i])} for i in row] for row in rows]
-    collate = PackingCollator(_PoolLabels(pool), PackedShapes.for_rows(batch, seq_len, 3, mlm_p))
+    collate = PackingCollator(_PoolLabels(pool, vocab), PackedShapes.for_rows(batch, seq_len, 3, mlm_p))
     out = collate(instances, keys=[i for row in rows for i in row])
     return PackedBatch(**out)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from bert.checkpoint import atomic_write
 from bert.cli import add_debug_flag
 
 from . import e2e, encode, precompile
@@ -322,12 +323,51 @@ def main(argv=None) -> int:
     return run("bert-bench", lambda: bench(args, argv), args.debug)
 
 
-def bench(args, argv) -> int:
+MAX_SEQ_LEN = 512  # the position embeddings of every model the suites build
+
+
+def check_args(args) -> torch.device:
+    """Every option checked before any work, each error one line naming the flag; returns the device."""
     if args.packing_corpus and not os.path.exists(args.packing_corpus):
         raise FileNotFoundError(f"--packing-corpus {args.packing_corpus}: no such file or directory")
     if args.padding != "wiki":
-        sample_lengths(1, 8, args.padding, np.random.default_rng(0))  # a bad --padding fails before any work
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            sample_lengths(1, 8, args.padding, np.random.default_rng(0))
+        except ValueError:
+            raise ValueError(f"--padding {args.padding}: use 'wiki' or a padding fraction in [0, 0.5]") from None
+    for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    for n in args.seq_len or []:
+        if not 8 <= n <= MAX_SEQ_LEN:
+            raise ValueError(f"--seq-len {n}: must be in [8, {MAX_SEQ_LEN}] (the models have {MAX_SEQ_LEN} positions)")
+    if args.families and args.suite not in ("all", "e2e"):
+        raise ValueError(f"--families applies to the end-to-end suite, not --suite {args.suite}")
+    if args.encode_models and args.suite != "encode":
+        raise ValueError(f"--encode-models applies to --suite encode, not --suite {args.suite}")
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"--device {name}: use cuda (or cuda:N) or cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available here (torch {torch.__version__})")
+    return device
+
+
+OUTPUTS = ("results.json", "e2e.csv", "kernels.csv", "encode.csv", "packing.csv", "speedup.png", "padding.png")
+
+
+def remove_stale(out_dir: str, written: set) -> None:
+    """Outputs of an earlier run in the same directory that this run did not write: removed, so that the folder
+    holds one run's files, all consistent with its results.json."""
+    for name in OUTPUTS:
+        path = os.path.join(out_dir, name)
+        if name not in written and os.path.exists(path):
+            os.remove(path)
+
+
+def bench(args, argv) -> int:
+    device = check_args(args)
     cuda = device.type == "cuda"
     out_dir = args.output_dir or os.path.join("bert-bench-results", device_name(device))
     os.makedirs(out_dir, exist_ok=True)
@@ -335,20 +375,41 @@ def bench(args, argv) -> int:
     plan = make_plan(args, cuda)
     print(f"# bert-bench on {meta['device']} ({meta['date']})\n")
     print(describe(plan, cuda, args.full))
-    meta["peaks"] = peaks = measure_peaks(device)
-    print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
-          f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
     results, written = {"meta": meta, "e2e": [], "kernels": [], "encode": [], "packing": []}, set()
 
     def save():
-        """Written after every row, so a run cut short (a time limit) still leaves what it measured."""
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        """Written after every row, so a run cut short (a time limit, Ctrl-C) still leaves what it measured."""
+        def write(tmp):
+            with open(tmp, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+
+        atomic_write(os.path.join(out_dir, "results.json"), write)
         written.add("results.json")
         for name in ("e2e", "kernels", "encode", "packing"):
             if write_csv(os.path.join(out_dir, f"{name}.csv"), results[name]):
                 written.add(f"{name}.csv")
 
+    try:
+        meta["peaks"] = peaks = measure_peaks(device)
+        print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
+              f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
+        run_suites(args, plan, peaks, device, results, save)
+    except KeyboardInterrupt:
+        save()
+        written |= set(plot(results["e2e"], out_dir))
+        remove_stale(out_dir, written)
+        done = sum(len(results[k]) for k in ("e2e", "kernels", "encode", "packing"))
+        print(f"\nInterrupted: wrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)} with the {done} "
+              "row(s) that finished", file=sys.stderr)
+        return 130
+    written |= set(plot(results["e2e"], out_dir))
+    remove_stale(out_dir, written)
+    print(f"\nWrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)}")
+    return 0
+
+
+def run_suites(args, plan: Plan, peaks: dict, device, results: dict, save) -> None:
+    cuda = device.type == "cuda"
     if args.precompile if args.precompile is not None else cuda:
         suites = ["layer_norm_rows", "bias_gelu_rows", "attention_rows", "mlm_loss_rows"] if cuda else []
         precompile.run(precompile.jobs(suites if plan.kernels else [], plan.variants if cuda and plan.e2e else [],
@@ -367,6 +428,3 @@ def bench(args, argv) -> int:
         results["packing"] = packing.measure(args.packing_corpus)
         print(packing.table(results["packing"]))
     save()
-    written |= set(plot(results["e2e"], out_dir))
-    print(f"\nWrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)}")
-    return 0

@@ -160,7 +160,16 @@ def run_variant(variant: str, spec: dict) -> dict:
 
 
 def in_fresh_process(fn, *args):
-    """fn(*args) in a freshly spawned Python process (no allocator, compile-cache or peak-memory state shared)."""
+    """fn(*args) in a freshly spawned Python process (no allocator, compile-cache or peak-memory state shared).
+    Ctrl-C stops the child at once (rather than waiting for it to finish) and reaches the caller, which keeps what
+    finished before."""
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+    try:
         return pool.submit(fn, *args).result()
+    except KeyboardInterrupt:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

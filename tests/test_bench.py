@@ -133,7 +133,7 @@ def test_quick_cpu_default_leaves_out_compile():
 def test_bad_padding_is_one_line_before_any_work(capsys):
     assert main(["--padding", "0.7", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("bert-bench: error: padding must be 'wiki' or a fraction") and "Traceback" not in err
+    assert err.startswith("bert-bench: error: --padding 0.7: use 'wiki' or a padding fraction") and "Traceback" not in err
 
 
 def test_encode_suite_on_the_cpu(tmp_path, capsys, monkeypatch):
@@ -154,3 +154,60 @@ def test_roberta_family_step_runs_eager_and_fused():
     for variant in ("hf-eager", "hf-fused"):  # fresh processes: the fused model's PyTorch path on this CPU
         row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
         assert row["status"] == "ok" and row["family"] == "roberta", row
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "tpu"], "--device tpu: use cuda (or cuda:N) or cpu"),
+    (["--seq-len", "0"], "--seq-len 0: must be in [8, 512]"),
+    (["--seq-len", "128", "1024"], "--seq-len 1024: must be in [8, 512]"),
+    (["--steps", "-3"], "--steps must be at least 1, got -3"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--padding", "abc"], "--padding abc: use 'wiki' or a padding fraction"),
+    (["--suite", "encode", "--families", "roberta"], "--families applies to the end-to-end suite"),
+    (["--suite", "e2e", "--encode-models", "minilm"], "--encode-models applies to --suite encode"),
+])
+def test_bad_options_are_one_line_before_any_work(argv, message, capsys, tmp_path):
+    assert main(argv + ["--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bert-bench: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_without_a_gpu_is_one_line(capsys):
+    assert main(["--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_what_finished_and_says_so(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second variant: the first variant's row is kept and written, with one line saying so
+    (it was a traceback, and the finished result was thrown away)."""
+    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    calls = []
+
+    def fake(fn, variant, spec):
+        calls.append(variant)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return dict(spec, variant=variant, status="ok", tokens_per_s=100.0, TFLOPs=0.01, step_ms=1.0)
+
+    monkeypatch.setattr(e2e, "in_fresh_process", fake)
+    out = tmp_path / "o"
+    assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
+                 "--variants", "hf-eager", "ours-torch", "--output-dir", str(out), "--device", "cpu"]) == 130
+    err = capsys.readouterr().err
+    assert "Interrupted: wrote e2e.csv, results.json" in err and "with the 1 row(s) that finished" in err
+    assert "Traceback" not in err
+    assert [r["variant"] for r in json.loads((out / "results.json").read_text())["e2e"]] == ["hf-eager"]
+
+
+def test_a_later_run_leaves_no_stale_files_of_an_earlier_one(tmp_path, monkeypatch):
+    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("e2e.csv", "speedup.png", "padding.png"):
+        (out / name).write_text("from an earlier run")
+    monkeypatch.setattr("bench.cli.mlm_loss_rows", lambda peaks, quick, device: [{"kernel": "mlm_loss", "status": "ok"}])
+    assert main(["--suite", "kernels", "--output-dir", str(out), "--device", "cpu"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["kernels.csv", "results.json"]
