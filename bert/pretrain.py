@@ -153,7 +153,8 @@ def check_static_shape_options(args) -> None:
         given = [flag for flag, value in (("--tokens-per-batch", args.tokens_per_batch),
                                           ("--instances-per-row", args.instances_per_row)) if value is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} only apply to packed batches; drop them or --no-packing")
+            raise ValueError(f"{' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to packed "
+                             "batches; drop --no-packing or the option")
     elif args.instances_per_row is None:
         args.instances_per_row = 3
     if args.compile:

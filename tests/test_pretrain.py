@@ -212,6 +212,10 @@ def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path
     (["--config", "nonsense"], "neither a preset (tiny, mini, base, large)"),
     (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
     (["--mlm-probability", "0"], "--mlm-probability must be in (0, 1]"),
+    (["--compile", "nosuchbackend"], "--compile nosuchbackend: not a torch.compile backend (known: "),
+    (["--no-packing", "--tokens-per-batch", "256"], "--tokens-per-batch only applies to packed batches"),
+    (["--no-packing", "--instances-per-row", "2"], "--instances-per-row only applies to packed batches"),
+    (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be 0 or more, got -1"),
 ])
 def test_arguments_are_checked_before_any_work_with_one_line(tmp_path, corpus, capsys, flags, message):
     from bert.pretrain import main
@@ -245,3 +249,25 @@ def test_packed_run_compiles_and_logs_its_packing_efficiency(tmp_path, corpus):
         assert 0.5 < a["packing_efficiency"] <= 1.0
         assert a["mlm_loss"] == pytest.approx(b["mlm_loss"], rel=1e-5)
         assert a["nsp_loss"] == pytest.approx(b["nsp_loss"], rel=1e-5)
+
+
+def test_a_token_budget_larger_than_the_data_names_the_token_budget(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"instances do not fill one step of 4096 row\(s\) of 64 tokens .* lower "
+                                         r"--tokens-per-batch"):
+        train(args_for(tmp_path, corpus, "--tokens-per-batch", str(4096 * 64)))
+
+
+def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, corpus, capsys):
+    from bert.pretrain import main
+
+    argv = ["--data", corpus, "--train-tokenizer", "200", "--config", "tiny", "--max-seq-len", "64",
+            "--batch-size", "8", "--steps", "6", "--lr", "1e6", "--warmup", "0", "--save-every", "1",
+            "--eval-every", "0", "--output-dir", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("bert-pretrain: error:")]  # (datasets' bars aside)
+    assert line.startswith("bert-pretrain: error: step ") and "is not finite" in line and "Traceback" not in err
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    for name in os.listdir(tmp_path / "run" / "checkpoints"):
+        sd = bert.checkpoint.read_state_dict(str(tmp_path / "run" / "checkpoints" / name))
+        assert all(torch.isfinite(t).all() for t in sd.values()), name
