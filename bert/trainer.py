@@ -332,7 +332,7 @@ class _Window:
         cpu = torch.tensor([*self.counts.values(), self.tokens, self.seqs, self.slots], dtype=torch.float64)
         if d.world > 1:  # counts, tokens and sequences of every rank
             cpu = d.all_sum(cpu.to(device)).cpu()
-            local, health = d.all_sum(local), d.all_sum(health.float())
+            local, health = d.all_sum(local), d.all_sum(health.float()) / d.world  # (a flag > 0: some rank)
         values = torch.cat([local.float(), health.float().flatten()]).tolist()
         *counts, tokens, seqs, slots = cpu.tolist()
         health_rows = [values[len(names) + 3 * i:len(names) + 3 * i + 3] for i in range(len(self.health))]

@@ -311,3 +311,29 @@ def test_resume_names_changed_training_data_and_labels(tmp_path, checkpoint):
     open(train, "w").write(text.replace("\t1\n", "\tpos\n").replace("\t0\n", "\tneg\n"))
     with pytest.raises(ValueError, match=r"--train-labels was \['0', '1'\], now \['neg', 'pos'\]"):
         run(args("classify", checkpoint, train, train, tmp_path / "a", *common, "--resume"))
+
+
+def test_a_second_job_on_a_busy_output_dir_is_refused_in_one_line(tmp_path, checkpoint, capsys):
+    """Two bert-finetune runs on one directory interleaved their logs and removed each other's temporary
+    checkpoints; the second is now refused while the first holds the directory."""
+    import subprocess
+    import sys
+
+    from bert.finetune import main
+
+    train, _ = sentiment_files(tmp_path, n=16)
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom bert.trainer import output_dir_lock\n"
+                               "with output_dir_lock(sys.argv[1]):\n    print('locked', flush=True)\n"
+                               "    time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["classify", "--model", checkpoint, "--train", train, "--output-dir", str(out),
+                     "--max-steps", "1", "--no-progress"]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert err.startswith(f"bert-finetune: error: {out} is in use by another job (pid {holder.pid} on ")
+    assert not (out / "log.jsonl").exists()
