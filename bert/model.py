@@ -484,7 +484,7 @@ def check_packed_labels(config, cu_seqlens, total: int, positions, labels, nsp, 
         return
     used, nsp_used = labels != -100, nsp != -100
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    inside = (positions >= 0) & (positions < min(total, 2**62)) & (positions < cu_seqlens[-1].long())
+    inside = (positions >= 0) & (positions < total) & (positions < cu_seqlens[-1].long())
     # The sequence of each position (clamped: positions outside are counted apart), and whether it is an instance.
     seq = torch.searchsorted(cu_seqlens[1:].contiguous().long(), positions.clamp(0, max(total - 1, 0)), right=True)
     in_instance = nsp_used[seq.clamp(max=max(sequences - 1, 0))] if sequences else torch.zeros_like(used)
