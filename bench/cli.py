@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from bert.checkpoint import atomic_write
-from bert.cli import add_debug_flag
+from bert.cli import add_debug_flag, check_numbers
 
 from . import e2e, encode, precompile
 from .kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
@@ -335,9 +335,7 @@ def check_args(args) -> torch.device:
             sample_lengths(1, 8, args.padding, np.random.default_rng(0))
         except ValueError:
             raise ValueError(f"--padding {args.padding}: use 'wiki' or a padding fraction in [0, 0.5]") from None
-    for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    check_numbers(args, positive=("batch", "steps"))
     for n in args.seq_len or []:
         if not 8 <= n <= MAX_SEQ_LEN:
             raise ValueError(f"--seq-len {n}: must be in [8, {MAX_SEQ_LEN}] (the models have {MAX_SEQ_LEN} positions)")

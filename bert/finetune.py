@@ -96,9 +96,6 @@ def validate_args(args) -> None:
                                   "max_eval_examples", "grad_accum", "log_every", "keep_checkpoints"),
                   non_negative=("weight_decay", "max_grad_norm", "eval_every", "save_every", "max_nonfinite_steps"),
                   fractions=("warmup",))
-    if args.train and args.batch_size < args.grad_accum:
-        raise ValueError(f"--batch-size {args.batch_size} is smaller than --grad-accum {args.grad_accum}: every "
-                         "accumulation step needs at least one example")
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
     if args.task == "qa" and args.doc_stride >= args.max_seq_len:
@@ -226,9 +223,10 @@ def run(args) -> dict:
     locked for the run; an evaluation-only run writes its metrics and predictions there, never a model."""
     validate_args(args)
     device, d = setup_device()
-    if args.train and args.batch_size < d.world * args.grad_accum:
-        raise ValueError(f"--batch-size {args.batch_size} is smaller than {d.world} rank(s) x --grad-accum "
-                         f"{args.grad_accum}: every micro-batch needs at least one example")
+    if args.train and args.batch_size < d.world * args.grad_accum:  # (setup_device is cheap: still before any work)
+        ranks = f" x {d.world} ranks" if d.world > 1 else ""
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than --grad-accum {args.grad_accum}{ranks}: "
+                         "every micro-batch needs at least one example")
     with output_dir_lock(args.output_dir, d):
         torch.manual_seed(args.seed)
         task, tokenizer, train_data, eval_data, id2label, model = load(args, device, d)

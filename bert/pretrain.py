@@ -147,8 +147,8 @@ def validate_args(args) -> None:
 
 
 def check_static_shape_options(args) -> None:
-    """Packing's options only with packing (never silently ignored), a --compile backend torch knows, checked
-    before any tokenising."""
+    """Packing's options only with packing (never silently ignored; so --instances-per-row defaults to None and
+    is set to 3 here when packing), a --compile backend torch knows, checked before any tokenising."""
     if not args.packing:
         given = [flag for flag, value in (("--tokens-per-batch", args.tokens_per_batch),
                                           ("--instances-per-row", args.instances_per_row)) if value is not None]
