@@ -57,39 +57,9 @@ def make_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: 
     return Batch(ids, mask, token_type, labels, nsp)
 
 
-@dataclass
-class PackedBatch:
-    """A packed micro-batch of a fixed token budget (bert.packing's layout), filled from a pool of synthetic
-    sequences; fields as BertForPreTraining's packed call takes them."""
-    input_ids: torch.Tensor            # [T]
-    token_type_ids: torch.Tensor       # [T]
-    position_ids: torch.Tensor         # [T]
-    cu_seqlens: torch.Tensor           # [S + 1] int32
-    mlm_positions: torch.Tensor        # [R]
-    mlm_labels: torch.Tensor           # [R], -100 in unused slots
-    next_sentence_label: torch.Tensor  # [S], -100 in unused slots
-    max_seqlen: int
-
-    @property
-    def labelled(self) -> int:
-        return int((self.mlm_labels != -100).sum())
-
-    @property
-    def lengths(self) -> list[int]:
-        """Of the real sequences: not the rows' filler tails or the unused slots (their NSP label is -100)."""
-        cu, nsp = self.cu_seqlens.tolist(), self.next_sentence_label.tolist()
-        return [b - a for a, b, label in zip(cu, cu[1:], nsp) if label != -100]
-
-    @property
-    def slots(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "max_seqlen"),
-                           self.max_seqlen)
-
-    def kwargs(self, family: str = "bert") -> dict:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+def model_kwargs(batch, family: str = "bert") -> dict:
+    """The model's keyword arguments for a padded synthetic Batch or a packed bert.packing.PackedBatch."""
+    return batch.kwargs(family) if isinstance(batch, Batch) else dict(batch)
 
 
 class _PoolLabels:
@@ -104,7 +74,7 @@ class _PoolLabels:
         return ids, self.pool.labels[key, :len(ids)]
 
 
-def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15) -> PackedBatch:
+def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15):
     """The budget of a padded [batch, seq_len] batch as `batch` rows of seq_len tokens (bert.packing's layout,
     up to 3 instances a row), filled with sequences of make_batch's lengths and contents: a pool of 16 x batch
     sequences is packed into rows best-fit decreasing, and `batch` rows drawn at random from them are laid out
@@ -118,5 +88,4 @@ def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, 
     instances = [[{"input_ids": pool.input_ids[i, :lengths[i]], "token_type_ids": pool.token_type_ids[i, :lengths[i]],
                    "next_sentence_label": int(pool.next_sentence_label[i])} for i in row] for row in rows]
     collate = PackingCollator(_PoolLabels(pool, vocab), PackedShapes.for_rows(batch, seq_len, 3, mlm_p))
-    out = collate(instances, keys=[i for row in rows for i in row])
-    return PackedBatch(**out)
+    return collate(instances, keys=[i for row in rows for i in row])

@@ -73,6 +73,8 @@ def _stepper(variant: str, model, device, amp, family: str):
     as one CUDA graph on the first call (bert.static.GraphedStep, capturable AdamW) and replayed after."""
     from bert.optim import adamw
 
+    from .batches import model_kwargs
+
     graphs = variant == "ours-packed-graphs"
     if graphs and device.type != "cuda":
         raise RuntimeError("CUDA graphs need a GPU")
@@ -90,8 +92,8 @@ def _stepper(variant: str, model, device, amp, family: str):
         from bert.static import GraphedStep
 
         graphed = GraphedStep(step, model, opt)
-        return lambda b: graphed([b.kwargs(family)], {})
-    return lambda b: step([b.kwargs(family)])
+        return lambda b: graphed([model_kwargs(b, family)], {})
+    return lambda b: step([model_kwargs(b, family)])
 
 
 def pytorch_path_on_cpu(device: str) -> None:

@@ -13,12 +13,18 @@ import copy
 import os
 import sys
 
+from bert import hf
+
 SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
              max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 DISTIL = dict(vocab_size=99, dim=64, n_layers=2, n_heads=4, hidden_dim=100, max_position_embeddings=40,
               dropout=0.0, attention_dropout=0.0)
-PAD = {"roberta": 1, "xlm-roberta": 1, "camembert": 1}  # the RoBERTa family pads with id 1, positions after it
-FAMILIES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "distilbert-sinusoidal"]
+# Every family the drop-in knows (bert.hf.FAMILIES), and DistilBERT once more with sinusoidal positions.
+FAMILIES = [*(f.name for f in hf.FAMILIES), "distilbert-sinusoidal"]
+
+
+def _record(name: str):
+    return hf.family(name.removesuffix("-sinusoidal"))
 
 
 def build(family: str, head: str = "ForMaskedLM"):
@@ -27,15 +33,13 @@ def build(family: str, head: str = "ForMaskedLM"):
     import transformers
 
     torch.manual_seed(0)
-    if family.startswith("distilbert"):
+    record = _record(family)
+    if record.name == "distilbert":  # its config names the sizes differently
         cfg = transformers.DistilBertConfig(**DISTIL, sinusoidal_pos_embds=family.endswith("sinusoidal"))
-        return getattr(transformers, "DistilBert" + head)(cfg).eval()
-    if family == "electra":
-        cfg = transformers.ElectraConfig(**SMALL, embedding_size=32)  # projected up to the hidden size
-        return getattr(transformers, "Electra" + head)(cfg).eval()
-    name = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert", "bert": "Bert"}[family]
-    cfg = getattr(transformers, name + "Config")(**SMALL, pad_token_id=PAD.get(family, 0))
-    return getattr(transformers, name + head)(cfg).eval()
+    else:  # ELECTRA: a 32-wide embedding projected up to the hidden size
+        extra = {"embedding_size": 32} if record.name == "electra" else {}
+        cfg = getattr(transformers, record.prefix + "Config")(**SMALL, **extra, pad_token_id=record.pad_token_id)
+    return getattr(transformers, record.prefix + head)(cfg).eval()
 
 
 def batch(family: str, seed: int = 3, device="cpu"):
@@ -45,7 +49,7 @@ def batch(family: str, seed: int = 3, device="cpu"):
     lengths = torch.tensor([17, 9, 2])
     g = torch.Generator().manual_seed(seed)
     mask = (torch.arange(17)[None] < lengths[:, None]).long()
-    ids = torch.randint(3, 99, (3, 17), generator=g).masked_fill(mask == 0, PAD.get(family, 0))
+    ids = torch.randint(3, 99, (3, 17), generator=g).masked_fill(mask == 0, _record(family).pad_token_id)
     labels = torch.where((torch.rand(ids.shape, generator=g) < 0.3) & mask.bool(), ids, -100)
     labels[0, 1] = ids[0, 1]
     return ids.to(device), mask.to(device), labels.to(device)

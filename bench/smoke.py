@@ -189,9 +189,11 @@ def check_mlm_loss(s: Shapes, dtype, device) -> Result:
 
 def _model_step(model, batch, device, dtype):
     """(loss, flat gradient) of one forward + backward, under autocast for half precision."""
+    from .batches import model_kwargs
+
     model.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        loss = model(**batch.kwargs()).loss
+        loss = model(**model_kwargs(batch)).loss
     loss.backward()
     grads = [p.grad.flatten().double() for p in model.parameters() if p.grad is not None]
     return loss.detach().double(), torch.cat(grads)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bert
-from bench.batches import make_batch
+from bench.batches import make_batch, model_kwargs
 
 transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()
@@ -26,7 +26,7 @@ def test_pretraining_step(benchmark, impl):
 
     def step():
         with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=CUDA):
-            loss = model(**batch.kwargs()).loss
+            loss = model(**model_kwargs(batch)).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

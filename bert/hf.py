@@ -8,7 +8,9 @@ they learned. `fuse_hf_bert` / `unfuse_hf_bert` are the same calls under their f
 
 Encoders are recognised by structure (submodule names), not class, so a family's copies and custom subclasses
 are covered. An encoder model is a module with `embeddings` and an `encoder` or `transformer` holding a `layer`
-list; its layers are
+list. What the drop-in knows about each Hugging Face family is one `Family` record in `FAMILIES` (its layer
+structure, the Linear + activation pairs, the MLM head, the padding id), read by the fuser, its tests and
+bench.hf_parity; a new family is one record. The layer structures (`Layers`) are
   * BERT-like (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA...): attention.self.{query,key,value},
     attention.output.{dense,dropout,LayerNorm}, intermediate.{dense,intermediate_act_fn},
     output.{dense,dropout,LayerNorm};
@@ -32,7 +34,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,16 +50,6 @@ _REPORT = "_bertfuse_report"
 
 def _warn(reason: str) -> None:
     ops.warn_once(f"fuse: {reason}")
-
-
-def _backend(t: torch.Tensor) -> str:
-    """'triton' where the kernels run on t's device (CUDA; the CPU under TRITON_INTERPRET=1); else 'torch', so a
-    fused model moved to the CPU still runs (the same math, in PyTorch), with one warning."""
-    if t.is_cuda or (t.device.type == "cpu" and ops._kernels().attention.INTERPRET):
-        return "triton"
-    _warn(f"tensors on {t.device.type}: the fused layers run their PyTorch path there (the Triton kernels need a "
-          "CUDA device)")
-    return "torch"
 
 
 def _get(module, path: str):
@@ -84,43 +76,14 @@ def gelu_kind(act) -> str | None:
     return None
 
 
-# ---- fused modules ------------------------------------------------------------------------------
-class FusedLayerNorm(nn.LayerNorm):
-    """nn.LayerNorm holding the original module's own Parameters; LayerNorm(dropout(x) + residual) in one
-    kernel where the kernels run."""
-
-    @classmethod
-    def from_module(cls, ln: nn.LayerNorm) -> "FusedLayerNorm":
-        fused = cls(ln.normalized_shape, eps=ln.eps, elementwise_affine=False, bias=False)
-        fused.elementwise_affine, fused.weight, fused.bias = ln.elementwise_affine, ln.weight, ln.bias
-        return fused.train(ln.training)
-
-    def forward(self, x, residual=None, dropout_p: float = 0.0):
-        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
-                              dropout_p=dropout_p if self.training else 0.0, backend=_backend(x))
-
-
-class FusedLinearGeLU(nn.Module):
-    """A Linear whose output goes through GeLU, as one module with the Linear's own `weight` and `bias` (same
-    state_dict keys): the matmul without bias, then GeLU(x + bias) in one kernel. The activation module it
-    absorbs is replaced by nn.Identity."""
-
-    def __init__(self, linear: nn.Linear, approximate: str):
-        super().__init__()
-        self.weight, self.bias, self.approximate = linear.weight, linear.bias, approximate
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x):
-        return ops.bias_gelu(F.linear(x, self.weight), self.bias, self.approximate, backend=_backend(x))
-
-
+# ---- fused modules (the per-op drop-ins are kernels.LayerNorm and kernels.LinearGeLU) ---------------
 class FusedSelfOutput(nn.Module):
     """BertSelfOutput / BertOutput and their copies: LayerNorm(dropout(dense(x)) + residual), one fused kernel."""
 
     def __init__(self, orig: nn.Module):
         super().__init__()
         self.dense, self.dropout = orig.dense, orig.dropout
-        self.LayerNorm = FusedLayerNorm.from_module(orig.LayerNorm)
+        self.LayerNorm = ops._kernels().LayerNorm.from_module(orig.LayerNorm)
 
     def forward(self, hidden_states, input_tensor):
         return self.LayerNorm(self.dense(hidden_states), residual=input_tensor, dropout_p=self.dropout.p)
@@ -147,31 +110,99 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
     return keys[:, 0, 0, :]
 
 
-def _bert_layer(layer, x, u, training: bool):
+def _bert_layer(layer, x, p, training: bool):
     sa = layer.attention.self
-    ctx = ops.self_attention(x, u, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size,
-                             sa.dropout.p if training else 0.0, _backend(x))
+    ctx = ops.self_attention(x, p, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size,
+                             sa.dropout.p if training else 0.0, ops.backend_for(x))
     x = layer.attention.output(ctx, x)
     return layer.output(layer.intermediate(x), x)
 
 
-def _distilbert_layer(layer, x, u, training: bool):
+def _distilbert_layer(layer, x, p, training: bool):
     at, ffn = layer.attention, layer.ffn
-    ctx = ops.self_attention(x, u, at.q_lin, at.k_lin, at.v_lin, at.n_heads, at.attention_head_size,
-                             at.dropout.p if training else 0.0, _backend(x))
+    ctx = ops.self_attention(x, p, at.q_lin, at.k_lin, at.v_lin, at.n_heads, at.attention_head_size,
+                             at.dropout.p if training else 0.0, ops.backend_for(x))
     x = layer.sa_layer_norm(at.out_lin(ctx), residual=x)
     return layer.output_layer_norm(ffn.lin2(ffn.activation(ffn.lin1(x))), residual=x, dropout_p=ffn.dropout.p)
 
 
-LAYERS = {"bert": _bert_layer, "distilbert": _distilbert_layer}
+# ---- one record per layer structure and per model family ------------------------------------------
+class Layers(NamedTuple):
+    """A layer structure the fused encoder runs, recognised by its submodule paths (so a family's copies and
+    custom subclasses are covered)."""
+    name: str
+    paths: tuple[str, ...]         # submodules every such layer has
+    attention: str                 # the module holding q, k, v, the head size and the scaling
+    run: Callable                  # (layer, packed x, bert.padding.Packed, training) -> x
+    output: str                    # the transformers.modeling_outputs class the original encoder returns
+
+
+class MLMHead(NamedTuple):
+    """Paths, inside the task model, of a family's MLM head: dense -> GeLU -> LayerNorm -> decoder (tied)."""
+    dense: str
+    act: str | None          # None: the head calls an erf GeLU function, not a module (RoBERTa's lm_head)
+    norm: str
+    decoder: str
+
+
+class Family(NamedTuple):
+    """Everything the drop-in, its tests and the parity benchmark need to know about a Hugging Face family."""
+    name: str                      # "bert", "roberta", ...
+    prefix: str                    # transformers' class-name prefix: BertConfig, BertForMaskedLM, ...
+    layers: Layers
+    linear_act: tuple[tuple[str, str], ...]   # (Linear, activation) children applied in that order, heads too
+    mlm_head: MLMHead
+    pad_token_id: int              # the RoBERTa family pads with 1 and counts positions after it
+
+
+BERT_LAYERS = Layers("bert", ("attention.self.query", "attention.self.key", "attention.self.value",
+                              "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
+                              "output.dense", "output.LayerNorm"),
+                     "attention.self", _bert_layer, "BaseModelOutputWithPastAndCrossAttentions")
+DISTILBERT_LAYERS = Layers("distilbert", ("attention.q_lin", "attention.k_lin", "attention.v_lin",
+                                          "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2",
+                                          "output_layer_norm"),
+                           "attention", _distilbert_layer, "BaseModelOutput")
+_BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
+                    "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
+_ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
+_BERT_ACT = (("dense", "intermediate_act_fn"), ("dense", "transform_act_fn"))
+FAMILIES = (
+    Family("bert", "Bert", BERT_LAYERS, _BERT_ACT, _BERT_MLM, 0),
+    Family("roberta", "Roberta", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
+    Family("xlm-roberta", "XLMRoberta", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
+    Family("camembert", "Camembert", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
+    Family("electra", "Electra", BERT_LAYERS, (*_BERT_ACT, ("dense", "activation")),
+           MLMHead("generator_predictions.dense", "generator_predictions.activation",
+                   "generator_predictions.LayerNorm", "generator_lm_head"), 0),
+    Family("distilbert", "DistilBert", DISTILBERT_LAYERS, (("lin1", "activation"), ("vocab_transform", "activation")),
+           MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"), 0),
+)
+
+
+def family(name: str) -> Family:
+    found = [f for f in FAMILIES if f.name == name]
+    if not found:
+        raise ValueError(f"unknown family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+    return found[0]
+
+
+def _unique(items) -> tuple:
+    return tuple(dict.fromkeys(items))
+
+
+LAYERS = _unique(f.layers for f in FAMILIES)
+# (Linear, activation) child pairs whose parent applies the activation right after the Linear.
+LINEAR_ACT = _unique(pair for f in FAMILIES for pair in f.linear_act)
+MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 
 class FusedEncoder(nn.Module):
     """An encoder on packed tokens with the varlen attention kernel; the same `layer` ModuleList (same keys)."""
 
-    def __init__(self, orig: nn.Module, kind: str, config):
+    def __init__(self, orig: nn.Module, layers: Layers, config):
         super().__init__()
-        self.layer, self.kind, self.config = orig.layer, kind, config
+        self.layer, self.layers, self.config = orig.layer, layers, config
         object.__setattr__(self, "_original", orig)  # not a submodule: its parameters are already ours
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
@@ -190,32 +221,17 @@ class FusedEncoder(nn.Module):
             return self._original(hidden_states, attention_mask=attention_mask, **kwargs)
         from transformers import modeling_outputs as outputs
 
-        u = unpad_mask(keys)
-        x = unpad(hidden_states, u)
+        p = unpad_mask(keys)
+        x = unpad(hidden_states, p)
         for layer in self.layer:
-            x = LAYERS[self.kind](layer, x, u, self.training)
+            x = self.layers.run(layer, x, p, self.training)
         # What the original encoder returns: BERT-like models read `.cache` from it too.
-        output = outputs.BaseModelOutput if self.kind == "distilbert" else \
-            outputs.BaseModelOutputWithPastAndCrossAttentions
-        return output(last_hidden_state=pad(x, u))
+        return getattr(outputs, self.layers.output)(last_hidden_state=pad(x, p))
 
 
 # ---- recognising what is inside a model -------------------------------------------------------
-BERT_LAYER = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-              "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
-DISTILBERT_LAYER = ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm",
-                    "ffn.lin1", "ffn.lin2", "output_layer_norm")
-# (Linear, activation) child pairs whose parent applies the activation right after the Linear.
-LINEAR_ACT = (("dense", "intermediate_act_fn"), ("dense", "transform_act_fn"), ("lin1", "activation"),
-              ("dense", "activation"), ("vocab_transform", "activation"))
-
-
-def layer_kind(layer: nn.Module) -> str | None:
-    if _has(layer, *BERT_LAYER):
-        return "bert"
-    if _has(layer, *DISTILBERT_LAYER):
-        return "distilbert"
-    return None
+def layer_kind(layer: nn.Module) -> Layers | None:
+    return next((kind for kind in LAYERS if _has(layer, *kind.paths)), None)
 
 
 def _is_output_block(m: nn.Module) -> bool:
@@ -250,9 +266,9 @@ class EncoderReport:
                f"kept {kept}"
 
 
-def _attention_problems(enc_model: nn.Module, kind: str, layer: nn.Module) -> list[str]:
+def _attention_problems(enc_model: nn.Module, kind: Layers, layer: nn.Module) -> list[str]:
     cfg = getattr(enc_model, "config", None)
-    at = layer.attention.self if kind == "bert" else layer.attention
+    at = _get(layer, kind.attention)
     head_dim = at.attention_head_size
     reasons = []
     if head_dim not in ops._kernels().attention.HEAD_DIMS:
@@ -295,7 +311,7 @@ class _Fuser:
                         _warn(f"{report.family}: activation {type(activation).__name__} has no fused kernel; "
                               f"{path}.{lin} stays unfused")
                     continue
-                self.replace(m, lin, FusedLinearGeLU(linear, kind))
+                self.replace(m, lin, ops._kernels().LinearGeLU.from_linear(linear, kind))
                 self.replace(m, act, nn.Identity())
                 fused += 1
         return fused
@@ -307,18 +323,14 @@ class _Fuser:
         return len(blocks)
 
     def layer_norms(self, root: nn.Module) -> int:
-        lns = [(p, name) for p in list(root.modules()) for name, c in p.named_children()
-               if type(c) is nn.LayerNorm and len(c.normalized_shape) == 1]
-        for parent, name in lns:
-            self.replace(parent, name, FusedLayerNorm.from_module(getattr(parent, name)))
-        return len(lns)
+        return ops._kernels().fuse_layer_norms(root, swap=self.replace)
 
 
 def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
     encoder = getattr(model, child)
     kinds = {layer_kind(layer) for layer in encoder.layer}
     kind = kinds.pop() if len(kinds) == 1 else None
-    report = EncoderReport(path, type(model).__name__, kind or "unknown")
+    report = EncoderReport(path, type(model).__name__, kind.name if kind else "unknown")
     n_blocks = fuser.output_blocks(model)
     n_gelus = fuser.linear_gelus(model, report)
     n_norms = fuser.layer_norms(model)
@@ -337,24 +349,6 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
 
 
 # ---- masked-LM heads given labels: the loss at labelled rows only, no vocabulary logits --------------------
-class MLMHead(NamedTuple):
-    """Paths, inside the task model, of a family's MLM head: dense -> GeLU -> LayerNorm -> decoder (tied)."""
-    dense: str
-    act: str | None          # None: the head calls an erf GeLU function, not a module (RoBERTa's lm_head)
-    norm: str
-    decoder: str
-
-
-MLM_HEADS = (
-    MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
-            "cls.predictions.transform.LayerNorm", "cls.predictions.decoder"),                    # BERT
-    MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder"),                      # RoBERTa family
-    MLMHead("generator_predictions.dense", "generator_predictions.activation", "generator_predictions.LayerNorm",
-            "generator_lm_head"),                                                                 # ELECTRA
-    MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"),              # DistilBERT
-)
-
-
 def _mlm_head(task: nn.Module) -> MLMHead | None:
     for head in MLM_HEADS:
         if _has(task, head.dense, head.norm, head.decoder) and (head.act is None or _has(task, head.act)) \
@@ -365,10 +359,10 @@ def _mlm_head(task: nn.Module) -> MLMHead | None:
 
 def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Tensor:
     dense = _get(task, head.dense)
-    if isinstance(dense, FusedLinearGeLU):   # the activation was absorbed (an Identity now)
+    if isinstance(dense, ops._kernels().LinearGeLU):   # the activation was absorbed (an Identity now)
         x = dense(x)
     elif head.act is None:
-        x = ops.bias_gelu(F.linear(x, dense.weight), dense.bias, "none", backend=_backend(x))
+        x = ops.linear_gelu(x, dense.weight, dense.bias, "none", backend=ops.backend_for(x))
     else:
         x = _get(task, head.act)(dense(x))
     return _get(task, head.norm)(x)
@@ -419,7 +413,7 @@ class FusedMLMForward:
         check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
         rows = (labels != -100).nonzero().squeeze(1)
         h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
-        loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=_backend(h)).loss
+        loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=ops.backend_for(h)).loss
         if _has(task, "cls.seq_relationship"):  # BERT pre-training: next-sentence prediction as well
             from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 

@@ -15,7 +15,7 @@ from torch import nn
 from . import ops
 from .checkpoint import PretrainedMixin
 from .config import BertConfig
-from .padding import Unpadded, checks_are_free, pack_check, packed_layout, pad, read_values, unpad, unpad_mask
+from .padding import Packed, checks_are_free, kept, pad, read_values, to_tokens, unpad
 
 
 # ---- outputs (HF's field names) ------------------------------------------------------------------
@@ -64,15 +64,6 @@ class QuestionAnsweringModelOutput:
 
 
 # ---- input checks --------------------------------------------------------------------------------
-def _check_int_tensor(name, t, shape, device):
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (the shape of input_ids)")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but input_ids is on {device}")
-
-
 def check_labels(labels, high, name, shape, keep=None, ignore_index=-100):
     """labels must lie in [0, high) or equal ignore_index, and be ignore_index wherever keep is False."""
     if labels.is_floating_point():
@@ -137,9 +128,9 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, x, u: Unpadded, backend):
+    def forward(self, x, p: Packed, backend):
         # One matmul for q, k and v (ops.project_qkv); the parameters stay three HF-named Linears.
-        return ops.self_attention(x, u, self.query, self.key, self.value, self.num_attention_heads,
+        return ops.self_attention(x, p, self.query, self.key, self.value, self.num_attention_heads,
                                   self.attention_head_size, self.dropout.p if self.training else 0.0, backend)
 
 
@@ -162,8 +153,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, x, u, backend):
-        return self.output(self.self(x, u, backend), x, backend)
+    def forward(self, x, p, backend):
+        return self.output(self.self(x, p, backend), x, backend)
 
 
 class BertIntermediate(nn.Module):
@@ -173,8 +164,7 @@ class BertIntermediate(nn.Module):
         self.approximate = config.gelu_approximate
 
     def forward(self, x, backend):
-        # The bias is added inside the GeLU so the fused kernel reads the matmul's output once.
-        return ops.bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, self.approximate, backend=backend)
+        return ops.linear_gelu(x, self.dense.weight, self.dense.bias, self.approximate, backend=backend)
 
 
 class BertOutput(BertSelfOutput):
@@ -189,8 +179,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x, u, backend):
-        x = self.attention(x, u, backend)
+    def forward(self, x, p, backend):
+        x = self.attention(x, p, backend)
         return self.output(self.intermediate(x, backend), x, backend)
 
 
@@ -199,9 +189,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x, u, backend):
+    def forward(self, x, p, backend):
         for layer in self.layer:
-            x = layer(x, u, backend)
+            x = layer(x, p, backend)
         return x
 
 
@@ -223,7 +213,7 @@ class BertPredictionHeadTransform(nn.Module):
         self.approximate = config.gelu_approximate
 
     def forward(self, x, backend):
-        x = ops.bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, self.approximate, backend=backend)
+        x = ops.linear_gelu(x, self.dense.weight, self.dense.bias, self.approximate, backend=backend)
         return ops.layer_norm(x, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, backend=backend)
 
 
@@ -301,115 +291,87 @@ class BertModel(BertPreTrainedModel):
         if init:  # task models initialise everything once, their heads included
             self.init_weights()
 
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        """Validate, unpad and run the encoder. Returns (hidden [total_tokens, hidden], Unpadded)."""
-        cfg = self.config
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a [batch, seq_len] tensor, got {shape}")
-        device, (batch, seqlen) = input_ids.device, input_ids.shape
-        _check_int_tensor("input_ids", input_ids, None, device)
-        if device != self.embeddings.word_embeddings.weight.device:
-            raise ValueError(f"input_ids is on {device} but the model is on {self.embeddings.word_embeddings.weight.device}")
-        if position_ids is None and seqlen > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {seqlen} is longer than max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if tuple(attention_mask.shape) != (batch, seqlen):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)} "
-                             "(the shape of input_ids)")
-        if attention_mask.device != device:
-            raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids is on {device}")
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        _check_int_tensor("token_type_ids", token_type_ids, (batch, seqlen), device)
-        if position_ids is None:
-            position_ids = torch.arange(seqlen, device=device).expand(batch, seqlen)
-        _check_int_tensor("position_ids", position_ids, (batch, seqlen), device)
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, cu_seqlens=None,
+               max_seqlen=None, row_aligned: bool = False, validate: bool = False):
+        """The model's one edge (bert.padding.to_tokens): a padded call or a packed one (cu_seqlens and
+        max_seqlen), checked once, then the encoder on packed tokens. Returns (hidden [T, hidden], Packed)."""
+        weight = self.embeddings.word_embeddings.weight
+        if isinstance(input_ids, torch.Tensor) and input_ids.device != weight.device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {weight.device}")
+        t = to_tokens(self.config, input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens, max_seqlen,
+                      row_aligned, validate)
+        x = self.embeddings(t.input_ids, t.token_type_ids, t.position_ids, self.backend)
+        return self.encoder(x, t.layout, self.backend), t.layout
 
-        keep = attention_mask != 0
-        seqlens = keep.sum(1, dtype=torch.int32)
-        # Every range check and the sizes the unpadding needs come back in one device sync.
-        # Padded positions are not checked: their ids are never read.
-        ranges = []
-        for t in (input_ids, token_type_ids, position_ids):
-            t = t.masked_fill(~keep, 0)
-            ranges += [t.min(), t.max()] if t.numel() else [t.new_zeros(())] * 2
-        stats = torch.stack([*ranges, seqlens.max() if batch else seqlens.new_zeros(()), seqlens.sum()]).tolist()
-        (id_lo, id_hi, tt_lo, tt_hi, pos_lo, pos_hi, max_seqlen, total) = stats
-        if id_lo < 0 or id_hi >= cfg.vocab_size:
-            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}); got values in [{id_lo}, {id_hi}]")
-        if tt_lo < 0 or tt_hi >= cfg.type_vocab_size:
-            raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size}); "
-                             f"got values in [{tt_lo}, {tt_hi}]")
-        if pos_lo < 0 or pos_hi >= cfg.max_position_embeddings:
-            raise ValueError(f"position_ids must lie in [0, max_position_embeddings={cfg.max_position_embeddings}); "
-                             f"got values in [{pos_lo}, {pos_hi}]")
-
-        u = unpad_mask(keep, seqlens, max_seqlen)
-        backend = self.backend
-        x = self.embeddings(unpad(input_ids, u), unpad(token_type_ids, u), unpad(position_ids, u), backend)
-        return self.encoder(x, u, backend), u
-
-    def pool(self, hidden, u: Unpadded):
-        """The pooled vector of each sequence's first real token ([CLS]); zeros for an empty sequence."""
+    def pool(self, hidden, p: Packed):
+        """The pooled vector of each sequence's first token ([CLS]); zeros for an empty sequence. No sync."""
         if self.pooler is None:
             return None
-        first = hidden.new_zeros(u.batch, hidden.shape[-1])
-        nonempty = (u.cu_seqlens[1:] > u.cu_seqlens[:-1]).nonzero().squeeze(1)
-        first = first.index_put((nonempty,), hidden[u.cu_seqlens[:-1].long()[nonempty]])
-        return self.pooler(first)
+        nonempty = (p.cu_seqlens[1:] > p.cu_seqlens[:-1])[:, None]
+        if hidden.shape[0] == 0:
+            return self.pooler(hidden.new_zeros(p.sequences, hidden.shape[-1]))
+        first = hidden[p.cu_seqlens[:-1].long().clamp(0, hidden.shape[0] - 1)]
+        return self.pooler(torch.where(nonempty, first, 0))
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> BertModelOutput:
-        hidden, u = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        return BertModelOutput(last_hidden_state=pad(hidden, u), pooler_output=self.pool(hidden, u))
-
-    def encode_packed(self, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int,
-                      validate: bool = False):
-        """A packed batch (bert.packing), every shape fixed: input_ids, token_type_ids, position_ids [T] in rows of
-        max_seqlen tokens that no sequence crosses, the sequences one after another as cu_seqlens [S + 1] says
-        (empty ones allowed), filler after the last. Returns (hidden [T, hidden], Unpadded). No host sync, unless
-        `validate` checks the values (one sync); a batch on the CPU is always checked (no sync to save)."""
-        max_seqlen = pack_check(self.config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
-                                validate)
-        u = packed_layout(cu_seqlens, input_ids.shape[0], max_seqlen)
-        x = self.embeddings(input_ids, token_type_ids, position_ids, self.backend)
-        return self.encoder(x, u, self.backend), u
-
-    def pool_packed(self, hidden, u: Unpadded):
-        """pool() for a packed batch, without a sync: an empty sequence reads a clamped row and is zeroed."""
-        if self.pooler is None:
-            return None
-        starts = u.cu_seqlens[:-1].long().clamp(max=hidden.shape[0] - 1)
-        nonempty = (u.cu_seqlens[1:] > u.cu_seqlens[:-1]).to(hidden.dtype)[:, None]
-        return self.pooler(hidden[starts] * nonempty)
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                **packed) -> BertModelOutput:
+        """last_hidden_state is [batch, seq, hidden] for a padded call, [T, hidden] for a packed one."""
+        hidden, p = self.encode(input_ids, attention_mask, token_type_ids, position_ids, **packed)
+        return BertModelOutput(last_hidden_state=pad(hidden, p) if p.origin else hidden,
+                               pooler_output=self.pool(hidden, p))
 
 
 class _MLMMixin:
-    """Masked-LM loss on labelled positions only: gather, transform, decode, cross-entropy."""
+    """Masked-LM loss on labelled positions only: gather, transform, decode, cross-entropy; one path for padded
+    labels ([batch, seq], -100 where unlabelled) and packed ones (positions into the tokens and their labels)."""
 
-    def _mlm(self, hidden, u, labels):
-        check_labels(labels, self.config.vocab_size, "labels", (u.batch, u.seqlen), keep=self._keep(u))
-        labels = unpad(labels, u)
-        rows = (labels != -100).nonzero().squeeze(1)
+    def _mlm_targets(self, p: Packed, labels, mlm_positions, mlm_labels, next_sentence_label, validate):
+        """(positions [R], labels [R]) into the packed tokens, from either kind of labels, checked."""
+        if p.origin is not None:
+            if mlm_positions is not None or mlm_labels is not None:
+                raise ValueError("mlm_positions and mlm_labels label a packed batch; a padded one takes labels")
+            o = p.origin
+            check_labels(labels, self.config.vocab_size, "labels", (o.batch, o.seqlen), keep=kept(p))
+            flat = unpad(labels, p)
+            rows = (flat != -100).nonzero().squeeze(1)
+            return rows, flat[rows]
+        if labels is not None:
+            raise ValueError("a packed batch takes mlm_positions and mlm_labels, not labels")
+        check_packed_labels(self.config, p, mlm_positions, mlm_labels, next_sentence_label,
+                            validate or checks_are_free(p.cu_seqlens))
+        return mlm_positions, mlm_labels
+
+    def _mlm(self, hidden, positions, labels):
+        """The loss at `positions` (hidden's rows). A slot whose position is outside the tokens or whose label is
+        outside the vocabulary (-100: unused) counts for nothing and reads nothing out of bounds."""
+        total = hidden.shape[0]
+        usable = (positions >= 0) & (positions < total) & (labels >= 0) & (labels < self.config.vocab_size)
+        labels = torch.where(usable, labels, -100)
         head, backend = self.cls.predictions, self.backend
-        h = head.transform(hidden[rows], backend)
-        out = ops.masked_lm_loss(h, head.decoder.weight, head.bias, labels[rows], backend=backend)
-        return out, rows.new_tensor(rows.numel())
+        h = head.transform(hidden[positions.clamp(0, max(total - 1, 0))], backend)
+        return ops.masked_lm_loss(h, head.decoder.weight, head.bias, labels, backend=backend), usable.sum()
 
-    @staticmethod
-    def _keep(u: Unpadded):
-        keep = torch.zeros(u.batch * u.seqlen, dtype=torch.bool, device=u.indices.device)
-        return keep.index_fill(0, u.indices, True).view(u.batch, u.seqlen)
+
+def _nsp_loss(p: Packed, logits, next_sentence_label):
+    if p.origin is not None:  # packed labels were checked with the MLM ones
+        check_labels(next_sentence_label, 2, "next_sentence_label", (p.sequences,))
+    return cross_entropy(logits, next_sentence_label)
 
 
 class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
     """BERT with the MLM head (decoder tied to the word embeddings) and the NSP head.
 
-    Without `labels`, `prediction_logits` is the full [batch, seq, vocab] (zeros at padding), as in HF.
-    With `labels`, only labelled positions go through the head; `prediction_logits` then holds their logits
-    [num_labelled, vocab] on the torch backend and is None on the triton backend, which never forms them.
+    A padded call (HF's) or a packed one (bert.padding; bert.packing.PackingCollator builds them): labelled tokens
+    are then mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
+    unused slots, and a sequence whose next_sentence_label is -100 is filler (a row's tail, an unused slot). The
+    same instances packed (any cu_seqlens) or padded give the same losses and gradients. A packed call has every
+    shape fixed by (T, S, R) and waits for nothing, so torch.compile traces it whole and a CUDA graph captures it;
+    its label values are checked (`check_packed_labels`) with `validate` (one sync) and whenever the batch is on
+    the CPU (free).
+
+    Without labels, `prediction_logits` is the full [batch, seq, vocab] (zeros at padding), as in HF. With labels,
+    only labelled positions go through the head; `prediction_logits` then holds their logits [labelled, vocab] on
+    the torch backend and is None on the triton backend, which never forms them.
     """
 
     def __init__(self, config: BertConfig):
@@ -418,75 +380,50 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
         self.cls = BertPreTrainingHeads(config)
         self.init_weights()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                labels=None, next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None, mlm_positions=None,
-                mlm_labels=None, validate: bool = False) -> BertForPreTrainingOutput:
-        """HF's padded call; given cu_seqlens, a packed batch instead (see forward_packed), so that a trainer or
-        DistributedDataParallel can call the module itself with either kind of batch."""
-        if cu_seqlens is not None:
-            return self.forward_packed(input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
-                                       mlm_positions, mlm_labels, next_sentence_label, validate)
-        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        nsp_logits = self.cls.seq_relationship(self.bert.pool(hidden, u))
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None, row_aligned: bool = False,
+                mlm_positions=None, mlm_labels=None, validate: bool = False) -> BertForPreTrainingOutput:
+        hidden, p = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                                     max_seqlen=max_seqlen, row_aligned=row_aligned, validate=validate)
+        nsp_logits = self.cls.seq_relationship(self.bert.pool(hidden, p))
         out = BertForPreTrainingOutput(seq_relationship_logits=nsp_logits)
-        if labels is None:
-            out.prediction_logits = pad(self.cls.predictions(hidden, self.backend), u)
+        if labels is None and mlm_labels is None:
+            logits = self.cls.predictions(hidden, self.backend)
+            out.prediction_logits = pad(logits, p) if p.origin else logits
         else:
-            mlm, out.mlm_count = self._mlm(hidden, u, labels)
+            positions, targets = self._mlm_targets(p, labels, mlm_positions, mlm_labels, next_sentence_label,
+                                                   validate)
+            mlm, out.mlm_count = self._mlm(hidden, positions, targets)
             out.mlm_loss, out.mlm_correct, out.prediction_logits = mlm
         if next_sentence_label is not None:
-            check_labels(next_sentence_label, 2, "next_sentence_label", (u.batch,))
-            out.nsp_loss = cross_entropy(nsp_logits, next_sentence_label)
+            out.nsp_loss = _nsp_loss(p, nsp_logits, next_sentence_label)
         losses = [l for l in (out.mlm_loss, out.nsp_loss) if l is not None]
         out.loss = sum(losses) if losses else None
         return out
 
-    def forward_packed(self, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen: int, mlm_positions,
-                       mlm_labels, next_sentence_label, validate: bool = False) -> BertForPreTrainingOutput:
-        """Pre-training on a packed batch (bert.packing.PackingCollator): the labelled tokens are given as
-        mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
-        unused slots, and a sequence whose next_sentence_label is -100 is filler (a row's tail, an unused slot).
-        The same instances packed or padded give the same losses and gradients. Every shape is fixed by (T, S, R)
-        and nothing waits for the device, so torch.compile traces it whole and a CUDA graph can capture it.
 
-        The values are checked (`check_packed_labels`) with `validate` (one sync) and always when the batch is on
-        the CPU (free). Unchecked, a slot whose position lies outside [0, T) or whose label lies outside the
-        vocabulary counts for nothing, on both backends: never a read out of bounds."""
-        hidden, u = self.bert.encode_packed(input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen,
-                                            validate)
-        check_packed_labels(self.config, cu_seqlens, input_ids.shape[0], mlm_positions, mlm_labels,
-                            next_sentence_label, validate or checks_are_free(cu_seqlens))
-        nsp_logits = self.cls.seq_relationship(self.bert.pool_packed(hidden, u))
-        head, total = self.cls.predictions, input_ids.shape[0]
-        usable = (mlm_positions >= 0) & (mlm_positions < total) & (mlm_labels >= 0) & \
-            (mlm_labels < self.config.vocab_size)
-        mlm_labels = torch.where(usable, mlm_labels, -100)
-        h = head.transform(hidden[mlm_positions.clamp(0, max(total - 1, 0))], self.backend)
-        mlm = ops.masked_lm_loss(h, head.decoder.weight, head.bias, mlm_labels, backend=self.backend)
-        nsp_loss = cross_entropy(nsp_logits, next_sentence_label)
-        return BertForPreTrainingOutput(loss=mlm.loss + nsp_loss, prediction_logits=mlm.logits,
-                                        seq_relationship_logits=nsp_logits, mlm_loss=mlm.loss, nsp_loss=nsp_loss,
-                                        mlm_correct=mlm.correct, mlm_count=(mlm_labels != -100).sum())
-
-
-def check_packed_labels(config, cu_seqlens, total: int, positions, labels, nsp, check_values: bool) -> None:
+def check_packed_labels(config, p: Packed, positions, labels, nsp, check_values: bool) -> None:
     """The label side of a packed batch: shapes and dtypes always; with check_values (one read) that every used
-    MLM slot (label != -100) has a label in the vocabulary and a position inside an instance (in [0, T), before
-    cu_seqlens[-1], in a sequence with an NSP label), no position twice, and NSP labels in {0, 1, -100}, none on
-    an empty sequence."""
-    sequences = cu_seqlens.numel() - 1
-    for name, t, shape in (("mlm_positions", positions, labels.shape), ("mlm_labels", labels, positions.shape),
-                           ("next_sentence_label", nsp, (sequences,))):
-        if t.is_floating_point() or t.dtype == torch.bool or tuple(t.shape) != tuple(shape) or t.dim() != 1:
-            raise ValueError(f"packed {name} must be a 1-D integer tensor of shape {tuple(shape)}, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+    MLM slot (label != -100) has a label in the vocabulary and a position inside a sequence (in [0, T), before
+    cu_seqlens[-1], and, given NSP labels, in a sequence with one), no position twice, and NSP labels in
+    {0, 1, -100}, none on an empty sequence. nsp None: an MLM-only batch."""
+    sequences, total = p.sequences, p.tokens
+    named = [("mlm_positions", positions, None if labels is None else labels.shape),
+             ("mlm_labels", labels, None if positions is None else positions.shape)]
+    for name, t, shape in named + ([("next_sentence_label", nsp, (sequences,))] if nsp is not None else []):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool or t.dim() != 1 \
+                or tuple(t.shape) != tuple(shape) or t.device != p.cu_seqlens.device:
+            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(f"packed {name} must be a 1-D integer tensor of shape {tuple(shape or ('R',))} on "
+                             f"{p.cu_seqlens.device}, got {what}")
     if not check_values:
         return
+    nsp = torch.zeros(sequences, dtype=torch.long, device=positions.device) if nsp is None else nsp
     used, nsp_used = labels != -100, nsp != -100
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    inside = (positions >= 0) & (positions < total) & (positions < cu_seqlens[-1].long())
-    # The sequence of each position (clamped: positions outside are counted apart), and whether it is an instance.
-    seq = torch.searchsorted(cu_seqlens[1:].contiguous().long(), positions.clamp(0, max(total - 1, 0)), right=True)
+    lens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
+    inside = (positions >= 0) & (positions < total) & (positions < p.cu_seqlens[-1].long())
+    # Each position's sequence (from the layout; positions outside are counted apart), and whether it is labelled.
+    seq = p.seq[positions.clamp(0, max(total - 1, 0))] if total else torch.zeros_like(positions)
     in_instance = nsp_used[seq.clamp(max=max(sequences - 1, 0))] if sequences else torch.zeros_like(used)
     key = torch.where(used, positions, -1 - torch.arange(positions.numel(), device=positions.device)).sort().values
     counts = read_values(torch.stack([
@@ -504,7 +441,7 @@ def check_packed_labels(config, cu_seqlens, total: int, positions, labels, nsp, 
 
 
 class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):
-    """As BertForPreTraining without NSP; with `labels`, `logits` covers labelled positions only (see there)."""
+    """As BertForPreTraining without NSP (padded or packed); with labels, `logits` covers labelled positions only."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -512,12 +449,16 @@ class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):
         self.cls = BertOnlyMLMHead(config)
         self.init_weights()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                labels=None) -> MaskedLMOutput:
-        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        if labels is None:
-            return MaskedLMOutput(logits=pad(self.cls.predictions(hidden, self.backend), u))
-        mlm, count = self._mlm(hidden, u, labels)
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None, row_aligned: bool = False, mlm_positions=None, mlm_labels=None,
+                validate: bool = False) -> MaskedLMOutput:
+        hidden, p = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                                     max_seqlen=max_seqlen, row_aligned=row_aligned, validate=validate)
+        if labels is None and mlm_labels is None:
+            logits = self.cls.predictions(hidden, self.backend)
+            return MaskedLMOutput(logits=pad(logits, p) if p.origin else logits)
+        positions, targets = self._mlm_targets(p, labels, mlm_positions, mlm_labels, None, validate)
+        mlm, count = self._mlm(hidden, positions, targets)
         return MaskedLMOutput(loss=mlm.loss, logits=mlm.logits, mlm_correct=mlm.correct, mlm_count=count)
 
 
@@ -535,8 +476,8 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                 labels=None) -> SequenceClassifierOutput:
-        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        logits = self.classifier(self.dropout(self.bert.pool(hidden, u)))
+        hidden, p = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = self.classifier(self.dropout(self.bert.pool(hidden, p)))
         loss = None
         if labels is not None:
             if self.num_labels == 1:
@@ -544,7 +485,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
             elif labels.is_floating_point():  # multi-label targets in [0, 1]
                 loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
             else:
-                check_labels(labels, self.num_labels, "labels", (u.batch,), ignore_index=-100)
+                check_labels(labels, self.num_labels, "labels", (p.sequences,), ignore_index=-100)
                 loss = cross_entropy(logits, labels)
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
@@ -563,13 +504,13 @@ class BertForTokenClassification(BertPreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                 labels=None) -> TokenClassifierOutput:
-        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        hidden, p = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
         logits = self.classifier(self.dropout(hidden))
         loss = None
         if labels is not None:
-            check_labels(labels, self.num_labels, "labels", (u.batch, u.seqlen), keep=_MLMMixin._keep(u))
-            loss = cross_entropy(logits, unpad(labels, u))
-        return TokenClassifierOutput(loss=loss, logits=pad(logits, u))
+            check_labels(labels, self.num_labels, "labels", input_ids.shape, keep=kept(p))
+            loss = cross_entropy(logits, unpad(labels, p))
+        return TokenClassifierOutput(loss=loss, logits=pad(logits, p))
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
@@ -589,14 +530,14 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                 start_positions=None, end_positions=None) -> QuestionAnsweringModelOutput:
-        hidden, u = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        logits = pad(self.qa_outputs(hidden), u, fill=torch.finfo(hidden.dtype).min)
+        hidden, p = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = pad(self.qa_outputs(hidden), p, fill=torch.finfo(hidden.dtype).min)
         start_logits, end_logits = logits.float().unbind(-1)
         loss = None
         if start_positions is not None and end_positions is not None:
             for name, positions in (("start_positions", start_positions), ("end_positions", end_positions)):
-                check_positions(positions.view(-1), _MLMMixin._keep(u), name)
-            ignored = u.seqlen  # HF's convention: positions clamped to seq_len are ignored
+                check_positions(positions.view(-1), kept(p), name)
+            ignored = p.origin.seqlen  # HF's convention: positions clamped to seq_len are ignored
             start = start_positions.view(-1).clamp(0, ignored)
             end = end_positions.view(-1).clamp(0, ignored)
             loss = (cross_entropy(start_logits, start, ignore_index=ignored)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .padding import Unpadded
+from .padding import Packed
 
 
 # Looked up once, without importing triton (a constant, so torch.compile traces resolve_backend away).
@@ -34,9 +34,20 @@ def resolve_backend(name: str) -> str:
 
 
 def _kernels():
-    import kernels  # lazy: pulls in triton
+    from . import ours
 
-    return kernels
+    return ours("kernels")  # lazy: pulls in triton; checked to be ours, not another package of the same name
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """For a drop-in module (kernels.LayerNorm, kernels.LinearGeLU, a fused Hugging Face model), which holds no
+    config: 'triton' where the kernels run on t's device (CUDA; the CPU under TRITON_INTERPRET=1), else 'torch',
+    so that a fused model moved to the CPU still runs (the same math, in PyTorch), with one warning."""
+    if t.is_cuda or (t.device.type == "cpu" and _kernels().attention.INTERPRET):
+        return "triton"
+    warn_once(f"fused layers on {t.device.type} tensors run their PyTorch path (the Triton kernels need a CUDA "
+              "device)")
+    return "torch"
 
 
 # ---- LayerNorm(dropout(x) + residual) ------------------------------------------------------------
@@ -57,6 +68,12 @@ def bias_gelu(x, bias, approximate="none", backend="torch"):
     return F.gelu(x + bias, approximate=approximate)
 
 
+def linear_gelu(x, weight, bias, approximate="none", backend="torch"):
+    """GeLU(x W^T + b): the matmul without its bias, then bias + GeLU in one kernel, which reads the matmul's
+    output once."""
+    return bias_gelu(F.linear(x, weight), bias, approximate, backend=backend)
+
+
 # ---- attention over packed sequences ------------------------------------------------------------
 _warned: set[str] = set()
 
@@ -75,60 +92,64 @@ def project_qkv(x, query, key, value, heads: int, head_dim: int):
     return qkv.view(x.shape[0], 3, heads, head_dim).unbind(1)
 
 
-def self_attention(x, u: Unpadded, query, key, value, heads: int, head_dim: int, dropout_p=0.0, backend="torch"):
+def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, dropout_p=0.0, backend="torch"):
     """Multi-head self-attention of packed tokens x [tokens, hidden] within their own sequences, before the
     output projection: one BERT layer's attention, for our model and the fused Hugging Face layers alike."""
     q, k, v = project_qkv(x, query, key, value, heads, head_dim)
-    return varlen_attention(q, k, v, u, dropout_p=dropout_p, backend=backend).reshape(x.shape[0], heads * head_dim)
+    return varlen_attention(q, k, v, p, dropout_p=dropout_p, backend=backend).reshape(x.shape[0], heads * head_dim)
 
 
-def varlen_attention(q, k, v, u: Unpadded, dropout_p=0.0, backend="torch"):
-    """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence."""
+def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch"):
+    """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence; filler
+    tokens (past cu_seqlens[-1]) get zeros."""
     if backend == "triton" and q.shape[-1] not in _kernels().attention.HEAD_DIMS:
         warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
                    "this model's attention runs in PyTorch")
         backend = "torch"
     if backend == "triton":
-        # cu_seqlens comes from bert.padding, so the value checks (a device sync) are skipped.
-        return _kernels().varlen_attention(q, k, v, u.cu_seqlens, u.max_seqlen, dropout_p=dropout_p, validate=False)
-    return _torch_varlen_attention(q, k, v, u, dropout_p)
+        # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.
+        return _kernels().varlen_attention(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False)
+    if p.rows:
+        return _torch_rows_attention(q, k, v, p, dropout_p)
+    return _torch_sequence_attention(q, k, v, p, dropout_p)
 
 
-def _torch_varlen_attention(q, k, v, u: Unpadded, dropout_p):
-    if u.rows:
-        return _torch_rows_attention(q, k, v, u, dropout_p)
-    # Pads to [batch, max_seqlen] (the longest real sequence, not the input's length) and runs SDPA with a
-    # key mask. A finite fill instead of -inf keeps rows of empty sequences finite; they are dropped anyway.
+def _torch_sequence_attention(q, k, v, p: Packed, dropout_p):
+    # Each sequence padded to max_seqlen ([S, max_seqlen]) and SDPA with a key mask. Tokens outside every
+    # sequence (filler, or past max_seqlen when cu_seqlens was not checked) go to one spare slot that SDPA never
+    # sees, so they read and write nothing real. A finite fill instead of -inf keeps empty sequences finite.
     total, heads, dim = q.shape
-    batch, length = u.batch, max(u.max_seqlen, 1)
-    slot = u.seq * length + u.pos
+    batch, length = p.sequences, max(p.max_seqlen, 1)
+    inside = (p.seq < batch) & (p.pos >= 0) & (p.pos < length)
+    slot = torch.where(inside, p.seq * length + p.pos, batch * length)
 
     def to_batch(t):
-        out = t.new_zeros(batch * length, heads, dim).index_put((slot,), t)
+        out = t.new_zeros(batch * length + 1, heads, dim).index_put((slot,), t)[:-1]
         return out.view(batch, length, heads, dim).transpose(1, 2)
 
-    seqlens = u.cu_seqlens[1:] - u.cu_seqlens[:-1]
+    seqlens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
     keep = torch.arange(length, device=q.device)[None, :] < seqlens[:, None]
     mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
     mask.masked_fill_(~keep[:, None, None, :], torch.finfo(q.dtype).min)
     out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), attn_mask=mask, dropout_p=dropout_p)
-    return out.transpose(1, 2).reshape(batch * length, heads, dim)[slot]
+    out = torch.cat([out.transpose(1, 2).reshape(batch * length, heads, dim), out.new_zeros(1, heads, dim)])
+    return out[slot]
 
 
-def _torch_rows_attention(q, k, v, u: Unpadded, dropout_p):
-    # A packed batch: rows of max_seqlen tokens that no sequence crosses, so SDPA runs on [rows, max_seqlen]
-    # with a block-diagonal mask (same sequence id). Every token sees at least itself (filler tokens share the
-    # id one past the last sequence), so no row of the softmax is empty.
+def _torch_rows_attention(q, k, v, p: Packed, dropout_p):
+    # The packer's promise (row_aligned): rows of max_seqlen tokens that no sequence crosses, so SDPA runs on
+    # [rows, max_seqlen] with a block-diagonal mask (same sequence id), at the cost of one padded slot per row,
+    # not per sequence. Every token sees at least itself (filler tokens share the id S), so no softmax row is empty.
     total, heads, dim = q.shape
-    length = total // u.rows
-    seq = u.seq.view(u.rows, length)
+    length = total // p.rows
+    seq = p.seq.view(p.rows, length)
     mask = (seq[:, :, None] == seq[:, None, :])[:, None]
 
     def rows(t):
-        return t.view(u.rows, length, heads, dim).transpose(1, 2)
+        return t.view(p.rows, length, heads, dim).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=mask, dropout_p=dropout_p)
-    return out.transpose(1, 2).reshape(total, heads, dim)
+    return torch.where((p.seq < p.sequences)[:, None, None], out.transpose(1, 2).reshape(total, heads, dim), 0)
 
 
 # ---- masked-LM loss at labelled rows only --------------------------------------------------------

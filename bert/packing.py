@@ -19,6 +19,7 @@ A packed micro-batch (`PackingCollator`) holds, every shape fixed by (T, S, R):
     mlm_positions, mlm_labels                 [R]     the labelled tokens (indices into [T]); -100 in unused slots
     next_sentence_label                       [S]     -100 for filler sequences and unused slots
     max_seqlen                                int     L (a Python int, the same for every batch of the run)
+    row_aligned                               True    no sequence crosses a row (the PyTorch attention's shortcut)
 S = rows x (instances per row + 1). Masking chooses exactly round(p * candidates) tokens of each instance (at
 least one), as the original BERT code does, 80/10/10 as usual, keyed per instance like MLMCollator. That is
 about p * (real tokens) per micro-batch; R = ceil(p * T) + rows leaves room for the rounding, and in the rare
@@ -28,6 +29,8 @@ as BERT's max_predictions_per_seq cap does.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -100,19 +103,64 @@ class PackedShapes(NamedTuple):
         return self.tokens // self.max_seqlen
 
 
+@dataclass
+class PackedBatch(Mapping):
+    """A packed pre-training micro-batch (the module docstring's layout), as the packer builds it and the job, the
+    trainer and the benchmark read it. A Mapping of BertForPreTraining's keyword arguments: `model(**batch)`."""
+    input_ids: torch.Tensor            # [T]
+    token_type_ids: torch.Tensor       # [T]
+    position_ids: torch.Tensor         # [T]
+    cu_seqlens: torch.Tensor           # [S + 1] int32
+    mlm_positions: torch.Tensor        # [R]
+    mlm_labels: torch.Tensor           # [R], -100 in unused slots
+    next_sentence_label: torch.Tensor  # [S], -100 for filler and unused slots
+    max_seqlen: int
+    row_aligned: bool = True           # no sequence crosses a row of max_seqlen tokens
+
+    def __getitem__(self, key):
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return (f.name for f in fields(self))
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+        return replace(self, **{k: v.to(device, non_blocking=non_blocking) for k, v in self.items()
+                                if isinstance(v, torch.Tensor)})
+
+    @property
+    def lengths(self) -> list[int]:
+        """Of the instances: not the rows' filler tails or the unused slots (their NSP label is -100)."""
+        cu, nsp = self.cu_seqlens.tolist(), self.next_sentence_label.tolist()
+        return [b - a for a, b, label in zip(cu, cu[1:], nsp) if label != -100]
+
+    @property
+    def labelled(self) -> int:
+        return int((self.mlm_labels != -100).sum())
+
+    @property
+    def slots(self) -> int:
+        """Tokens in the budget, filler included."""
+        return self.input_ids.numel()
+
+
 class PackingCollator:
     """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring)."""
 
     def __init__(self, masker: MLMCollator, shapes: PackedShapes):
         self.masker, self.shapes = masker, shapes
 
-    def _empty(self) -> dict:
+    def _empty(self) -> PackedBatch:
         T, S, R, L, _ = self.shapes
-        return {"input_ids": torch.full((T,), self.masker.special.pad, dtype=torch.long),
-                "token_type_ids": torch.zeros(T, dtype=torch.long), "position_ids": torch.zeros(T, dtype=torch.long),
-                "cu_seqlens": torch.zeros(S + 1, dtype=torch.int32),
-                "mlm_positions": torch.zeros(R, dtype=torch.long), "mlm_labels": torch.full((R,), -100),
-                "next_sentence_label": torch.full((S,), -100, dtype=torch.long), "max_seqlen": L}
+        return PackedBatch(input_ids=torch.full((T,), self.masker.special.pad, dtype=torch.long),
+                           token_type_ids=torch.zeros(T, dtype=torch.long), position_ids=torch.zeros(T, dtype=torch.long),
+                           cu_seqlens=torch.zeros(S + 1, dtype=torch.int32), mlm_positions=torch.zeros(R, dtype=torch.long),
+                           mlm_labels=torch.full((R,), -100), next_sentence_label=torch.full((S,), -100, dtype=torch.long),
+                           max_seqlen=L, row_aligned=True)
 
     def _check(self, rows) -> None:
         L, per_row = self.shapes.max_seqlen, self.shapes.per_row
@@ -123,7 +171,7 @@ class PackingCollator:
                 raise ValueError(f"a row of {len(row)} instances, {sum(len(x['input_ids']) for x in row)} tokens, "
                                  f"does not fit {per_row} instances of {L} tokens")
 
-    def __call__(self, rows: list[list[dict]], keys) -> dict:
+    def __call__(self, rows: list[list[dict]], keys) -> PackedBatch:
         """rows: lists of instances; keys: one masking key per instance, in order. Every instance is checked
         (bert.data.check_instance), so the batch passes the model's packed validation."""
         self._check(rows)

@@ -1,6 +1,6 @@
 """Training steps at static shapes: proving a step never waits for the device, and capturing it in a CUDA graph.
 
-A packed pre-training step (bert.packing, BertForPreTraining.forward_packed) has fixed shapes and asks the host
+A packed pre-training step (bert.packing, BertForPreTraining's packed call) has fixed shapes and asks the host
 nothing, so the whole iteration - forward, backward, gradient clipping and the fused AdamW step - can be
 recorded once as a CUDA graph and replayed: one launch per step instead of thousands, and no Python between
 kernels. NVIDIA's MLPerf BERT does the same (its `full_iteration` graph). `GraphedStep` does the recording:

@@ -452,20 +452,12 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attentio
         raise ValueError(f"padded_attention: attention_mask has shape {tuple(attention_mask.shape)}, "
                          f"expected {(batch, seqlen)}")
     check_device("padded_attention", q=q, attention_mask=attention_mask)
-    keep = attention_mask.reshape(-1) != 0
-    seqlens = (attention_mask != 0).sum(1, dtype=torch.int32)
-    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
-    idx = keep.nonzero().squeeze(1)
-    max_seqlen = int(seqlens.max()) if batch else 0
+    from bert.padding import pad, unpad, unpad_mask  # the project's one unpadding (torch only, no triton)
 
-    def pack(t):
-        return t.transpose(1, 2).reshape(batch * seqlen, heads, dim)[idx]
-
-    out = varlen_attention(pack(q), pack(k), pack(v), cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed,
-                           validate=False)
-    full = out.new_zeros(batch * seqlen, heads, dim).index_put((idx,), out)
-    return full.view(batch, seqlen, heads, dim).transpose(1, 2)
+    p = unpad_mask(attention_mask)
+    out = varlen_attention(*(unpad(t.transpose(1, 2), p) for t in (q, k, v)), p.cu_seqlens, p.max_seqlen,
+                           dropout_p, softmax_scale, seed, validate=False)
+    return pad(out, p).transpose(1, 2)
 
 
 def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int, dropout_p: float,

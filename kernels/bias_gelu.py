@@ -200,10 +200,20 @@ class LinearGeLU(nn.Linear):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, approximate: str = "none") -> "LinearGeLU":
+        """A LinearGeLU holding `linear`'s own weight and bias Parameters (not copies) and its mode: for a Linear
+        whose output goes through GeLU (its activation module is then the caller's to replace by nn.Identity)."""
+        fused = cls(linear.in_features, linear.out_features, bias=False, approximate=approximate, device="meta")
+        fused.weight, fused.bias = linear.weight, linear.bias
+        return fused.train(linear.training)
+
     def forward(self, x):
+        from bert import ops  # the one backend switch: the kernel where it runs, else the same math in PyTorch
+
         if self.bias is None:
             return F.gelu(F.linear(x, self.weight), approximate=self.approximate)
-        return bias_gelu(F.linear(x, self.weight), self.bias, self.approximate)
+        return ops.linear_gelu(x, self.weight, self.bias, self.approximate, backend=ops.backend_for(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, approximate={self.approximate!r}"

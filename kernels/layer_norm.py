@@ -288,20 +288,21 @@ class LayerNorm(nn.LayerNorm):
         return fused.train(ln.training)
 
     def forward(self, x, residual=None, dropout_p: float = 0.0):
-        return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=dropout_p,
-                          training=self.training)
+        from bert import ops  # the one backend switch: the kernel where it runs, else the same math in PyTorch
+
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
+                              dropout_p=dropout_p if self.training else 0.0, backend=ops.backend_for(x))
 
 
-def fuse_layer_norms(module: nn.Module) -> int:
+def fuse_layer_norms(module: nn.Module, swap=None) -> int:
     """Swap every nn.LayerNorm inside `module` (over the last dimension) for kernels.LayerNorm, in place.
 
     The new modules share the old ones' weight and bias Parameters, so optimizers and state_dicts are unaffected.
+    `swap(parent, name, new)` does the replacing (default setattr; the Hugging Face fuser records it to undo).
     Returns how many were swapped.
     """
-    swapped = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.LayerNorm and len(child.normalized_shape) == 1:
-                setattr(parent, name, LayerNorm.from_module(child))
-                swapped += 1
-    return swapped
+    found = [(parent, name) for parent in list(module.modules()) for name, child in parent.named_children()
+             if type(child) is nn.LayerNorm and len(child.normalized_shape) == 1]
+    for parent, name in found:
+        (swap or setattr)(parent, name, LayerNorm.from_module(getattr(parent, name)))
+    return len(found)

@@ -29,18 +29,26 @@ def check_grads(fused, ref):
 
 
 def test_minilm_fused_matches_original_with_padding():
+    """Six layers of hidden 384 in float32: the gradients are judged against the same model in float64, ours
+    within 1e-5 or twice transformers' own float32 error (which varies by ~1e-5 from process to process with
+    the CPU's thread split of the matmuls), so the check is about our error, not the reference's rounding."""
     ref = minilm()
     fused = fuse_hf_bert(copy.deepcopy(ref))
+    exact = copy.deepcopy(ref).double()
     ids, mask, tt = random_batch(30522, batch=3, seqlen=19, lengths=[19, 7, 1], seed=1, pairs=False)
-    a = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt)
-    b = fused(input_ids=ids, attention_mask=mask, token_type_ids=tt)
     keep = mask.bool()
+    w = torch.randn(3, 19, 384, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for model in (ref, fused, exact):
+        out = model(input_ids=ids, attention_mask=mask, token_type_ids=tt)
+        ((out.last_hidden_state * w.to(out.last_hidden_state.dtype))[keep].sum() + out.pooler_output.sum()).backward()
+        outs.append(out)
+    a, b, _ = outs
     assert rel_err(b.last_hidden_state[keep], a.last_hidden_state[keep]) <= TOL
     assert rel_err(b.pooler_output, a.pooler_output) <= TOL
-    w = torch.randn_like(a.last_hidden_state)
-    ((a.last_hidden_state * w)[keep].sum() + a.pooler_output.sum()).backward()
-    ((b.last_hidden_state * w)[keep].sum() + b.pooler_output.sum()).backward()
-    check_grads(fused, ref)
+    theirs, ours = grad_errors(ref, exact), grad_errors(fused, exact)
+    too_far = {n: (e, theirs[n]) for n, e in ours.items() if e > max(TOL, 2 * theirs[n])}
+    assert not too_far, too_far
 
 
 @pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",

@@ -40,8 +40,8 @@ def test_packed_micro_batch_has_fixed_shapes_aligned_rows_and_exact_label_counts
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
     rows = [[insts[0]], [insts[1], insts[2]]]  # the third row is unused
     b = collate(rows, keys=[10, 11, 12])
-    assert b.pop("max_seqlen") == 48
-    assert {k: tuple(v.shape) for k, v in b.items()} == {
+    assert b["max_seqlen"] == 48 and b["row_aligned"] is True
+    assert {k: tuple(v.shape) for k, v in b.items() if isinstance(v, torch.Tensor)} == {
         "input_ids": (144,), "token_type_ids": (144,), "position_ids": (144,), "cu_seqlens": (10,),
         "mlm_positions": (shapes.labels,), "mlm_labels": (shapes.labels,), "next_sentence_label": (9,)}
     # Row 0: the instance, then its filler tail as a sequence; row 1: two instances and a tail; then unused.
@@ -144,15 +144,21 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
     masker = MLMCollator(SPECIAL, seed=5)
     b = PackingCollator(masker, PackedShapes.for_rows(3, 32, 2, 0.15))([[insts[0]], [insts[1], insts[2]]],
                                                                      keys=[1, 2, 3])
+    assert_same_step(backend, {**b, "validate": True}, padded_twin(b))
+
+
+def assert_same_step(backend, packed_kwargs, padded_kwargs):
+    """BertForPreTraining (tiny, float32, no dropout) called packed and padded: same losses, label count and
+    gradients (finite)."""
+    import bert
+
     torch.manual_seed(0)
     cfg = bert.BertConfig.preset("tiny", vocab_size=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                  backend=backend)
     model = bert.BertForPreTraining(cfg)
     twin = bert.BertForPreTraining(cfg)
     twin.load_state_dict(model.state_dict())
-    packed = model.forward_packed(b["input_ids"], b["token_type_ids"], b["position_ids"], b["cu_seqlens"], 32,
-                                  b["mlm_positions"], b["mlm_labels"], b["next_sentence_label"], validate=True)
-    padded = twin(**padded_twin(b))
+    packed, padded = model(**packed_kwargs), twin(**padded_kwargs)
     for name in ("loss", "mlm_loss", "nsp_loss"):
         a, r = getattr(packed, name), getattr(padded, name)
         assert abs(a.item() - r.item()) <= 1e-5 * abs(r.item()), name
@@ -167,21 +173,57 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
         assert (p.grad - r).abs().max() <= 1e-5 * max(r.abs().max().item(), floor), name
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("row_aligned", [False, True])
+def test_any_cu_seqlens_gives_the_padded_results(backend, row_aligned):
+    """Sequences that cross row boundaries (lengths 7, 12, 5 in 36 tokens with max_seqlen 12), unvalidated, and
+    the packer's row-aligned batch told or not told that it is aligned: the padded call's losses and gradients
+    on both backends (the PyTorch attention must not assume rows unless promised)."""
+    g = torch.Generator().manual_seed(5)
+    lengths, total, nsp = [7, 12, 5], 36, torch.tensor([1, 0, 1])
+    ids = torch.randint(5, 999, (total,), generator=g)
+    types = torch.cat([torch.arange(n) >= n // 2 for n in lengths] + [torch.zeros(total - sum(lengths))]).long()
+    cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    positions = torch.tensor([1, 5, 8, 12, 18, 20, 30])  # 30 lies in the filler: an unused slot
+    labels = torch.tensor([17, 400, 999, 6, 250, 31, -100])
+    packed = dict(input_ids=ids, token_type_ids=types, cu_seqlens=cu, max_seqlen=12, mlm_positions=positions,
+                  mlm_labels=labels, next_sentence_label=nsp)
+    twin = padded_twin(packed)
+    if row_aligned:  # the packer's layout of the same sequences: one row each, so the promise holds
+        rows = torch.tensor([0, 12, 24, 36], dtype=torch.int32)
+        spread = torch.cat([torch.arange(a, a + n) for a, n in zip(rows.tolist(), lengths)])
+        packed = dict(packed, input_ids=torch.zeros_like(ids).index_put((spread,), ids[:24]),
+                      token_type_ids=torch.zeros_like(types).index_put((spread,), types[:24]),
+                      cu_seqlens=torch.tensor([0, 7, 12, 24, 29, 36], dtype=torch.int32),
+                      mlm_positions=torch.cat([spread[positions[:-1]], positions[-1:]]),
+                      next_sentence_label=torch.tensor([1, -100, 0, 1, -100]), row_aligned=True)
+    assert_same_step(backend, packed, twin)
+
+
 def test_packed_validation_names_the_problem():
     import bert
 
     model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=1000, backend="torch"))
     ids = torch.randint(5, 999, (16,))
     cu = torch.tensor([0, 9, 20], dtype=torch.int32)
+    encode = model.bert.encode
     with pytest.raises(ValueError, match="cu_seqlens ends at 20, past the 16 tokens"):
-        model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16), cu, 16, validate=True)
+        encode(ids, None, torch.zeros_like(ids), torch.arange(16), cu_seqlens=cu, max_seqlen=16, validate=True)
     with pytest.raises(ValueError, match="packed token_type_ids must be integer"):
-        model.bert.encode_packed(ids, torch.zeros(15, dtype=torch.long), torch.arange(16), cu, 16)
+        encode(ids, None, torch.zeros(15, dtype=torch.long), torch.arange(16), cu_seqlens=cu, max_seqlen=16)
     with pytest.raises(ValueError, match="16 tokens are not a multiple of max_seqlen=6"):
-        model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16), cu, 6)
+        encode(ids, None, torch.zeros_like(ids), torch.arange(16), cu_seqlens=cu, max_seqlen=6, row_aligned=True)
+    with pytest.raises(ValueError, match="a sequence is longer than max_seqlen=6"):
+        encode(ids, None, None, torch.arange(16) % 6, cu_seqlens=cu, max_seqlen=6)
     crossing = torch.tensor([0, 5, 12], dtype=torch.int32)  # rows of 8: the second sequence spans both
-    with pytest.raises(ValueError, match="1 sequence\\(s\\) cross a row boundary"):
-        model.bert.encode_packed(ids, torch.zeros_like(ids), torch.arange(16) % 8, crossing, 8, validate=True)
+    with pytest.raises(ValueError, match="row_aligned, but 1 sequence\\(s\\) cross a row boundary"):
+        encode(ids, None, None, torch.arange(16) % 8, cu_seqlens=crossing, max_seqlen=8, row_aligned=True,
+               validate=True)
+    encode(ids, None, None, None, cu_seqlens=crossing, max_seqlen=8)  # any cu_seqlens, when no promise is made
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        encode(ids, torch.ones_like(ids), cu_seqlens=crossing, max_seqlen=8)
+    with pytest.raises(ValueError, match="pass cu_seqlens with them"):
+        encode(ids[None], max_seqlen=8)
 
 
 def _model_and_batch(backend="torch"):

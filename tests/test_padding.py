@@ -19,5 +19,5 @@ def test_unpad_and_pad_round_trip_with_left_padding_and_holes():
 
 def test_empty_batch():
     u = unpad_mask(torch.zeros(2, 5, dtype=torch.long))
-    assert u.indices.numel() == 0 and u.cu_seqlens.tolist() == [0, 0, 0] and u.max_seqlen == 0
+    assert u.origin.indices.numel() == 0 and u.tokens == 0 and u.cu_seqlens.tolist() == [0, 0, 0] and u.max_seqlen == 0
     assert pad(torch.zeros(0, 3), u).shape == (2, 5, 3)
