@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, grad_errors, mlm_labels, random_batch, rel_err
+from hf_utils import TOL, assert_half_grads_close, grad_errors, mlm_labels, random_batch, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
@@ -90,6 +90,8 @@ def test_fused_pretraining_model_under_float16_autocast_matches_original():
     fused = fuse_hf_bert(copy.deepcopy(ref))
     ids, mask, tt = random_batch(99, batch=3, seqlen=17, lengths=[17, 9, 3], seed=5)
     kw = dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 0]))
+    truth = copy.deepcopy(ref)
+    truth(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw).loss.backward()
     with torch.autocast("cpu", dtype=torch.float16):
         a = ref(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw)
         b = fused(input_ids=ids, attention_mask=mask, token_type_ids=tt, **kw)
@@ -98,10 +100,7 @@ def test_fused_pretraining_model_under_float16_autocast_matches_original():
     assert abs(a.loss.item() - b.loss.item()) < 1e-2 * abs(a.loss.item())
     a.loss.backward()
     b.loss.backward()
-    ga = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
-    gb = torch.cat([p.grad.flatten() for p in fused.parameters() if p.grad is not None])
-    assert ga.shape == gb.shape
-    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.999
+    assert_half_grads_close(fused, ref, truth)
 
 
 def test_fused_model_in_bfloat16_is_as_close_to_float32_as_the_original():
@@ -130,9 +129,22 @@ def test_training_with_dropout_runs_and_updates_shared_parameters():
     ids, mask, tt = random_batch(99, batch=2, seqlen=11, seed=3)
     loss = model(input_ids=ids, attention_mask=mask, labels=mlm_labels(ids, mask, 99)).loss
     loss.backward()
-    opt.step()
     assert torch.isfinite(loss)
-    assert model.bert.encoder.layer[0].output.LayerNorm.weight is before  # the same Parameter, now updated
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    # The fused modules hold the original Parameters: the optimizer's step reached every one of them...
+    assert model.bert.encoder.layer[0].output.LayerNorm.weight is before
+    assert len(grads) == len(values)  # every parameter (BertForMaskedLM has no pooler)
+    for name, p in model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(p.detach(), values[name] - 0.1 * grads[name], msg=name)
+    # ...and what they learned is what the unfused model computes with.
+    unfuse_hf_bert(model).eval()
+    twin = transformers.BertForMaskedLM(model.config).eval()
+    twin.load_state_dict({n: v - 0.1 * grads[n] if n in grads else v for n, v in values.items()}, strict=False)
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                               twin(input_ids=ids, attention_mask=mask).logits)
     unfuse_hf_bert(model)
     assert model.bert.encoder.layer[0].output.LayerNorm.weight is before
 

@@ -1,0 +1,76 @@
+"""bert.ops, the one backend switch: its PyTorch paths against plain float64 references."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bert import ops
+from bert.padding import packed_layout
+
+
+def test_resolve_backend():
+    assert ops.resolve_backend("torch") == "torch"
+    assert ops.resolve_backend("auto") == ("triton" if torch.cuda.is_available() else "torch")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton'"):
+        ops.resolve_backend("cuda")
+
+
+def test_backend_for_follows_where_the_kernels_run():
+    # The suite runs Triton's interpreter on the CPU (conftest): the kernels run there.
+    assert ops.backend_for(torch.zeros(1)) == "triton"
+
+
+def _reference_attention(q, k, v, cu):
+    out = torch.zeros_like(q)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b > a:
+            s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) / q.shape[-1] ** 0.5
+            out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[a:b])
+    return out
+
+
+@pytest.mark.parametrize("cu, max_seqlen, row_aligned", [
+    ([0, 7, 19, 24], 12, False),          # sequences crossing rows of 12, then 12 filler tokens
+    ([0, 0, 5, 8, 12, 16, 16, 20], 8, True),  # rows of 8 none crosses, empty sequences, a tail, 4 filler tokens
+    ([0, 1], 1, False),                   # one token
+])
+def test_torch_attention_any_layout_against_float64(cu, max_seqlen, row_aligned):
+    total = 24 if len(cu) > 2 else 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = torch.tensor(cu, dtype=torch.int32)
+    p = packed_layout(cu, total, max_seqlen, row_aligned)
+    out = ops.varlen_attention(q, k, v, p, backend="torch")
+    want = _reference_attention(q, k, v, cu)
+    torch.testing.assert_close(out, want)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for a, b in zip(got, torch.autograd.grad((want * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+    filler = torch.arange(total) >= cu[-1]
+    assert (out[filler] == 0).all() and all((grad[filler] == 0).all() for grad in got)
+
+
+def test_torch_layer_norm_and_linear_gelu():
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(5, 7, generator=g, dtype=torch.float64)
+    w, b = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5, residual=r), F.layer_norm(x + r, (7,), w, b, 1e-5))
+    lin = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    bias = torch.randn(3, generator=g, dtype=torch.float64)
+    for approximate in ("none", "tanh"):
+        torch.testing.assert_close(ops.linear_gelu(x, lin, bias, approximate),
+                                   F.gelu(x @ lin.T + bias, approximate=approximate))
+
+
+def test_torch_masked_lm_loss_ignores_unused_and_out_of_vocab_rows():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(10, 6, generator=g, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)
+    labels = torch.tensor([3, -100, 12, 9])  # one unused slot, one label outside the vocabulary
+    out = ops.masked_lm_loss(h, w, b, labels)
+    logits = h @ w.T + b
+    torch.testing.assert_close(out.loss.double(), F.cross_entropy(logits[[0, 3]], labels[[0, 3]]), rtol=1e-6, atol=1e-6)
+    assert out.correct.item() == int((logits[[0, 3]].argmax(-1) == labels[[0, 3]]).sum())
+    none = ops.masked_lm_loss(h, w, b, torch.full((4,), -100))
+    none.loss.backward()
+    assert none.loss.item() == 0 and (h.grad == 0).all()
