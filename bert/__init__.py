@@ -1,6 +1,4 @@
 """A BERT whose hot ops can run as fused Triton kernels (see `kernels`), with Hugging Face interop."""
-import importlib
-
 from .config import BertConfig
 from .model import (
     BertForMaskedLM,
@@ -39,9 +37,9 @@ def collision(name: str, module) -> str:
             "bertfuse (`pip install --force-reinstall --no-deps -e .` from its source tree).")
 
 
-def ours(name: str):
-    """Import bertfuse's `name` package (kernels, bench), or raise ImportError saying which package took its place."""
-    module = importlib.import_module(name)
+def ours(name: str, module):
+    """`module`, the result of `import name`, if it is bertfuse's package (kernels, bench); else ImportError
+    saying which package took its place. A plain attribute check: torch.compile traces it."""
     if not getattr(module, "__bertfuse__", False):
         raise ImportError(collision(name, module))
     return module

@@ -34,9 +34,11 @@ def resolve_backend(name: str) -> str:
 
 
 def _kernels():
+    import kernels  # lazy: pulls in triton
+
     from . import ours
 
-    return ours("kernels")  # lazy: pulls in triton; checked to be ours, not another package of the same name
+    return ours("kernels", kernels)  # ours, not another distribution's package of the same name
 
 
 def backend_for(t: torch.Tensor) -> str:
