@@ -307,9 +307,9 @@ class BertModel(BertPreTrainedModel):
         """The pooled vector of each sequence's first token ([CLS]); zeros for an empty sequence. No sync."""
         if self.pooler is None:
             return None
-        nonempty = (p.cu_seqlens[1:] > p.cu_seqlens[:-1])[:, None]
         if hidden.shape[0] == 0:
             return self.pooler(hidden.new_zeros(p.sequences, hidden.shape[-1]))
+        nonempty = (p.cu_seqlens[1:] > p.cu_seqlens[:-1])[:, None]
         first = hidden[p.cu_seqlens[:-1].long().clamp(0, hidden.shape[0] - 1)]
         return self.pooler(torch.where(nonempty, first, 0))
 
@@ -317,8 +317,7 @@ class BertModel(BertPreTrainedModel):
                 **packed) -> BertModelOutput:
         """last_hidden_state is [batch, seq, hidden] for a padded call, [T, hidden] for a packed one."""
         hidden, p = self.encode(input_ids, attention_mask, token_type_ids, position_ids, **packed)
-        return BertModelOutput(last_hidden_state=pad(hidden, p) if p.origin else hidden,
-                               pooler_output=self.pool(hidden, p))
+        return BertModelOutput(last_hidden_state=pad(hidden, p), pooler_output=self.pool(hidden, p))
 
 
 class _MLMMixin:
@@ -388,8 +387,7 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
         nsp_logits = self.cls.seq_relationship(self.bert.pool(hidden, p))
         out = BertForPreTrainingOutput(seq_relationship_logits=nsp_logits)
         if labels is None and mlm_labels is None:
-            logits = self.cls.predictions(hidden, self.backend)
-            out.prediction_logits = pad(logits, p) if p.origin else logits
+            out.prediction_logits = pad(self.cls.predictions(hidden, self.backend), p)
         else:
             positions, targets = self._mlm_targets(p, labels, mlm_positions, mlm_labels, next_sentence_label,
                                                    validate)
@@ -455,8 +453,7 @@ class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):
         hidden, p = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
                                      max_seqlen=max_seqlen, row_aligned=row_aligned, validate=validate)
         if labels is None and mlm_labels is None:
-            logits = self.cls.predictions(hidden, self.backend)
-            return MaskedLMOutput(logits=pad(logits, p) if p.origin else logits)
+            return MaskedLMOutput(logits=pad(self.cls.predictions(hidden, self.backend), p))
         positions, targets = self._mlm_targets(p, labels, mlm_positions, mlm_labels, None, validate)
         mlm, count = self._mlm(hidden, positions, targets)
         return MaskedLMOutput(loss=mlm.loss, logits=mlm.logits, mlm_correct=mlm.correct, mlm_count=count)

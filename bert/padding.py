@@ -63,16 +63,17 @@ def packed_layout(cu_seqlens: torch.Tensor, tokens: int, max_seqlen: int, row_al
     return Packed(cu_seqlens, max_seqlen, seq, pos, rows, origin)
 
 
-def unpad_mask(attention_mask: torch.Tensor) -> Packed:
+def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None) -> Packed:
     """The layout of the kept tokens (nonzero) of a [batch, seqlen] mask, one sequence per row; two syncs (the
-    token count and the longest sequence)."""
+    token count, and the longest sequence unless the caller gives max_seqlen)."""
     batch, seqlen = attention_mask.shape
     keep = attention_mask != 0
     seqlens = keep.sum(1, dtype=torch.int32)
     indices = keep.reshape(-1).nonzero().squeeze(1)
     cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=attention_mask.device)
     torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
-    max_seqlen = int(seqlens.max()) if batch else 0
+    if max_seqlen is None:
+        max_seqlen = int(seqlens.max()) if batch else 0
     return packed_layout(cu_seqlens, indices.numel(), max_seqlen, origin=Origin(indices, batch, seqlen))
 
 
@@ -83,8 +84,11 @@ def unpad(x: torch.Tensor, p: Packed) -> torch.Tensor:
 
 
 def pad(x: torch.Tensor, p: Packed, fill: float = 0.0) -> torch.Tensor:
-    """[T, ...] -> [batch, seqlen, ...], `fill` at padded positions."""
+    """[T, ...] -> [batch, seqlen, ...], `fill` at padded positions: back to the caller's layout, so x itself
+    when the input was packed (no origin)."""
     o = p.origin
+    if o is None:
+        return x
     out = x.new_full((o.batch * o.seqlen, *x.shape[1:]), fill).index_put((o.indices,), x)
     return out.view(o.batch, o.seqlen, *x.shape[1:])
 
@@ -170,12 +174,16 @@ def _from_padded(config, input_ids, attention_mask, token_type_ids, position_ids
     position_ids = torch.arange(shape[1], device=device).expand(shape) if position_ids is None else position_ids
     _check_ids("token_type_ids", token_type_ids, shape, device)
     _check_ids("position_ids", position_ids, shape, device)
-    p = unpad_mask(attention_mask)
+    # The longest sequence is read with the value ranges (padding is never read): one sync besides nonzero's.
+    p = unpad_mask(attention_mask, max_seqlen=0)
+    lens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
+    longest = lens.max().long() if lens.numel() else torch.zeros((), dtype=torch.long, device=device)
     tokens = Tokens(unpad(input_ids, p), unpad(token_type_ids, p), unpad(position_ids, p), p)
-    problems = _range_problems(config, read_values(torch.stack(_ranges(tokens))))  # padding is never read
+    values = read_values(torch.stack([*_ranges(tokens), longest]))
+    problems = _range_problems(config, values[:6])
     if problems:
         raise ValueError("; ".join(problems))
-    return tokens
+    return tokens._replace(layout=p._replace(max_seqlen=values[6]))
 
 
 def _ranges(tokens: Tokens) -> list[torch.Tensor]:
