@@ -22,7 +22,7 @@ from bert.checkpoint import atomic_write
 from bert.cli import add_debug_flag, check_numbers
 
 from . import e2e, encode, precompile
-from .kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
+from . import kernel_suite
 from .lengths import sample_lengths
 from .peaks import measure_peaks
 
@@ -228,8 +228,7 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
         lines.append(f"end to end: {', '.join(plan.variants)} on {', '.join(shapes)}, {plan.specs[0]['steps']} timed "
                      f"steps each, {runs} runs in fresh processes")
     if plan.kernels:
-        lines.append("kernels: LayerNorm, bias-GeLU, attention (with peers), MLM loss" if cuda
-                     else "kernels: the MLM-loss time and memory table (the Triton kernels need a GPU)")
+        lines.append(_kernel_plan(cuda))
     if plan.encode:
         shapes = sorted({f"{s['model']} b{s['batch']}" for s in plan.encode})
         lines.append(f"encode: {', '.join(plan.encode[0]['variants'])} on {', '.join(shapes)}")
@@ -238,6 +237,17 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
     minutes = (runs * per_run + (120 if plan.kernels and cuda else 30 if plan.kernels else 0)) / 60
     more = "" if full else "; --full adds more shapes, torch.compile variants on a CPU, the padding sweep and steps"
     return "Plan: " + "; ".join(lines) + f". Roughly {minutes:.0f}-{2 * minutes:.0f} min here{more}.\n"
+
+
+def _kernel_plan(cuda: bool) -> str:
+    try:
+        from kernels._record import records
+    except ImportError as e:
+        return f"kernels: none ({e})"
+    if cuda:
+        return f"kernels: {', '.join(r.name for r in records())}, each against its peers"
+    memory = [r.name for r in records() if r.bench_shapes.cpu is not None]
+    return f"kernels: the time and memory table of {', '.join(memory)} (timing the Triton kernels needs a GPU)"
 
 
 def _runs(variant: str, spec: dict, plan: Plan) -> bool:
@@ -287,15 +297,21 @@ def run_encode(plan: Plan, results: dict, save) -> None:
 
 
 def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
+    try:
+        from kernels._record import records
+    except ImportError as e:  # no triton on this platform
+        print(f"The kernel suite needs the kernels package, which does not import here: {e}\n")
+        return
     rows = results["kernels"]
-    rows += mlm_loss_rows(peaks, not args.full, device)
-    save()
-    if device.type == "cuda":
-        for fn in (layer_norm_rows, bias_gelu_rows, attention_rows):
-            rows += fn(peaks, not args.full, device)
-            save()
-    else:
-        print("The per-kernel timings need a GPU; on this CPU only the MLM-loss table runs.\n")
+    gpu_only = []
+    for record in records():
+        if device.type != "cuda" and record.bench_shapes.cpu is None:
+            gpu_only.append(record.name)
+            continue
+        rows += kernel_suite.rows(record, peaks, not args.full, device)
+        save()
+    if gpu_only:
+        print(f"Timing {', '.join(gpu_only)} needs a GPU; on this CPU only the memory tables run.\n")
     print("## Kernels\n")
     print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
                           "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "status"]))
@@ -409,7 +425,9 @@ def bench(args, argv) -> int:
 def run_suites(args, plan: Plan, peaks: dict, device, results: dict, save) -> None:
     cuda = device.type == "cuda"
     if args.precompile if args.precompile is not None else cuda:
-        suites = ["layer_norm_rows", "bias_gelu_rows", "attention_rows", "mlm_loss_rows"] if cuda else []
+        from kernels._record import records
+
+        suites = [r.name for r in records()] if cuda else []
         precompile.run(precompile.jobs(suites if plan.kernels else [], plan.variants if cuda and plan.e2e else [],
                                        list({(s["config"], s["seq_len"]): s for s in plan.specs}.values()),
                                        not args.full, str(device)))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -25,12 +24,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import kernels  # noqa: E402,F401
-from kernels._common import INTERPRET, dot_precision  # noqa: E402
-
-# The modules (kernels' functions of the same names shadow layer_norm and bias_gelu as package attributes).
-ln, bg = sys.modules["kernels.layer_norm"], sys.modules["kernels.bias_gelu"]
-att, mlm = sys.modules["kernels.attention"], sys.modules["kernels.mlm_loss"]
+from kernels._common import INTERPRET  # noqa: E402
+from kernels._record import Variant, record, records  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "
@@ -120,173 +115,52 @@ def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3, arch: i
     return Compiled(shared, *register_report(compiled.asm["ptx"], arch), compiled.asm["ptx"])
 
 
-def needs_wgmma(name: str) -> bool:
-    """Half-precision attention and MLM-loss kernels: every dot on wgmma, none on the slower mma.sync."""
-    return name.startswith(("attention", "mlm_loss")) and "float32" not in name and "preprocess" not in name
-
-
-def needs_vectors(name: str) -> bool:
-    """Half-precision LayerNorm and bias-GeLU, bound by memory: every global access of their tensors in vectors
-    of 16 bytes, none element by element."""
-    return name.startswith(("layer_norm", "bias_gelu")) and "float32" not in name
-
-
-def spill_limit(name: str) -> int:
+def spill_limit(variant: Variant) -> int:
     """Bytes a variant may spill. Half precision, the fast path: none, since spills in the inner loop make a
     kernel slow while it still passes every test. float32 runs its dots on the CUDA cores, where ptxas's
     allocation shifts a few bytes either way between releases: a handful, never a loop's worth."""
-    return 64 if "float32" in name else 0
+    return 64 if variant.dtype == torch.float32 else 0
 
 
-def verdict(name: str, result: Compiled, arch: int = 90) -> str | None:
-    """Why a compiled variant is not good enough, or None when it is."""
-    if result.spilled and result.spilled > spill_limit(name):
+def verdict(variant: Variant, result: Compiled, arch: int = 90) -> str | None:
+    """Why a compiled variant is not good enough, or None when it is. What a variant `needs` (kernels/_record.py)
+    is judged in half precision: every dot on wgmma, none on the slower mma.sync ("wgmma": attention, MLM loss),
+    or every global access of its tensors in 16-byte vectors, none element by element ("vectors": the
+    memory-bound LayerNorm and bias-GeLU)."""
+    if result.spilled and result.spilled > spill_limit(variant):
         return f"spills registers ({result})"
-    if arch == 90 and needs_wgmma(name) and (result.mma_sync or not result.wgmma):
+    half = variant.dtype != torch.float32
+    if arch == 90 and half and variant.needs == "wgmma" and (result.mma_sync or not result.wgmma):
         return f"has dots off wgmma ({result})"
-    if needs_vectors(name) and result.scalar16:
+    if half and variant.needs == "vectors" and result.scalar16:
         return f"moves half-precision elements one by one ({result})"
     return None
 
 
-def check(variant, arch: int = 90) -> tuple[str | None, str]:
-    """Compile one (name, fn, args, num_warps[, num_stages]) variant: (failure reason or None, report)."""
-    name, fn, args, *launch = variant
+def check(variant: Variant, arch: int = 90) -> tuple[str | None, str]:
+    """Compile one variant: (failure reason or None, report)."""
     try:
-        result = compile_variant(fn, args, *launch, arch=arch)
+        result = compile_variant(variant.fn, variant.args, variant.num_warps, variant.num_stages, arch=arch)
     except Exception as e:  # out of shared memory, a compiler error: the variant cannot run
         return f"does not compile: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", ""
-    return verdict(name, result, arch), str(result)
+    return verdict(variant, result, arch), str(result)
 
 
-# -- the argument signatures of each kernel, for a given launch config --------------------------------------------
+# -- the variants: each kernel record's defaults, and any entry of a launch-config table --------------------------
 
-def layer_norm_variant(kernel: str, dtype, n: int, launch, residual=True, dropout=True, affine=True):
-    common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
-                  HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, HAS_WEIGHT=affine, BLOCK_M=launch.BLOCK_M,
-                  BLOCK_N=launch.BLOCK_N, M="i32", N="i32:16", p="fp32", Seed=torch.int64 if dropout else None,
-                  stride_x_m="i32:16",
-                  stride_r_m="i32:16")
-    name = f"layer_norm {kernel} {dtype} N={n} res={residual} drop={dropout} affine={affine}"
-    if kernel == "fwd":
-        return (name, ln._layer_norm_fwd_kernel,
-                dict(common, B=torch.float32 if affine else None, Y=dtype, Mean=torch.float32,
-                     Rstd=torch.float32, stride_y_m="i32:16", eps="fp32", HAS_BIAS=affine), launch.num_warps)
-    return (name, ln._layer_norm_bwd_kernel,
-            dict(common, DY=dtype, DX=dtype, DR=dtype if residual else None, DW_partial=torch.float32,
-                 DB_partial=torch.float32, Mean=torch.float32, Rstd=torch.float32, stride_dy_m="i32:16",
-                 stride_dx_m="i32:16", stride_dr_m="i32:16", rows_per_program="i32"), launch.num_warps)
+def groups() -> dict:
+    """Group name -> variants: "<record>" (the launchers' defaults, kernels/_record.py) and "table" (the committed
+    sm_90 table's entries)."""
+    return dict({r.name: r.variants for r in records()}, table=table_variants)
 
-
-def bias_gelu_variant(kernel: str, dtype, launch, tanh=False):
-    common = dict(X=dtype, B=torch.float32, M="i32", N="i32:16", stride_x_m="i32:16", APPROX_TANH=tanh,
-                  BLOCK_M=launch.BLOCK_M, BLOCK_N=launch.BLOCK_N)
-    name = f"bias_gelu {kernel} {dtype} tanh={tanh}"
-    if kernel == "fwd":
-        return name, bg._bias_gelu_fwd_kernel, dict(common, Y=dtype, stride_y_m="i32:16"), launch.num_warps
-    return (name, bg._bias_gelu_bwd_kernel,
-            dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32, stride_dy_m="i32:16", stride_dx_m="i32:16",
-                 rows_per_program="i32"), launch.num_warps)
-
-
-_ATTENTION_TENSORS = {"fwd": ("q", "k", "v", "o"), "dkdv": ("q", "k", "v", "do", "dk", "dv"),
-                      "dq": ("q", "k", "v", "do", "dq")}
-
-
-def attention_variant(kernel: str, dtype, dim: int, launch, dropout=True):
-    tensors = _ATTENTION_TENSORS[kernel]
-    args = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32", max_seqlen="i32",
-                qk_scale="fp32", p_drop="fp32", Seed=torch.int64 if dropout else None, HAS_DROPOUT=dropout, DOT_PRECISION=dot_precision(dtype),
-                BLOCK_D=dim, BLOCK_M=launch.BLOCK_M, BLOCK_N=launch.BLOCK_N, LSE=torch.float32,
-                **{f"stride_{t}_{d}": "i32:16" for t in tensors for d in ("t", "h")})
-    if kernel == "fwd":
-        args.update(O=dtype)
-        fn = att._attention_fwd_kernel
-    else:
-        args.update(DO=dtype, Delta=torch.float32, softmax_scale="fp32", **{t.upper(): dtype for t in tensors[4:]})
-        fn = att._attention_bwd_dkdv_kernel if kernel == "dkdv" else att._attention_bwd_dq_kernel
-    name = f"attention {'fwd' if kernel == 'fwd' else 'bwd ' + kernel} {dtype} d={dim} dropout={dropout}"
-    return name, fn, args, launch.num_warps, launch.num_stages
-
-
-def attention_preprocess_variant(dtype):
-    return (f"attention bwd preprocess {dtype}", att._attention_bwd_preprocess_kernel,
-            dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32:16", stride_o_h="i32:16",
-                 stride_do_t="i32:16", stride_do_h="i32:16", total_tokens="i32", BLOCK_M=64, BLOCK_D=64), 4, 3)
-
-
-def mlm_variant(kernel: str, dtype, h: int, tiles, bias=True):
-    args = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64, stride_h_n="i32:16",
-                stride_w_v="i32:16", N="i32", V="i32", H="i32:16", HAS_BIAS=bias, DOT_PRECISION=dot_precision(dtype),
-                BLOCK_M=tiles.BLOCK_M, BLOCK_V=tiles.BLOCK_V, BLOCK_H=tiles.BLOCK_H, Lse=torch.float32)
-    name = f"mlm_loss {'fwd' if kernel == 'fwd' else 'bwd ' + kernel} {dtype} H={h} bias={bias}"
-    if kernel == "fwd":
-        return (name, mlm._mlm_loss_fwd_kernel,
-                dict(args, Target=torch.float32, Best=torch.float32, BestIdx=torch.int64, vocab_per_split="i32:16"),
-                tiles.num_warps, tiles.num_stages)
-    args.update(G=torch.float32, BLOCK_HO=tiles.BLOCK_HO)
-    if kernel == "dhidden":
-        return (name, mlm._mlm_loss_bwd_dhidden_kernel, dict(args, DHid=dtype, stride_dh_n="i32:16"),
-                tiles.num_warps, tiles.num_stages)
-    return (name, mlm._mlm_loss_bwd_dweight_kernel, dict(args, DW=dtype, DB=torch.float32, stride_dw_v="i32:16"),
-            tiles.num_warps, tiles.num_stages)
-
-
-# -- the variants the launchers pick by default -------------------------------------------------------------------
-
-def layer_norm_variants():
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n in (768, 8192):
-            x = torch.empty((1, n), dtype=dtype, device="meta")
-            for flags in ((True, True, True), (False, False, False)):
-                for kernel in ("fwd", "bwd"):
-                    yield layer_norm_variant(kernel, dtype, n, ln._config(kernel, x, n), *flags)
-
-
-def bias_gelu_variants():
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.empty((1, 3072), dtype=dtype, device="meta")
-        for tanh in (False, True):
-            for kernel in ("fwd", "bwd"):
-                yield bias_gelu_variant(kernel, dtype, bg._config(kernel, x, 3072), tanh)
-
-
-def attention_variants():
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for dim in att.HEAD_DIMS if dtype == torch.bfloat16 else (64,) if dtype == torch.float16 else (16, 64, 128):
-            for dropout in (False, True):
-                for kernel in ("fwd", "dkdv", "dq"):
-                    yield attention_variant(kernel, dtype, dim, att._default_config(kernel, dim, dtype), dropout)
-        yield attention_preprocess_variant(dtype)
-
-
-def mlm_variants():
-    for dtype in (torch.bfloat16, torch.float32):
-        for h in (768, 1024):
-            for bias in (True, False):
-                for kernel in ("fwd", "dhidden", "dweight"):
-                    yield mlm_variant(kernel, dtype, h, mlm._tiles(kernel, h, dtype), bias)
-
-
-GROUPS = (layer_norm_variants, bias_gelu_variants, attention_variants, mlm_variants)
-
-
-# -- any (kernel, dtype, size, config) of the launch-config tables ------------------------------------------------
 
 from .tune import default_launch  # noqa: E402  (needs no compiler: shared with the sweep)
 
 
-def variant_for(kernel: str, dtype, size: int, config: dict | None = None):
+def variant_for(kernel: str, dtype, size: int, config: dict | None = None) -> Variant:
     """The compile variant of a table entry (BERT's training flags: dropout, residual, bias on)."""
-    family, part = kernel.split(".")
     launch = default_launch(kernel, dtype, size)._replace(**(config or {}))
-    if family == "attention":
-        return attention_variant(part, dtype, size, launch)
-    if family == "layer_norm":
-        return layer_norm_variant(part, dtype, size, launch)
-    if family == "bias_gelu":
-        return bias_gelu_variant(part, dtype, launch)
-    return mlm_variant(part, dtype, size, launch)
+    return record(kernel).tuning.variant(kernel.split(".")[1], dtype, size, launch)
 
 
 def table_variants(arch: str = "sm_90"):
@@ -298,6 +172,3 @@ def table_variants(arch: str = "sm_90"):
         for key, entry in sorted(entries.items()):
             dtype, size, _ = key.split("/")
             yield variant_for(kernel, getattr(torch, dtype), int(size), entry["config"])
-
-
-GROUPS = (*GROUPS, table_variants)

@@ -19,12 +19,12 @@ import torch
 
 
 def _warm_suite(name: str, quick: bool, device: str) -> str:
+    from kernels._record import record
+
     from . import kernel_suite
 
     kernel_suite.WARM_ONLY = True
-    fn = getattr(kernel_suite, name)
-    peaks = {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0}
-    fn(peaks, quick, torch.device(device))
+    kernel_suite.rows(record(name), {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0}, quick, torch.device(device))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return name
@@ -40,7 +40,7 @@ def _warm_variant(variant: str, spec: dict) -> str:
 
 
 def jobs(suites: list[str], variants: list[str], specs: list[dict], quick: bool, device: str) -> list[tuple]:
-    """(function, *args) per piece: the kernel suites, then each triton-backed end-to-end variant per spec."""
+    """(function, *args) per piece: the kernel suites (kernel record names), then each triton-backed end-to-end variant per spec."""
     out = [(_warm_suite, name, quick, device) for name in suites]
     out += [(_warm_variant, v, s) for v in variants if v in ("ours-triton", "hf-fused", "ours-packed") for s in specs]
     return out

@@ -27,27 +27,22 @@ import traceback
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 
 class Shapes(NamedTuple):
-    lengths: tuple        # sequence lengths (the token count is their sum)
-    heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    config: str           # bert.BertConfig preset of the model check
-    batch: int            # model check: sequences of up to seq_len tokens
+    kernels: object       # kernels._record.SmokeShapes: every kernel check's problem size
+    config: str           # bert.BertConfig preset of the model checks
+    batch: int            # model checks: sequences of up to seq_len tokens
     seq_len: int
 
-    @property
-    def hidden(self) -> int:
-        return self.heads * self.head_dim
 
+def shapes_for(cuda: bool) -> Shapes:
+    from kernels._record import SmokeShapes  # imports triton: only once TRITON_INTERPRET is settled
 
-GPU = Shapes((128, 97, 64, 128, 31, 1, 110, 128, 76, 128, 55, 128, 9, 120, 128, 88), 12, 64, 3072, 30522, "base",
-             16, 128)
-CPU = Shapes((37, 0, 1, 16, 50), 2, 32, 96, 300, "tiny", 4, 32)
+    if cuda:
+        return Shapes(SmokeShapes((128, 97, 64, 128, 31, 1, 110, 128, 76, 128, 55, 128, 9, 120, 128, 88), 12, 64,
+                                  3072, 30522), "base", 16, 128)
+    return Shapes(SmokeShapes((37, 0, 1, 16, 50), 2, 32, 96, 300), "tiny", 4, 32)
 
 
 class Result(NamedTuple):
@@ -100,91 +95,12 @@ def compare(name, dtype, inputs, ours_fn, ref_fn, names) -> Result:
 
 # -- the checks -----------------------------------------------------------------------------------------------------
 
-def _randn(*shape, device, seed=0, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device)
-
-
-def check_layer_norm(s: Shapes, dtype, device) -> Result:
-    import kernels
-    from kernels.layer_norm import dropout_mask
-
-    m, n, p, seed = sum(s.lengths), s.hidden, 0.1, 1234
-    keep = dropout_mask(seed, m, n, p, device)
-    inputs = [_randn(m, n, device=device, seed=i) for i in range(2)] + [1 + _randn(n, device=device, seed=2, scale=.1),
-                                                                      _randn(n, device=device, seed=3, scale=.1)]
-
-    def ours(x, r, w, b):
-        return kernels.layer_norm(x, w, b, 1e-12, residual=r, dropout_p=p, seed=seed)
-
-    def ref(x, r, w, b):
-        return F.layer_norm(x * keep / (1 - p) + r, (n,), w, b, 1e-12)
-
-    return compare("layer_norm+residual+dropout", dtype, inputs, ours, ref, ["y", "dx", "dresidual", "dw", "db"])
-
-
-def check_bias_gelu(s: Shapes, dtype, device, approximate="none") -> Result:
-    import kernels
-
-    inputs = [_randn(sum(s.lengths), s.intermediate, device=device), _randn(s.intermediate, device=device, seed=1)]
-    name = "bias_gelu" + (" tanh" if approximate == "tanh" else "")
-    return compare(name, dtype, inputs, lambda x, b: kernels.bias_gelu(x, b, approximate),
-                   lambda x, b: F.gelu(x + b, approximate=approximate), ["y", "dx", "dbias"])
-
-
-def check_bias_gelu_tanh(s: Shapes, dtype, device) -> Result:
-    return check_bias_gelu(s, dtype, device, "tanh")
-
-
-def _attention(s: Shapes, dtype, device, p: float) -> Result:
-    import kernels
-    from kernels.attention import attention_dropout_mask
-
-    total, seed = sum(s.lengths), 4321
-    cu = torch.tensor([0, *torch.tensor(s.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    max_len, scale = max(s.lengths), 1 / math.sqrt(s.head_dim)
-    keep = attention_dropout_mask(cu, s.heads, max_len, p, seed) if p else None
-
-    def ours(q, k, v):
-        return kernels.varlen_attention(q, k, v, cu, max_len, dropout_p=p, seed=seed)
-
-    def ref(q, k, v):
-        outs, start = [], 0
-        for n in s.lengths:
-            qq, kk, vv = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
-            if keep is not None:
-                probs = probs * keep[:, start:start + n, :n].to(probs.dtype) / (1 - p)
-            outs.append((probs @ vv).transpose(0, 1))
-            start += n
-        return torch.cat(outs)
-
-    inputs = [_randn(total, s.heads, s.head_dim, device=device, seed=i) for i in range(3)]
-    return compare("attention" + (f" dropout{p}" if p else ""), dtype, inputs, ours, ref, ["o", "dq", "dk", "dv"])
-
-
-def check_attention(s: Shapes, dtype, device) -> Result:
-    return _attention(s, dtype, device, 0.0)
-
-
-def check_attention_dropout(s: Shapes, dtype, device) -> Result:
-    return _attention(s, dtype, device, 0.1)
-
-
-def check_mlm_loss(s: Shapes, dtype, device) -> Result:
-    import kernels
-
-    rows = max(1, int(0.15 * sum(s.lengths)))
-    labels = torch.randint(0, s.vocab, (rows,), generator=torch.Generator().manual_seed(5)).to(device)
-    labels[::7] = -100
-    inputs = [_randn(rows, s.hidden, device=device), _randn(s.vocab, s.hidden, device=device, seed=1, scale=.05),
-              _randn(s.vocab, device=device, seed=2, scale=.05)]
-
-    def ref(h, w, b):  # the logits in the inputs' dtype, the softmax in float32 at least (as under autocast)
-        logits = F.linear(h, w, b)
-        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
-
-    return compare("mlm_loss", dtype, inputs, lambda h, w, b: kernels.masked_lm_loss(h, w, b, labels), ref,
-                   ["loss", "dhidden", "dweight", "dbias"])
+def kernel_check(build):
+    """A check of one kernel record's smoke case (kernels/_record.py)."""
+    def check(s: Shapes, dtype, device) -> Result:
+        case = build(s.kernels, device)
+        return compare(case.name, dtype, case.inputs, case.ours, case.reference, case.outputs)
+    return check
 
 
 def _model_step(model, batch, device, dtype):
@@ -207,7 +123,7 @@ def check_bert_step(s: Shapes, dtype, device, packed: bool = False) -> Result:
     from .batches import make_batch, make_packed_batch
 
     cfg = bert.BertConfig.preset(s.config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                 vocab_size=s.vocab)
+                                 vocab_size=s.kernels.vocab)
     torch.manual_seed(0)
     reference = bert.BertForPreTraining(cfg.replace(backend="torch")).to(device)
     fused = bert.BertForPreTraining(cfg.replace(backend="triton")).to(device)
@@ -235,17 +151,28 @@ def check_bert_step_packed(s: Shapes, dtype, device) -> Result:
     return check_bert_step(s, dtype, device, packed=True)
 
 
-CHECKS = {"layer_norm": check_layer_norm, "bias_gelu": check_bias_gelu, "bias_gelu_tanh": check_bias_gelu_tanh,
-          "attention": check_attention, "attention_dropout": check_attention_dropout, "mlm_loss": check_mlm_loss,
-          "bert_step": check_bert_step, "bert_step_packed": check_bert_step_packed}
+CHECKS: dict = {}  # name -> fn(Shapes, dtype, device) -> Result, filled by checks()
+_FOUND = []
+
+
+def checks() -> dict:
+    """Every kernel record's smoke cases (in the records' order), then the model checks. Importing the records
+    imports triton, so this runs only once TRITON_INTERPRET is settled (main, or a worker it spawned)."""
+    if not _FOUND:
+        from kernels._record import records
+
+        _FOUND.append(True)
+        found = {name: kernel_check(build) for r in records() for name, build in r.smoke.items()}
+        for name, check in dict(found, bert_step=check_bert_step, bert_step_packed=check_bert_step_packed).items():
+            CHECKS.setdefault(name, check)
+    return CHECKS
 
 
 def run_one(check: str, dtype_name: str, device_name: str) -> Result:
     """One check, never raising: an exception is a failure with its message."""
     device = torch.device(device_name)
-    shapes = GPU if device.type == "cuda" else CPU
     try:
-        return CHECKS[check](shapes, getattr(torch, dtype_name), device)
+        return checks()[check](shapes_for(device.type == "cuda"), getattr(torch, dtype_name), device)
     except Exception as e:  # a crash is a failed check, reported on its line
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return Result(check, dtype_name, False, float("inf"), 0.0, "", f"{type(e).__name__}: {first}\n"
@@ -269,7 +196,7 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "float16", "bfloat16"],
                    help="default: bfloat16 float16 on a GPU, float32 float16 on a CPU")
-    p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    p.add_argument("--checks", nargs="+", choices=list(checks()), default=list(checks()))
     p.add_argument("--jobs", type=int, help="worker processes (default: one per check on a GPU, up to the CPU "
                                             "count; none on a CPU)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -277,20 +204,23 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    first = argparse.ArgumentParser(add_help=False)  # the device decides the interpreter, before triton loads
+    first.add_argument("--device")
+    wanted = first.parse_known_args(argv)[0].device
+    device = torch.device(wanted or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the checks)
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the kernel records)
         if "triton" in sys.modules:
             print("bench.smoke: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr)
             return 2
+    args = parse_args(argv)
     cuda = device.type == "cuda"
     dtypes = args.dtypes or (["bfloat16", "float16"] if cuda else ["float32", "float16"])
     jobs = args.jobs if args.jobs is not None else (min(len(dtypes) * len(args.checks), os.cpu_count() or 1)
                                                     if cuda else 1)
-    shapes = GPU if cuda else CPU
+    shapes = shapes_for(cuda)
     print(f"# smoke on {torch.cuda.get_device_name(device) if cuda else 'cpu (Triton interpreter)'}: "
-          f"{len(shapes.lengths)} sequences, {sum(shapes.lengths)} tokens, hidden {shapes.hidden}, "
+          f"{len(shapes.kernels.lengths)} sequences, {shapes.kernels.tokens} tokens, hidden {shapes.kernels.hidden}, "
           f"model {shapes.config}; {', '.join(dtypes)}; {jobs} worker(s)", flush=True)
     results = []
     for r in run_all(device, dtypes, args.checks, jobs):

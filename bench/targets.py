@@ -29,77 +29,46 @@ def _ok(rows, **match):
     return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
 
 
-def _bandwidth(kernel: str):
-    def evaluate(res):
-        ours = _ok(res.get("kernels", []), kernel=kernel, impl="ours")
-        if not ours or "copy_share" not in ours[0]:
-            return "", None
-        worst = min(ours, key=lambda r: r["copy_share"])
-        return f"{worst['copy_share']:.0%} of copy ({worst['fwd_bwd_GBps']:,.0f} GB/s, {worst['shape']})", \
-            worst["copy_share"] >= 0.85
-    return evaluate
+_OPS = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b}
 
 
-def _beats_compile(kernel: str):
-    def evaluate(res):
-        rows = res.get("kernels", [])
-        pairs = [(o, c) for o in _ok(rows, kernel=kernel, impl="ours")
-                 for c in _ok(rows, kernel=kernel, impl="torch-compile", shape=o["shape"])]
-        if not pairs:
-            return "", None
-        o, c = min(pairs, key=lambda p: p[1]["fwd_bwd_ms"] / p[0]["fwd_bwd_ms"])
-        speedup = c["fwd_bwd_ms"] / o["fwd_bwd_ms"]
-        return f"{speedup:.2f}x torch.compile ({o['shape']})", speedup > 1.0
-    return evaluate
+def _goal_rows(goal, rows, impl):
+    return _ok(rows, kernel=goal.kernel, impl=impl, dtype="bfloat16", **goal.where)
 
 
-def _attention(impl: str, padding: float):
-    def row(res):
-        rows = _ok(res.get("kernels", []), kernel="attention", impl=impl, seq_len=512, padding=padding,
-                   head_dim=64, dtype="bfloat16")
-        return rows[0] if rows else None
-    return row
-
-
-def _attention_tflops(direction: str, goal: float):
-    def evaluate(res):
-        r = _attention("ours", 0.0)(res)
-        if r is None:
-            return "", None
-        value = r[f"{direction}_TFLOPs"]
-        return f"{value:.0f} TFLOP/s", value >= goal
-    return evaluate
-
-
-def _attention_vs(peer: str, padding: float, factor: float):
-    def evaluate(res):
-        ours, other = _attention("ours", padding)(res), _attention(peer, padding)(res)
-        if ours is None or other is None:
-            return "", None
-        speedup = other["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
-        return f"{speedup:.2f}x {peer} (fwd+bwd)", speedup >= factor
-    return evaluate
-
-
-def _mlm(res, impl):
-    rows = _ok(res.get("kernels", []), kernel="mlm_loss", impl=impl, hidden=768, dtype="bfloat16")
-    return rows[0] if rows else None
-
-
-def _mlm_memory(res):
-    ours, full = _mlm(res, "(c) ours"), _mlm(res, "(a) full logits")
-    if ours is None or full is None:
+def _level(goal, rows):
+    """The worst of ours' rows in the goal's field."""
+    ours = [r for r in _goal_rows(goal, rows, goal.impl) if goal.field in r]
+    if not ours:
         return "", None
-    share = ours["peak_extra_MB"] / full["peak_extra_MB"]
-    return f"{share:.2%} ({ours['peak_extra_MB']:,.0f} of {full['peak_extra_MB']:,.0f} MB)", share <= 0.01
+    worst = (max if goal.op == "<=" else min)(ours, key=lambda r: r[goal.field])
+    where = f" ({worst['shape']})" if len(ours) > 1 else ""  # which of several shapes is the worst
+    return goal.fmt.format(worst[goal.field]) + where, _OPS[goal.op](worst[goal.field], goal.bound)
 
 
-def _mlm_time(res):
-    ours, gathered = _mlm(res, "(c) ours"), _mlm(res, "(b) gather+linear+CE")
-    if ours is None or gathered is None:
+def _ratio(goal, rows):
+    """On each shape both ran: peer/ours of a time (how many times faster ours is) or ours/peer of a share."""
+    peers = {r["shape"]: r for r in _goal_rows(goal, rows, goal.peer) if goal.field in r}
+    pairs = [(o, peers[o["shape"]]) for o in _goal_rows(goal, rows, goal.impl) if o["shape"] in peers
+             and goal.field in o]
+    if not pairs:
         return "", None
-    return f"{ours['fwd_bwd_ms']:.2f} ms vs {gathered['fwd_bwd_ms']:.2f} ms", \
-        ours["fwd_bwd_ms"] <= gathered["fwd_bwd_ms"]
+
+    def ratio(pair):
+        ours, peer = pair[0][goal.field], pair[1][goal.field]
+        return ours / peer if goal.share else peer / ours
+    worst = (max if goal.op == "<=" else min)(pairs, key=ratio)
+    value, (ours, peer) = ratio(worst), (worst[0][goal.field], worst[1][goal.field])
+    unit = goal.field.rsplit("_", 1)[-1]  # the fields end in their unit: fwd_bwd_ms, peak_extra_MB
+    text = (f"{value:.2%} of {goal.peer} ({ours:,.0f} of {peer:,.0f} {unit}" if goal.share
+            else f"{value:.2f}x {goal.peer} ({ours:.3g} vs {peer:.3g} {unit}")
+    return f"{text}, {worst[0]['shape']})", _OPS[goal.op](value, goal.bound)
+
+
+def kernel_target(goal) -> Target:
+    """A kernel record's Goal (kernels/_record.py) as a Target over the rows of the kernel suite."""
+    judge = _ratio if goal.peer else _level
+    return Target(goal.name, goal.goal, lambda res: judge(goal, res.get("kernels", [])))
 
 
 def _e2e(field: str, goal: float, fmt: str, variant="ours-triton", family="bert", config="base", seq_len=128):
@@ -122,17 +91,7 @@ def _encode(model: str, goal: float):
     return evaluate
 
 
-TARGETS = [
-    Target("LayerNorm+residual+dropout fwd+bwd bandwidth", ">= 85% of copy", _bandwidth("layer_norm+residual+dropout")),
-    Target("LayerNorm+residual+dropout vs torch.compile", "faster", _beats_compile("layer_norm+residual+dropout")),
-    Target("bias-GeLU fwd+bwd bandwidth", ">= 85% of copy", _bandwidth("bias_gelu")),
-    Target("bias-GeLU vs torch.compile", "faster", _beats_compile("bias_gelu")),
-    Target("attention fwd, d64 s512 bf16", ">= 350 TFLOP/s", _attention_tflops("fwd", 350)),
-    Target("attention bwd, d64 s512 bf16", ">= 250 TFLOP/s", _attention_tflops("bwd", 250)),
-    Target("attention vs torch varlen_attn, s512", ">= 1x", _attention_vs("torch-varlen_attn", 0.0, 1.0)),
-    Target("attention at 50% padding vs SDPA + padding mask, s512", ">= 2x", _attention_vs("sdpa-masked", 0.5, 2.0)),
-    Target("MLM loss extra memory vs full logits, H768", "<= 1%", _mlm_memory),
-    Target("MLM loss time vs gather + linear + CE, H768", "<= 1x", _mlm_time),
+MODEL_TARGETS = [
     Target("BERT-base step s128 wiki bf16 vs HF eager", ">= 2.5x", _e2e("speedup_vs_hf-eager", 2.5, "{:.2f}x")),
     Target("BERT-base step s128 wiki bf16 vs HF + torch.compile", ">= 1.6x",
            _e2e("speedup_vs_hf-compile", 1.6, "{:.2f}x")),
@@ -150,9 +109,19 @@ TARGETS = [
 ]
 
 
+def targets() -> list[Target]:
+    """Every kernel record's goals (kernels/_record.py), then the model targets. Without the kernels package (no
+    triton on this platform) only the model targets."""
+    try:
+        from kernels._record import records
+    except ImportError:
+        return list(MODEL_TARGETS)
+    return [kernel_target(g) for r in records() for g in r.goals] + MODEL_TARGETS
+
+
 def evaluate(results: dict) -> list[Verdict]:
     out = []
-    for t in TARGETS:
+    for t in targets():
         try:
             value, met = t.evaluate(results)
         except (KeyError, TypeError, ZeroDivisionError) as e:  # a row without the field: not measured

@@ -33,8 +33,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
-FAMILIES = ("attention", "layer_norm", "bias_gelu", "mlm_loss")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def families() -> list[str]:
+    """The kernel records (kernels/_record.py), each a family of table kernels "<record>.<part>"."""
+    from kernels._record import records
+
+    return [r.name for r in records()]
 
 
 class Problem(NamedTuple):
@@ -54,57 +60,33 @@ class Problem(NamedTuple):
         return f"{self.kernel} {self.key} {self.shape}"
 
 
-def _grid(**axes) -> list[dict]:
-    names = list(axes)
-    return [dict(zip(names, values)) for values in itertools.product(*axes.values())]
+def _tuning(kernel: str):
+    from kernels._record import record
+
+    return record(kernel).tuning
 
 
 def candidates(kernel: str) -> list[dict]:
-    """The configs swept per kernel, before pruning (the default is added to them)."""
-    return {
-        "attention.fwd": _grid(BLOCK_M=[64, 128], BLOCK_N=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
-        "attention.dkdv": _grid(BLOCK_M=[16, 32, 64], BLOCK_N=[64, 128], num_warps=[4, 8], num_stages=[1, 2]),
-        "attention.dq": _grid(BLOCK_M=[64, 128], BLOCK_N=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
-        "layer_norm.fwd": _grid(BLOCK_M=[1, 2, 4, 8, 16], num_warps=[2, 4, 8, 16]),
-        "layer_norm.bwd": _grid(BLOCK_M=[1, 2, 4, 8, 16], num_warps=[2, 4, 8, 16]),
-        "bias_gelu.fwd": [c for c in _grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
-                          if c["BLOCK_M"] * c["BLOCK_N"] <= 8192],
-        "bias_gelu.bwd": [c for c in _grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
-                          if c["BLOCK_M"] * c["BLOCK_N"] <= 8192],
-        "mlm_loss.fwd": _grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128, 256], BLOCK_H=[64], num_warps=[4, 8],
-                              num_stages=[3]),
-        "mlm_loss.dhidden": _grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128], BLOCK_HO=[128, 256], num_warps=[8],
-                                  num_stages=[2, 3]),
-        "mlm_loss.dweight": _grid(BLOCK_M=[32, 64], BLOCK_V=[64, 128], BLOCK_HO=[128, 256], num_warps=[8],
-                                  num_stages=[2, 3]),
-    }[kernel]
+    """The configs swept for a table kernel ("attention.fwd"), before pruning (the default is added to them)."""
+    return _tuning(kernel).candidates[kernel.split(".")[1]]
 
 
-def problems(families, dtypes) -> list[Problem]:
-    """BERT's shapes, most used first: base before large, s128 before s512, the first dtype before the next."""
+def problems(names, dtypes) -> list[Problem]:
+    """BERT's shapes of the named records' kernels, most used first: per dtype, BERT-base's shapes before
+    BERT-large's (each record's TuneShape.rank), the first dtype before the next."""
+    from kernels._record import record
+
     out = []
     for dtype in dtypes:
-        for seq in (128, 512):
-            out += [Problem(f"attention.{k}", dtype, 64, seq, (24576 // seq, seq, 12)) for k in ("fwd", "dkdv", "dq")]
-        for h, i in ((768, 3072), (1024, 4096)):
-            out += [Problem(f"layer_norm.{k}", dtype, h, None, (16384, h)) for k in ("fwd", "bwd")]
-            out += [Problem(f"bias_gelu.{k}", dtype, i, None, (16384, i)) for k in ("fwd", "bwd")]
-            out += [Problem(f"mlm_loss.{k}", dtype, h, None, (4915, h, 30522)) for k in ("fwd", "dhidden", "dweight")]
-    return [p for p in out if p.kernel.split(".")[0] in families]
+        mine = [(s.rank, Problem(f"{name}.{part}", dtype, s.size, s.seq_len, s.shape))
+                for name in names for s in record(name).tuning.shapes for part in record(name).tuning.parts]
+        out += [p for _, p in sorted(mine, key=lambda rp: rp[0])]  # stable: the records' order within a rank
+    return out
 
 
 def default_launch(kernel: str, dtype, size: int) -> NamedTuple:
     """The launcher's built-in config for a table kernel name ("attention.fwd", "layer_norm.bwd", ...)."""
-    family, part = kernel.split(".")
-    module = sys.modules[f"kernels.{family}"] if f"kernels.{family}" in sys.modules else None
-    if module is None:
-        import kernels  # noqa: F401  (imports every kernel module)
-        module = sys.modules[f"kernels.{family}"]
-    if family == "attention":
-        return module._default_config(part, size, dtype)
-    if family == "mlm_loss":
-        return module._tiles(part, size, dtype)
-    return module._config(part, torch.empty((1, size), dtype=dtype, device="meta"), size)
+    return _tuning(kernel).default(kernel.split(".")[1], dtype, size)
 
 
 # -- one problem on the device: build inputs, return what to time and what to compare -------------------------------
@@ -132,50 +114,16 @@ def _backward_run(forward, inputs, grad_of) -> Run:
 
 
 def setup(problem: Problem, device: torch.device) -> Run:
-    import kernels
-
-    family, part = problem.kernel.split(".")
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device, problem.dtype).requires_grad_()
-
-    if family == "attention":
-        batch, seq, heads = problem.shape
-        lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = lengths.cumsum(0)
-        cu = cu.to(device)
-        q, k, v = (randn(int(lengths.sum()), heads, problem.size) for _ in range(3))
-
-        def fn(q, k, v):
-            return kernels.varlen_attention(q, k, v, cu, seq, dropout_p=0.1, seed=1234, validate=False)
-        inputs, grad_of = (q, k, v), ((q,) if part == "dq" else (k, v))
-    elif family == "layer_norm":
-        tokens, h = problem.shape
-        x, r, w, b = randn(tokens, h), randn(tokens, h), randn(h), randn(h)
-
-        def fn(x, r, w, b):
-            return kernels.layer_norm(x, w, b, 1e-12, residual=r, dropout_p=0.1, seed=1234)
-        inputs, grad_of = (x, r, w, b), (x, r, w, b)
-    elif family == "bias_gelu":
-        tokens, n = problem.shape
-        x, b = randn(tokens, n), randn(n)
-        fn, inputs, grad_of = kernels.bias_gelu, (x, b), (x, b)
-    else:
-        rows, h, vocab = problem.shape
-        hid, w, b = randn(rows, h), randn(vocab, h, scale=0.05), randn(vocab, scale=0.05)
-        labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
-
-        def fn(hid, w, b):
-            return kernels.masked_lm_loss(hid, w, b, labels)
-        inputs, grad_of = (hid, w, b), ((hid,) if part == "dhidden" else (w, b))
-    if part == "fwd":
+    """What to time and compare for one problem: the forward kernel's call without gradients, or the backward
+    of the record's function, comparing the gradients that kernel writes."""
+    part = problem.kernel.split(".")[1]
+    fn, inputs, grads = _tuning(problem.kernel).setup(problem.shape, problem.size, problem.dtype, device)
+    if part not in grads:
         def forward():
             with torch.no_grad():
                 return fn(*inputs)
         return Run(forward, lambda: [forward()])
-    return _backward_run(fn, inputs, grad_of)
+    return _backward_run(fn, inputs, grads[part])
 
 
 def run_with(problem: Problem, config: dict, run: Run, what: str):
@@ -311,7 +259,8 @@ def sweep(todo: list[Problem], device: torch.device, budget: float, timer, prune
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--kernels", nargs="+", choices=families(), default=families(),
+                   help="kernel records to tune (default: all)")
     p.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16"], default=["bfloat16", "float16"])
     p.add_argument("--budget", type=float, default=600, help="seconds; the sweep stops between problems")
     p.add_argument("--output", default=os.path.join("kernels", "configs"),

@@ -29,13 +29,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import tuned
 from ._common import (INTERPRET, check_device, check_float, dense, dot_precision, interpreter_upcast, programs_wanted,
                       unit_stride)
+from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, randn
 
+__all__ = ["masked_lm_loss"]
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -390,3 +393,104 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if return_correct:
         return MLMLossOutput(loss, hit.sum(dtype=torch.int64))
     return loss
+
+
+# -- what the project's tools need to know about this op (kernels/_record.py) ---------------------------------------
+
+def _smoke(s, device) -> Case:
+    rows = max(1, int(0.15 * s.tokens))
+    labels = torch.randint(0, s.vocab, (rows,), generator=torch.Generator().manual_seed(5)).to(device)
+    labels[::7] = -100
+    inputs = [randn(rows, s.hidden, device=device), randn(s.vocab, s.hidden, device=device, seed=1, scale=.05),
+              randn(s.vocab, device=device, seed=2, scale=.05)]
+
+    def reference(h, w, b):  # the logits in the inputs' dtype, the softmax in float32 at least (as under autocast)
+        logits = F.linear(h, w, b)
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
+
+    return Case("mlm_loss", inputs, lambda h, w, b: masked_lm_loss(h, w, b, labels), reference,
+                ["loss", "dhidden", "dweight", "dbias"])
+
+
+def _bench(shape, device, dtype, full):
+    """Pre-training shapes, 15% of the tokens labelled: HF's path (the decoder on every position), the labelled
+    rows gathered before a plain linear + cross-entropy, and ours on the gathered rows. The interpreter is far
+    too slow for ours at these sizes: on a CPU only the two PyTorch paths run (their memory is the point)."""
+    tokens, h, vocab = *shape, 30522
+    g = torch.Generator().manual_seed(0)
+    labels = torch.where(torch.rand(tokens, generator=g) < 0.15, torch.randint(0, vocab, (tokens,), generator=g),
+                         -100).to(device)
+    rows = (labels != -100).nonzero().squeeze(1)
+
+    def inputs():
+        return (randn(tokens, h, device=device, dtype=dtype, grad=True),
+                randn(vocab, h, seed=1, scale=0.02, device=device, dtype=dtype, grad=True),
+                torch.zeros(vocab, device=device, dtype=dtype, requires_grad=True))
+
+    impls = {"(a) full logits": lambda x, w, b: F.cross_entropy(F.linear(x, w, b).float(), labels),
+             "(b) gather+linear+CE": lambda x, w, b: F.cross_entropy(F.linear(x[rows], w, b).float(), labels[rows])}
+    if device.type == "cuda":
+        impls["(c) ours"] = lambda x, w, b: masked_lm_loss(x[rows], w, b, labels[rows])
+    yield Bench("mlm_loss", f"{tokens} tok (~{rows.numel()} labelled) x V{vocab} x H{h}", impls, inputs,
+                extra=dict(hidden=h))
+
+
+def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant:
+    args = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64, stride_h_n="i32:16",
+                stride_w_v="i32:16", N="i32", V="i32", H="i32:16", HAS_BIAS=bias, DOT_PRECISION=dot_precision(dtype),
+                BLOCK_M=tiles.BLOCK_M, BLOCK_V=tiles.BLOCK_V, BLOCK_H=tiles.BLOCK_H, Lse=torch.float32)
+    if part == "fwd":
+        fn = _mlm_loss_fwd_kernel
+        args.update(Target=torch.float32, Best=torch.float32, BestIdx=torch.int64, vocab_per_split="i32:16")
+    elif part == "dhidden":
+        fn = _mlm_loss_bwd_dhidden_kernel
+        args.update(G=torch.float32, BLOCK_HO=tiles.BLOCK_HO, DHid=dtype, stride_dh_n="i32:16")
+    else:
+        fn = _mlm_loss_bwd_dweight_kernel
+        args.update(G=torch.float32, BLOCK_HO=tiles.BLOCK_HO, DW=dtype, DB=torch.float32, stride_dw_v="i32:16")
+    name = f"mlm_loss {'fwd' if part == 'fwd' else 'bwd ' + part} {dtype} H={h} bias={bias}"
+    return Variant(name, fn, args, tiles.num_warps, tiles.num_stages, dtype, "wgmma")
+
+
+def _variants():
+    for dtype in (torch.bfloat16, torch.float32):
+        for h in (768, 1024):
+            for bias in (True, False):
+                for part in ("fwd", "dhidden", "dweight"):
+                    yield _variant(part, dtype, h, _tiles(part, h, dtype), bias)
+
+
+def _tune_setup(shape, size, dtype, device):
+    rows, h, vocab = shape
+    hid, w, b = (randn(*s, seed=i, scale=c, device=device, dtype=dtype, grad=True)
+                 for i, (s, c) in enumerate([((rows, h), 1.0), ((vocab, h), 0.05), ((vocab,), 0.05)]))
+    labels = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(3)).to(device)
+    return (lambda hid, w, b: masked_lm_loss(hid, w, b, labels)), (hid, w, b), {"dhidden": (hid,), "dweight": (w, b)}
+
+
+def _mlm_goal(name, goal, field, op, bound, peer, share=False) -> Goal:
+    return Goal(name, goal, "mlm_loss", field, op, bound, peer=peer, share=share, where=dict(hidden=768),
+                impl="(c) ours")
+
+
+RECORD = Record(
+    name="mlm_loss",
+    smoke={"mlm_loss": _smoke},
+    bench_shapes=BenchShapes(quick=[(32768, 768)], full=[(32768, 768), (32768, 1024)], tiny=[(256, 768)],
+                             cpu=[(4096, 768)]),
+    bench=_bench,
+    tuning=Tuning(parts=("fwd", "dhidden", "dweight"), default=lambda part, dtype, size: _tiles(part, size, dtype),
+                  candidates={"fwd": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128, 256], BLOCK_H=[64], num_warps=[4, 8],
+                                          num_stages=[3]),
+                              "dhidden": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
+                                              num_warps=[8], num_stages=[2, 3]),
+                              "dweight": grid(BLOCK_M=[32, 64], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
+                                              num_warps=[8], num_stages=[2, 3])},
+                  shapes=(TuneShape(768, None, (4915, 768, 30522)), TuneShape(1024, None, (4915, 1024, 30522), rank=1)),
+                  setup=_tune_setup, variant=_variant),
+    variants=_variants,
+    goals=(_mlm_goal("MLM loss extra memory vs full logits, H768", "<= 1%", "peak_extra_MB", "<=", 0.01,
+                     "(a) full logits", share=True),
+           _mlm_goal("MLM loss time vs gather + linear + CE, H768", ">= 1x", "fwd_bwd_ms", ">=", 1.0,
+                     "(b) gather+linear+CE")),
+)

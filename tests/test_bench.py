@@ -11,7 +11,7 @@ import kernels  # noqa: F401  (triton imported now, interpreter on, before run_v
 from bench import e2e
 from bench.batches import make_batch
 from bench.cli import main, plot
-from bench.kernel_suite import attention_rows, bias_gelu_rows, layer_norm_rows, mlm_loss_rows
+from bench import kernel_suite
 from bench.lengths import WIKI_PERCENTILES, sample_lengths
 
 PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 0.1, "matmul_dtype": "float32"}
@@ -64,12 +64,20 @@ def test_e2e_variants_run_in_process(monkeypatch):
 
 
 def test_kernel_suites_at_tiny_sizes_on_this_device(device):
-    rows = layer_norm_rows(PEAKS, True, device, shapes=[(16, 48)])
-    rows += bias_gelu_rows(PEAKS, True, device, shapes=[(16, 40)])
-    rows += attention_rows(PEAKS, True, device, shapes=[(2, 24, 2)])
+    from kernels._record import record, records
+
+    rows = []
+    for r in records():
+        if r.bench_shapes.cpu is None:  # timed in process; the memory ones below
+            rows += kernel_suite.rows(r, PEAKS, True, device, shapes=r.bench_shapes.tiny)
     assert rows and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
     assert {r["impl"] for r in rows} >= {"torch-eager", "ours", "sdpa-masked"}
-    mlm = mlm_loss_rows(PEAKS, True, torch.device("cpu"), tokens=256)
+    assert {r["kernel"] for r in rows} == {"layer_norm+residual+dropout", "bias_gelu", "attention"}
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in rows)
+    assert all(r["fwd_bwd_GBps"] > 0 for r in rows if r["kernel"] != "attention")
+    assert all(r["fwd_TFLOPs"] > 0 for r in rows if r["kernel"] == "attention")
+    mlm_record = record("mlm_loss")
+    mlm = kernel_suite.rows(mlm_record, PEAKS, True, torch.device("cpu"), shapes=mlm_record.bench_shapes.tiny)
     assert [r["impl"] for r in mlm] == ["(a) full logits", "(b) gather+linear+CE"]
     assert all(r["status"] == "ok" and r["peak_extra_MB"] >= 0 for r in mlm)
 
@@ -208,6 +216,7 @@ def test_a_later_run_leaves_no_stale_files_of_an_earlier_one(tmp_path, monkeypat
     out.mkdir()
     for name in ("e2e.csv", "speedup.png", "padding.png"):
         (out / name).write_text("from an earlier run")
-    monkeypatch.setattr("bench.cli.mlm_loss_rows", lambda peaks, quick, device: [{"kernel": "mlm_loss", "status": "ok"}])
+    monkeypatch.setattr("bench.kernel_suite.rows", lambda record, peaks, quick, device: [{"kernel": record.name,
+                                                                                        "status": "ok"}])
     assert main(["--suite", "kernels", "--output-dir", str(out), "--device", "cpu"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["kernels.csv", "results.json"]

@@ -7,7 +7,7 @@ import tarfile
 
 from bench import precompile
 from bench.summary import render
-from bench.targets import TARGETS, evaluate
+from bench.targets import evaluate, targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
@@ -53,16 +53,15 @@ def test_a_cut_stage_is_reported_and_later_stages_still_run(tmp_path):
 def rows():
     kernels = []
     for kernel in ("layer_norm+residual+dropout", "bias_gelu"):
-        kernels += [{"kernel": kernel, "impl": "ours", "shape": "16384x768", "status": "ok", "fwd_bwd_ms": 1.0,
-                     "fwd_bwd_GBps": 4000.0, "copy_share": 0.9},
-                    {"kernel": kernel, "impl": "torch-compile", "shape": "16384x768", "status": "ok",
-                     "fwd_bwd_ms": 0.8}]
-    att = dict(kernel="attention", seq_len=512, head_dim=64, dtype="bfloat16", status="ok")
+        row = {"kernel": kernel, "shape": "16384x768", "dtype": "bfloat16", "status": "ok"}
+        kernels += [dict(row, impl="ours", fwd_bwd_ms=1.0, fwd_bwd_GBps=4000.0, copy_share=0.9),
+                    dict(row, impl="torch-compile", fwd_bwd_ms=0.8)]
+    att = dict(kernel="attention", shape="b64 s512 h12 d64", seq_len=512, head_dim=64, dtype="bfloat16", status="ok")
     kernels += [dict(att, impl="ours", padding=0.0, fwd_TFLOPs=400.0, bwd_TFLOPs=200.0, fwd_bwd_ms=1.0),
                 dict(att, impl="torch-varlen_attn", padding=0.0, fwd_bwd_ms=1.2),
                 dict(att, impl="ours", padding=0.5, fwd_bwd_ms=0.5),
                 dict(att, impl="sdpa-masked", padding=0.5, fwd_bwd_ms=1.1)]
-    mlm = dict(kernel="mlm_loss", hidden=768, dtype="bfloat16", status="ok")
+    mlm = dict(kernel="mlm_loss", shape="32768 tok x H768", hidden=768, dtype="bfloat16", status="ok")
     kernels += [dict(mlm, impl="(a) full logits", peak_extra_MB=6000.0, fwd_bwd_ms=9.0),
                 dict(mlm, impl="(b) gather+linear+CE", peak_extra_MB=900.0, fwd_bwd_ms=3.0),
                 dict(mlm, impl="(c) ours", peak_extra_MB=70.0, fwd_bwd_ms=2.0)]
@@ -82,7 +81,7 @@ def rows():
 
 def test_targets_read_the_benchmark_rows():
     verdicts = {v.name: v for v in evaluate(rows())}
-    assert len(verdicts) == len(TARGETS)
+    assert len(verdicts) == len(targets())
     met = {name for name, v in verdicts.items() if v.met}
     not_met = {name for name, v in verdicts.items() if v.met is False}
     assert not_met == {"LayerNorm+residual+dropout vs torch.compile", "bias-GeLU vs torch.compile",
@@ -91,7 +90,7 @@ def test_targets_read_the_benchmark_rows():
                        "BERT-large step s512 wiki bf16, packed"}
     unmeasured = {name for name, v in verdicts.items() if v.met is None}
     assert unmeasured == {"encode RoBERTa-base, batch 256, wiki lengths, bf16: fused vs HF SDPA"}
-    assert len(met) + len(not_met) + 1 == len(TARGETS)
+    assert len(met) + len(not_met) + 1 == len(targets())
     assert verdicts["encode BERT-base, batch 256, wiki lengths, bf16: fused vs HF SDPA"].value.startswith("1.60x")
     assert verdicts["attention vs torch varlen_attn, s512"].value.startswith("1.20x")
     assert verdicts["BERT-base step s128 wiki bf16 throughput"].value == "900,000 tokens/s"
@@ -126,6 +125,6 @@ def test_precompile_runs_pieces_in_workers_and_reports_failures():
 
     errors = precompile.run([(math.sqrt, 4.0), (math.sqrt, -1.0)], workers=2, log=lambda *_: None)
     assert len(errors) == 1 and "ValueError" in errors[0]
-    pieces = precompile.jobs(["attention_rows"], ["hf-eager", "ours-triton"], [{"config": "base", "seq_len": 128}],
+    pieces = precompile.jobs(["attention"], ["hf-eager", "ours-triton"], [{"config": "base", "seq_len": 128}],
                              True, "cuda")
     assert [p[0].__name__ for p in pieces] == ["_warm_suite", "_warm_variant"]

@@ -84,7 +84,7 @@ def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypat
 
 
 def test_problems_cover_bert_shapes_most_used_first():
-    todo = tune.problems(tune.FAMILIES, [torch.bfloat16, torch.float16])
+    todo = tune.problems(tune.families(), [torch.bfloat16, torch.float16])
     assert todo[0].dtype == torch.bfloat16 and todo[-1].dtype == torch.float16
     keys = {(p.kernel, p.key) for p in todo}
     for key in [("attention.fwd", "bfloat16/64/s128"), ("attention.dq", "float16/64/s512"),

@@ -1,0 +1,168 @@
+"""What the rest of the project needs to know about one fused op, declared once, at the end of the op's own file.
+
+Every kernel module ends with `RECORD = Record(...)`; `kernels.RECORDS` collects them in the package's import
+order. The benchmark and check tools iterate over the records and name no op themselves:
+
+    bench.smoke           `smoke`: one check per entry, the op against its float64 reference
+    bench.kernel_suite    `bench`: the shapes it is timed at, its peers, the bytes and FLOPs it must move
+    bench.tune            `tuning`: the launch sites a config table may set, their candidates and problems
+    bench.compile_check   `variants` (the launchers' defaults) and `tuning.variant` (any table entry)
+    bench.targets         `goals`: the speed and memory targets read from the benchmark rows
+    bench.precompile, bert-bench, bench/test_kernels.py: the record names and `bench`
+
+This module holds plain types only (no triton), so the records can be read without compiling anything.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+
+
+# -- smoke: the op against a float64 reference ------------------------------------------------------------------
+
+class SmokeShapes(NamedTuple):
+    """One problem size shared by every smoke check (BERT-base on a GPU, tiny in the interpreter)."""
+    lengths: tuple        # sequence lengths (the token count is their sum)
+    heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+class Case(NamedTuple):
+    """Inputs and two functions of them: `ours` is run in the checked dtype, `reference` in float64 and in the
+    checked dtype (PyTorch's own error there sets the tolerance). `outputs` names the output, then the gradient
+    of each input."""
+    name: str
+    inputs: list
+    ours: Callable
+    reference: Callable
+    outputs: list
+
+
+def randn(*shape, seed: int = 0, scale: float = 1.0, device="cpu", dtype=torch.float32, grad: bool = False):
+    """Normal noise from a CPU generator (the same numbers on every device), scaled, optionally a leaf."""
+    t = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device, dtype)
+    return t.requires_grad_() if grad else t
+
+
+# -- the kernel benchmark ---------------------------------------------------------------------------------------
+
+class BenchShapes(NamedTuple):
+    """Shapes per run kind; `cpu` None: the op is timed on a GPU only (the interpreter times nothing useful)."""
+    quick: list
+    full: list
+    tiny: list                  # the test suite's, seconds in the interpreter
+    cpu: list | None = None
+
+
+class Bench(NamedTuple):
+    """One benchmarked problem: each implementation runs forward + backward on fresh `inputs()`. An impl given as
+    a string is reported as skipped for that reason; names containing "ours" are this project's. With a
+    "torch-eager" impl, a GPU run adds "torch-compile" of it."""
+    kernel: str                 # the row label, as the targets read it
+    shape: str
+    impls: dict
+    inputs: Callable[[], tuple]
+    bytes_fwd: int = 0          # bytes the op must move (each input read once, each output written once)
+    bytes_bwd: int = 0
+    flops_fwd: float = 0.0      # FLOPs of the forward (the backward counted as 2.5x: FlashAttention's convention)
+    extra: dict = {}            # more row fields (what the targets select on)
+
+
+# -- launch-config tuning and the sm_90 compile check ---------------------------------------------------------------
+
+class Variant(NamedTuple):
+    """A kernel specialised as the JIT would at BERT's shapes: every argument -> a torch dtype (pointer), "i32",
+    "i32:16" (divisible by 16), "fp32", None (absent pointer) or a constexpr's value. `needs`: "wgmma" (every
+    half-precision dot on Hopper's warpgroup MMA) or "vectors" (half-precision tensors moved in 16-byte vectors),
+    judged for half precision only."""
+    name: str
+    fn: object
+    args: dict
+    num_warps: int
+    num_stages: int = 3
+    dtype: torch.dtype = torch.float32
+    needs: str | None = None
+
+
+class TuneShape(NamedTuple):
+    size: int                   # the table's size key (hidden, intermediate or head_dim)
+    seq_len: int | None         # the table's sequence bucket (None: the kernel does not depend on it)
+    shape: tuple                # the problem `Tuning.setup` builds
+    rank: int = 0               # sweep order within a dtype: BERT-base's shapes (0) before BERT-large's (1)
+
+
+class Tuning(NamedTuple):
+    """The launch sites ("<record>.<part>") a config table may set. `default(part, dtype, size)` is the
+    launcher's built-in config; `candidates[part]` the configs swept (fields it may change); `variant(part, dtype,
+    size, launch)` the compile Variant with BERT's training flags; `setup(shape, size, dtype, device)` gives
+    (fn, inputs, {part: inputs whose gradients that backward kernel writes}); parts missing there are forward
+    kernels, timed without gradients."""
+    parts: tuple
+    default: Callable
+    candidates: dict
+    shapes: tuple
+    setup: Callable
+    variant: Callable
+
+
+def grid(**axes) -> list[dict]:
+    """Every combination of the axes' values, as config dicts."""
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+# -- targets --------------------------------------------------------------------------------------------------------
+
+class Goal(NamedTuple):
+    """A target read from this op's benchmark rows (status ok, `kernel`, dtype bfloat16, matching `where`).
+
+    Without `peer`: the worst of `impl`'s rows in `field` must be `op` `bound`. With `peer`: on each shape where
+    both ran, the ratio peer/ours of `field` (a time: how many times faster ours is) or, with `share`, ours/peer
+    (how much of the peer's memory ours needs), worst shape judged."""
+    name: str
+    goal: str                   # as the summary prints it
+    kernel: str
+    field: str
+    op: str                     # ">=", ">" or "<="
+    bound: float
+    peer: str | None = None
+    share: bool = False
+    where: dict = {}
+    impl: str = "ours"
+    fmt: str = "{:.3g}"         # the value without a peer
+
+
+class Record(NamedTuple):
+    name: str                   # the module's name; the tuning table's prefix
+    smoke: dict                 # check name -> fn(SmokeShapes, device) -> Case
+    bench_shapes: BenchShapes
+    bench: Callable             # fn(shape, device, dtype, full) -> Iterable[Bench]
+    tuning: Tuning
+    variants: Callable[[], Iterable[Variant]]
+    goals: tuple = ()
+
+
+def records() -> list[Record]:
+    import kernels
+
+    return list(kernels.RECORDS)
+
+
+def record(name: str) -> Record:
+    """The record of op `name` ("attention", or a tuning name such as "attention.fwd")."""
+    op = name.split(".")[0]
+    for r in records():
+        if r.name == op:
+            return r
+    raise KeyError(f"no kernel record named {op!r} (have: {', '.join(r.name for r in records())})")
