@@ -1,0 +1,110 @@
+"""One place per kernel: every op module declares a Record (kernels/_record.py), and the smoke check, the kernel
+benchmark, the tuner, the targets and bert-bench run whatever records there are. A made-up op (x * 2 in
+PyTorch) added to kernels.RECORDS must reach each of them with no edit of theirs."""
+from typing import NamedTuple
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import kernels  # noqa: E402
+from kernels._record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, grid,  # noqa: E402
+                             randn, record)
+
+CPU = torch.device("cpu")
+PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 1.0, "matmul_dtype": "float32"}
+
+
+class _Launch(NamedTuple):
+    num_warps: int
+
+
+def _double(x):
+    return x * 2
+
+
+def _bench(shape, device, dtype, full):
+    n, = shape
+    yield Bench("double", f"{n}", {"torch-eager": _double, "ours": _double, "other": "not installed"},
+                lambda: (torch.randn(n, device=device, dtype=dtype, requires_grad=True),), 4 * n, 8 * n)
+
+
+DOUBLE = Record(
+    name="double",
+    smoke={"double": lambda s, device: Case("double", [randn(s.tokens, s.hidden, device=device)], _double, _double,
+                                            ["y", "dx"])},
+    bench_shapes=BenchShapes(quick=[(64,)], full=[(64,), (128,)], tiny=[(8,)]),
+    bench=_bench,
+    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, size: _Launch(4),
+                  candidates={"fwd": grid(num_warps=[2, 4]), "bwd": grid(num_warps=[2, 4])},
+                  shapes=(TuneShape(16, None, (16,)),),
+                  setup=lambda shape, size, dtype, device: (_double, (x := randn(*shape, grad=True),), {"bwd": (x,)}),
+                  variant=None),
+    variants=lambda: [],
+    goals=(Goal("double vs eager", "faster", "double", "fwd_bwd_ms", ">", 1.0, peer="torch-eager"),),
+)
+
+
+@pytest.fixture
+def with_double(monkeypatch):
+    from bench import smoke
+
+    monkeypatch.setattr(kernels, "RECORDS", kernels.RECORDS + (DOUBLE,))
+    monkeypatch.setattr(smoke, "CHECKS", {})  # rebuilt from the records
+    monkeypatch.setattr(smoke, "_FOUND", [])
+
+
+def test_the_package_lists_one_record_per_op_module():
+    names = [r.name for r in kernels.RECORDS]
+    assert names == ["attention", "bias_gelu", "layer_norm", "mlm_loss"]
+    for r in kernels.RECORDS:
+        assert set(r.tuning.candidates) <= set(r.tuning.parts) and r.smoke and r.bench_shapes.tiny
+        assert record(f"{r.name}.{r.tuning.parts[0]}") is r
+    with pytest.raises(KeyError, match="no kernel record named 'nope'"):
+        record("nope.fwd")
+
+
+def test_a_new_record_reaches_smoke(with_double, capsys):
+    from bench import smoke
+
+    assert "double" in smoke.checks()
+    assert smoke.main(["--checks", "double", "--dtypes", "float32", "float16", "--device", "cpu"]) == 0
+    assert "PASS double float32" in capsys.readouterr().out
+
+
+def test_a_new_record_reaches_the_kernel_suite_targets_and_precompile(with_double):
+    from bench import kernel_suite, precompile, targets
+
+    rows = kernel_suite.rows(DOUBLE, PEAKS, True, CPU, shapes=DOUBLE.bench_shapes.tiny)
+    assert [r["impl"] for r in rows] == ["torch-eager", "ours", "other"]
+    assert rows[2]["status"] == "skipped: not installed"
+    assert all(r["status"] == "ok" and r["fwd_bwd_GBps"] > 0 for r in rows[:2])
+    assert kernel_suite.rows(DOUBLE, PEAKS, True, CPU) == []  # no CPU shapes: timed on GPUs only
+    verdicts = {v.name: v for v in targets.evaluate({"kernels": [dict(r, dtype="bfloat16") for r in rows]})}
+    assert verdicts["double vs eager"].met is not None and "torch-eager" in verdicts["double vs eager"].value
+    assert precompile.jobs(["double"], [], [], True, "cpu")[0][1] == "double"
+
+
+def test_a_new_record_reaches_the_tuner(with_double):
+    from bench import tune
+
+    assert "double" in tune.families()
+    todo = tune.problems(["double"], [torch.float32])
+    assert [p.kernel for p in todo] == ["double.fwd", "double.bwd"]
+    times = iter([2.0, 1.0])
+
+    def timer(fn):
+        fn()
+        return next(times)
+    entry = tune.tune_problem(todo[1], CPU, timer)
+    assert entry["config"] == {"num_warps": 4} and entry["ms"] == 1.0
+
+
+def test_bert_bench_lists_a_gpu_only_record_as_such(with_double, tmp_path, capsys, monkeypatch):
+    from bench.cli import main
+
+    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bench.kernel_suite.rows", lambda record, peaks, quick, device: [])
+    assert main(["--suite", "kernels", "--output-dir", str(tmp_path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Timing attention, bias_gelu, layer_norm, double needs a GPU" in out
