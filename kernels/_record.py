@@ -143,6 +143,14 @@ class Goal(NamedTuple):
     fmt: str = "{:.3g}"         # the value without a peer
 
 
+def memory_bound_goals(title: str, kernel: str) -> tuple:
+    """The targets of an op bound by memory: forward + backward at >= 85% of a plain copy's bandwidth, and faster
+    than torch.compile's fusion of the same eager code at every shape."""
+    return (Goal(f"{title} fwd+bwd bandwidth", ">= 85% of copy", kernel, "copy_share", ">=", 0.85,
+                 fmt="{:.0%} of copy"),
+            Goal(f"{title} vs torch.compile", "faster", kernel, "fwd_bwd_ms", ">", 1.0, peer="torch-compile"))
+
+
 class Record(NamedTuple):
     name: str                   # the module's name; the tuning table's prefix
     smoke: dict                 # check name -> fn(SmokeShapes, device) -> Case

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import tuned
 from ._common import as_rows, check_device, check_float, dense, row_bands
-from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, randn
+from ._record import Bench, BenchShapes, Case, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals, randn
 
 __all__ = ["LinearGeLU", "bias_gelu"]
 APPROXIMATIONS = ("none", "tanh")
@@ -283,7 +283,5 @@ RECORD = Record(
                   shapes=(TuneShape(3072, None, (16384, 3072)), TuneShape(4096, None, (16384, 4096), rank=1)),
                   setup=_tune_setup, variant=_variant),
     variants=_variants,
-    goals=(Goal("bias-GeLU fwd+bwd bandwidth", ">= 85% of copy", "bias_gelu", "copy_share", ">=", 0.85,
-                fmt="{:.0%} of copy"),
-           Goal("bias-GeLU vs torch.compile", "faster", "bias_gelu", "fwd_bwd_ms", ">", 1.0, peer="torch-compile")),
+    goals=memory_bound_goals("bias-GeLU", "bias_gelu"),
 )

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import tuned
 from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
-from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, randn
+from ._record import Bench, BenchShapes, Case, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals, randn
 
 __all__ = ["LayerNorm", "layer_norm", "fuse_layer_norms"]
 MAX_N = 16384
@@ -396,8 +396,5 @@ RECORD = Record(
                   shapes=(TuneShape(768, None, (16384, 768)), TuneShape(1024, None, (16384, 1024), rank=1)),
                   setup=_tune_setup, variant=_variant),
     variants=_variants,
-    goals=(Goal("LayerNorm+residual+dropout fwd+bwd bandwidth", ">= 85% of copy", "layer_norm+residual+dropout",
-                "copy_share", ">=", 0.85, fmt="{:.0%} of copy"),
-           Goal("LayerNorm+residual+dropout vs torch.compile", "faster", "layer_norm+residual+dropout",
-                "fwd_bwd_ms", ">", 1.0, peer="torch-compile")),
+    goals=memory_bound_goals("LayerNorm+residual+dropout", "layer_norm+residual+dropout"),
 )
