@@ -43,13 +43,6 @@ def check_numbers(args, positive=(), non_negative=(), fractions=()) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
-def add_nonfinite_flag(parser) -> None:
-    parser.add_argument("--max-nonfinite-steps", type=int, default=0, metavar="N",
-                        help="a step whose loss or gradient norm is not finite never changes the weights; allow up "
-                             "to N such steps in a row (skipped, like a loss scaler's) before the run stops with an "
-                             "error (default 0: stop at the first)")
-
-
 def add_debug_flag(parser) -> None:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (also BERTFUSE_DEBUG=1)")

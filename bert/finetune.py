@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import cli
-from .cli import add_debug_flag, add_nonfinite_flag, check_numbers, check_source
+from .cli import add_debug_flag, check_numbers, check_source
 from .checkpoint import atomic_write
 from .config import read_json_object
 from .padding import pad_batch
@@ -46,16 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", help="evaluation data: a file or a Hugging Face dataset name")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training data (default 2)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (default 3e-5)")
-    p.add_argument("--warmup", type=float, default=0.1, help="warm-up share of the steps (default 0.1)")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="examples per optimizer step, over all ranks and accumulation steps (default 32)")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off (default 1)")
-    add_nonfinite_flag(p)
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default auto)")
     p.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size (default 64)")
     p.add_argument("--max-seq-len", type=int, default=128, help="tokens per input, specials included "
                                                                 "(default 128; 384 is usual for qa)")
@@ -64,22 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-best", type=int, default=20, help="qa: start/end candidates per window (default 20)")
     p.add_argument("--max-train-examples", type=int, help="use only the first N training examples")
     p.add_argument("--max-eval-examples", type=int, help="evaluate only the first N examples")
-    p.add_argument("--output-dir", default="runs/finetune", help="fine-tuned model, metrics and predictions")
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="hot-op implementation")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--log-every", type=int, default=10,
-                   help="a log row (OUTPUT_DIR/log.jsonl, TensorBoard) every N steps; loss and accuracy are summed "
-                        "on the device in between, with no per-step host sync (default 10)")
-    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (default 0: at the end)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default 0: at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default 2)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from a checkpoint directory, or from the latest one in OUTPUT_DIR if no path")
-    p.add_argument("--overwrite", action="store_true",
-                   help="train in an OUTPUT_DIR that already holds a run (its log and checkpoints are deleted)")
-    p.add_argument("--allow-config-changes", action="store_true",
-                   help="with --resume: continue although settings differ from the saved run's (listed)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    Settings.add_arguments(p, output_dir="runs/finetune", lr=3e-5, warmup=0.1, log_every=10, save_every=0,
+                           keep_checkpoints=2, eval_every=0)
     add_debug_flag(p)
     return p
 
@@ -91,11 +70,10 @@ RUN_SETTINGS = ("task", "model", "train", "max_train_examples", "epochs", "max_s
 
 def validate_args(args) -> None:
     """Everything that can be checked before loading a model or reading data."""
-    check_numbers(args, positive=("epochs", "max_steps", "lr", "batch_size", "eval_batch_size", "max_seq_len",
+    Settings.check_arguments(args)
+    check_numbers(args, positive=("epochs", "max_steps", "batch_size", "eval_batch_size", "max_seq_len",
                                   "doc_stride", "max_answer_len", "n_best", "max_train_examples",
-                                  "max_eval_examples", "grad_accum", "log_every", "keep_checkpoints"),
-                  non_negative=("weight_decay", "max_grad_norm", "eval_every", "save_every", "max_nonfinite_steps"),
-                  fractions=("warmup",))
+                                  "max_eval_examples"))
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
     if args.task == "qa" and args.doc_stride >= args.max_seq_len:
@@ -173,13 +151,8 @@ def predict(task: Task, model, data, features: Features, device, id2label, batch
 def settings(args, total_steps: int, data: dict) -> Settings:
     """The trainer's settings; `data` (the training examples' fingerprint, the label set) joins what --resume
     compares, so a changed file or label set behind the same --train is named, not loaded into the wrong head."""
-    return Settings(output_dir=args.output_dir, steps=total_steps, lr=args.lr, warmup=args.warmup,
-                    weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, precision=args.precision,
-                    grad_accum=args.grad_accum, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                    eval_every=args.eval_every, log_every=args.log_every, seed=args.seed, resume=args.resume,
-                    allow_config_changes=args.allow_config_changes, max_nonfinite_steps=args.max_nonfinite_steps,
-                    progress=not args.no_progress, adam_eps=1e-8,
-                    run_settings={**{k: getattr(args, k) for k in RUN_SETTINGS}, **data})
+    return Settings.from_arguments(args, total_steps, {**{k: getattr(args, k) for k in RUN_SETTINGS}, **data},
+                                   adam_eps=1e-8)
 
 
 def data_identity(train_data: list, id2label) -> dict:

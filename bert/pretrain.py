@@ -27,7 +27,7 @@ from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, ite
     tokenize_corpus
 from .model import BertForPreTraining
 from .packing import PackedShapes, PackingCollator, epoch_packs
-from .cli import add_debug_flag, add_nonfinite_flag, check_numbers, check_source, run
+from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device, slice_bounds
 
@@ -50,46 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=128, help="tokens per instance, specials included (default 128)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="sequences per optimizer step, over all ranks and accumulation steps (default 32)")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     add_static_shape_options(p)
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    p.add_argument("--warmup", type=float, default=0.01,
-                   help="warm-up: a fraction of --steps if < 1, else a number of steps (default 0.01)")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay, not on biases and "
-                                                                     "LayerNorm (default 0.01)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off (default 1)")
-    add_nonfinite_flag(p)
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default auto)")
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
                    help="hot-op implementation (default auto: triton on CUDA)")
     p.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
     p.add_argument("--whole-word-masking", action="store_true", help="choose whole words, not single pieces")
-    p.add_argument("--output-dir", default="runs/pretrain", help="checkpoints, logs and the final model "
-                                                                 "(default runs/pretrain)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from a checkpoint directory, or from the latest one in OUTPUT_DIR if no path")
-    p.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (default 500)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K checkpoints (default 3)")
-    p.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps; 0 turns it off (default 200)")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation "
                                                                      "(default 0.05)")
     p.add_argument("--eval-batches", type=int, default=20, help="batches per evaluation (default 20)")
-    p.add_argument("--log-every", type=int, default=1, help="a log row every N steps (statistics summed on the "
-                                                            "device in between; default 1)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--num-proc", type=int, default=1, help="processes for tokenisation (default 1)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers for collation (default 0)")
     p.add_argument("--cache-dir", default=None, help="where the tokenised corpus is cached "
                                                      "(default OUTPUT_DIR/cache)")
     p.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a fresh run in an OUTPUT_DIR that already holds one (its log and checkpoints are "
-                        "deleted)")
-    p.add_argument("--allow-config-changes", action="store_true",
-                   help="with --resume: continue although settings differ from the saved run's (listed)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    Settings.add_arguments(p, output_dir="runs/pretrain", lr=1e-4, warmup=0.01, log_every=1, save_every=500,
+                           keep_checkpoints=3, eval_every=200)
     add_debug_flag(p)
     return p
 
@@ -122,12 +98,10 @@ RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len",
 
 def validate_args(args) -> None:
     """Everything that can be checked before any work (tokenising a corpus can take hours)."""
-    check_numbers(args, positive=("max_seq_len", "batch_size", "grad_accum", "steps", "lr", "keep_checkpoints",
-                                  "eval_batches", "num_proc", "train_tokenizer", "max_documents", "log_every",
-                                  "tokens_per_batch", "instances_per_row"),
-                  non_negative=("warmup", "weight_decay", "max_grad_norm", "save_every", "eval_every",
-                                "num_workers", "max_nonfinite_steps"),
-                  fractions=("eval_fraction",))
+    Settings.check_arguments(args)
+    check_numbers(args, positive=("max_seq_len", "batch_size", "steps", "eval_batches", "num_proc", "train_tokenizer",
+                                  "max_documents", "tokens_per_batch", "instances_per_row"),
+                  non_negative=("num_workers",), fractions=("eval_fraction",))
     if not 0 < args.mlm_probability <= 1:
         raise ValueError(f"--mlm-probability must be in (0, 1], got {args.mlm_probability}")
     if args.max_seq_len < 8:
@@ -142,8 +116,14 @@ def validate_args(args) -> None:
     check_source("--data", args.data, hub_prefix="hf:")
     if args.tokenizer and not os.path.exists(args.tokenizer):
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file or directory")
-    if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
-        raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
+
+
+def check_batch(args, d: Dist) -> None:
+    """A global batch splits into equal micro-batches over the ranks and accumulation steps (checked as soon as
+    the rank count is known, before any tokenising)."""
+    if args.batch_size % (d.world * args.grad_accum):
+        raise ValueError(f"--batch-size {args.batch_size} must divide evenly over {d.world} rank(s) x "
+                         f"{args.grad_accum} accumulation step(s)")
 
 
 def check_static_shape_options(args) -> None:
@@ -388,14 +368,8 @@ def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | 
 
 
 def settings(args) -> Settings:
-    return Settings(output_dir=args.output_dir, steps=args.steps, lr=args.lr, warmup=args.warmup,
-                    weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, precision=args.precision,
-                    grad_accum=args.grad_accum, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                    eval_every=args.eval_every, log_every=args.log_every, num_workers=args.num_workers,
-                    seed=args.seed, resume=args.resume, allow_config_changes=args.allow_config_changes,
-                    max_nonfinite_steps=args.max_nonfinite_steps,
-                    progress=not args.no_progress, adam_eps=1e-6, compile=args.compile,
-                    cuda_graphs=args.cuda_graphs, run_settings=run_settings(args))
+    return Settings.from_arguments(args, args.steps, run_settings(args), num_workers=args.num_workers, adam_eps=1e-6,
+                                   compile=args.compile, cuda_graphs=args.cuda_graphs)
 
 
 class TrainResult(NamedTuple):
@@ -407,6 +381,7 @@ def train(args) -> TrainResult:
     """Run pre-training with parsed CLI arguments. Used by the CLI and by tests."""
     validate_args(args)
     device, d = setup_device()
+    check_batch(args, d)
     with output_dir_lock(args.output_dir, d):
         return _train(args, device, d)
 
@@ -425,9 +400,6 @@ def _train(args, device, d: Dist) -> TrainResult:
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,
                            continuation_ids=continuation, seed=args.seed)
-    if args.batch_size % (d.world * args.grad_accum):
-        raise ValueError(f"--batch-size {args.batch_size} must divide evenly over {d.world} rank(s) x "
-                         f"{args.grad_accum} accumulation step(s)")
     job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, args, device,
                       packing=packing_collator(args, collator, d))
     trainer = Trainer(job, settings(args), device, d)

@@ -170,6 +170,70 @@ class Settings:
     max_nonfinite_steps: int = 0       # non-finite steps in a row that are skipped before the run stops
     run_settings: dict = field(default_factory=dict)   # what --resume compares with the checkpoint's
 
+    # The command-line options behind these fields, declared once for bert-pretrain and bert-finetune; each
+    # command passes its own defaults. (steps, adam_eps, num_workers, compile, cuda_graphs are the commands'.)
+    OPTIONS = ("output_dir", "lr", "warmup", "weight_decay", "max_grad_norm", "max_nonfinite_steps", "precision",
+               "grad_accum", "save_every", "keep_checkpoints", "eval_every", "log_every", "seed", "resume",
+               "allow_config_changes")
+
+    @staticmethod
+    def add_arguments(parser, *, output_dir: str, lr: float, warmup: float, log_every: int, save_every: int,
+                      keep_checkpoints: int, eval_every: int) -> None:
+        """The trainer's options as one argument group, with a command's defaults."""
+        g = parser.add_argument_group("training")
+        g.add_argument("--output-dir", default=output_dir, help="checkpoints, logs and the final model "
+                                                                "(default %(default)s)")
+        g.add_argument("--lr", type=float, default=lr, help="peak learning rate (default %(default)s)")
+        g.add_argument("--warmup", type=float, default=warmup,
+                       help="linear warm-up: a fraction of the steps if < 1, else a number of steps (default "
+                            "%(default)s)")
+        g.add_argument("--weight-decay", type=float, default=0.01,
+                       help="AdamW weight decay, not on biases and LayerNorm (default %(default)s)")
+        g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+        g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off "
+                                                                        "(default 1)")
+        g.add_argument("--max-nonfinite-steps", type=int, default=0, metavar="N",
+                       help="a step whose loss or gradient norm is not finite never changes the weights; allow up "
+                            "to N such steps in a row (skipped, like a loss scaler's) before the run stops with an "
+                            "error (default 0: stop at the first)")
+        g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                       help="auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default auto)")
+        g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        g.add_argument("--log-every", type=int, default=log_every,
+                       help="a log row (OUTPUT_DIR/log.jsonl, TensorBoard) every N steps; statistics are summed on "
+                            "the device in between, with no per-step host sync (default %(default)s)")
+        g.add_argument("--eval-every", type=int, default=eval_every,
+                       help="evaluate every N steps; 0: not during training (default %(default)s)")
+        g.add_argument("--save-every", type=int, default=save_every,
+                       help="checkpoint every N steps; 0: at the end only (default %(default)s)")
+        g.add_argument("--keep-checkpoints", type=int, default=keep_checkpoints,
+                       help="keep the last K checkpoints (default %(default)s)")
+        g.add_argument("--resume", nargs="?", const="latest", default=None,
+                       help="continue from a checkpoint directory, or from the latest one in OUTPUT_DIR if no path")
+        g.add_argument("--overwrite", action="store_true",
+                       help="start a fresh run in an OUTPUT_DIR that already holds one (its log and checkpoints "
+                            "are deleted)")
+        g.add_argument("--allow-config-changes", action="store_true",
+                       help="with --resume: continue although settings differ from the saved run's (listed)")
+        g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    @staticmethod
+    def check_arguments(args) -> None:
+        """The checks of those options, each error naming its flag (before any work)."""
+        from .cli import check_numbers
+
+        check_numbers(args, positive=("lr", "grad_accum", "log_every", "keep_checkpoints"),
+                      non_negative=("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every",
+                                    "max_nonfinite_steps"))
+        if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
+            raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
+
+    @classmethod
+    def from_arguments(cls, args, steps: int, run_settings: dict, **command) -> "Settings":
+        """Settings from parsed options: the shared ones, `steps`, and the command's own fields."""
+        return cls(steps=steps, progress=not args.no_progress, run_settings=run_settings,
+                   **{name: getattr(args, name) for name in cls.OPTIONS}, **command)
+
 
 # ---- checkpoints -------------------------------------------------------------------------------
 def checkpoint_dir(output_dir: str) -> str:

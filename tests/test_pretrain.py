@@ -216,6 +216,8 @@ def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path
     (["--no-packing", "--tokens-per-batch", "256"], "--tokens-per-batch only applies to packed batches"),
     (["--no-packing", "--instances-per-row", "2"], "--instances-per-row only applies to packed batches"),
     (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be 0 or more, got -1"),
+    (["--batch-size", "10", "--grad-accum", "3"], "--batch-size 10 must divide evenly over 1 rank(s) x 3 "
+                                                  "accumulation step(s)"),
 ])
 def test_arguments_are_checked_before_any_work_with_one_line(tmp_path, corpus, capsys, flags, message):
     from bert.pretrain import main

@@ -192,3 +192,28 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_holder_leaves
     with output_dir_lock(str(tmp_path)):  # the kernel dropped the dead process's lock
         with open(tmp_path / ".lock") as f:
             assert f"pid {os.getpid()}" in f.read()
+
+
+def test_both_commands_take_the_trainer_options_from_one_group():
+    """bert-pretrain and bert-finetune declare the trainer's options once (Settings.add_arguments), each with its
+    own defaults, and build Settings from them the same way."""
+    from bert import finetune, pretrain
+
+    parsers = {"pretrain": pretrain.build_parser(), "finetune": finetune.build_parser()}
+    groups = {name: next(g for g in p._action_groups if g.title == "training") for name, p in parsers.items()}
+    flags = {name: [a.option_strings[0] for a in g._group_actions] for name, g in groups.items()}
+    assert flags["pretrain"] == flags["finetune"]
+    dests = {a.dest for a in groups["pretrain"]._group_actions}
+    assert set(Settings.OPTIONS) <= dests and {"overwrite", "no_progress"} <= dests
+    pre = parsers["pretrain"].parse_args(["--data", "x.txt", "--lr", "2e-4", "--no-progress"])
+    fine = parsers["finetune"].parse_args(["classify", "--model", "m", "--resume"])
+    assert (pre.lr, pre.save_every, fine.lr, fine.save_every, fine.resume) == (2e-4, 500, 3e-5, 0, "latest")
+    s = Settings.from_arguments(pre, 7, {"a": 1}, adam_eps=1e-6)
+    assert (s.steps, s.lr, s.progress, s.run_settings, s.adam_eps, s.output_dir) == (7, 2e-4, False, {"a": 1}, 1e-6,
+                                                                                     "runs/pretrain")
+    for flag, value, message in (("lr", 0.0, "--lr must be positive"), ("warmup", -1.0, "--warmup must be 0 or more"),
+                                 ("keep_checkpoints", 0, "--keep-checkpoints must be positive")):
+        bad = parsers["finetune"].parse_args(["classify", "--model", "m"])
+        setattr(bad, flag, value)
+        with pytest.raises(ValueError, match=message):
+            Settings.check_arguments(bad)
