@@ -76,8 +76,7 @@ def validate_args(args) -> None:
                                   "max_eval_examples"))
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
-    if args.task == "qa" and args.doc_stride >= args.max_seq_len:
-        raise ValueError(f"--doc-stride {args.doc_stride} must be smaller than --max-seq-len {args.max_seq_len}")
+    TASKS[args.task].check_arguments(args)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"--model {args.model}: no config.json there (expected a save_pretrained directory)")
     if args.tokenizer and not os.path.exists(args.tokenizer):

@@ -302,6 +302,10 @@ class Task:
     def __init__(self, tokenizer, max_seq_len: int, **options):
         self.tok, self.max_seq_len, self.options = tokenizer, max_seq_len, options
 
+    @classmethod
+    def check_arguments(cls, args) -> None:
+        """This task's checks of the parsed bert-finetune options, before any work (none by default)."""
+
     def read(self, source: str, split: str) -> list:
         raise NotImplementedError
 
@@ -405,6 +409,11 @@ class QATask(Task):
     name = "qa"
     prediction_file = "predictions.json"
     model_cls = BertForQuestionAnswering
+
+    @classmethod
+    def check_arguments(cls, args):
+        if args.doc_stride >= args.max_seq_len:
+            raise ValueError(f"--doc-stride {args.doc_stride} must be smaller than --max-seq-len {args.max_seq_len}")
 
     def read(self, source, split):
         return read_squad(source, split)

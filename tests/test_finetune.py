@@ -150,6 +150,11 @@ def test_bad_command_lines_fail_at_once_with_one_line(tmp_path, checkpoint, caps
                  "--output-dir", str(tmp_path / "out")]
     assert main(bad_model) == 2
     assert "badcfg/config.json: not valid JSON" in capsys.readouterr().err
+    qa = ["qa", "--model", checkpoint, "--train", str(train), "--max-seq-len", "64", "--doc-stride", "64"]
+    assert main(qa) == 2  # the task's own check (QATask.check_arguments), before reading anything
+    assert "--doc-stride 64 must be smaller than --max-seq-len 64" in capsys.readouterr().err
+    assert main(["classify", "--model", checkpoint, "--train", str(train), "--max-seq-len", "64",
+                 "--doc-stride", "64", "--output-dir", str(tmp_path / "c"), "--max-steps", "1", "--no-progress"]) == 0
 
 
 def test_messages_show_without_a_progress_bar(tmp_path, checkpoint, capsys):
