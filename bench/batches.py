@@ -70,7 +70,7 @@ class _PoolLabels:
         self.pool = pool
         self.special = type("Special", (), {"pad": 0, "vocab_size": vocab})  # what PackingCollator reads
 
-    def mask_exact(self, ids: torch.Tensor, key: int):
+    def mask(self, ids: torch.Tensor, key: int, stream: str = "masking"):
         return ids, self.pool.labels[key, :len(ids)]
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import seeds
 from .padding import pad_batch
 
 _HEADING = re.compile(r"^\s*=(\s*=)*\s[^=].*[^=]\s=(\s*=)*\s*$")
@@ -306,19 +307,20 @@ class MLMCollator:
     """Pads a list of instances to the longest (rounded up to a multiple of 8) and masks them for MLM; instances
     are checked first (`check_instance`).
 
-    Each row is masked with its own generator, seeded from the collator's seed and the row's key (the trainer
-    passes the instance's place in the run: global step and position in the global batch). So a row is masked
-    the same way however the global batch is split over ranks, and whether or not training resumed in between,
-    yet differently each time an instance comes round again.
+    Each instance is masked with a generator of its own from a named stream of the run's seed (bert.seeds) and
+    the instance's key: training passes (epoch, index of the instance in the epoch), evaluation its index in the
+    held-out set. So an instance is masked the same way however the batch is split over ranks, packed or padded,
+    and whether or not training resumed in between, yet differently each epoch. `mask` is the one masking
+    algorithm, for padded and packed batches alike.
     """
 
     def __init__(self, special: SpecialIds, mlm_probability=0.15, mask_prob=0.8, random_prob=0.1,
                  whole_word: bool = False, continuation_ids: Iterable[int] = (), pad_to_multiple_of: int = 8,
-                 seed: int = 0):
+                 seed: int = 0, exact: bool = True):
         if not 0 < mlm_probability < 1 or mask_prob < 0 or random_prob < 0 or mask_prob + random_prob > 1:
             raise ValueError("need 0 < mlm_probability < 1 and mask_prob + random_prob <= 1")
         self.special, self.p, self.mask_prob, self.random_prob = special, mlm_probability, mask_prob, random_prob
-        self.whole_word, self.multiple, self.seed = whole_word, pad_to_multiple_of, seed
+        self.whole_word, self.multiple, self.seed, self.exact = whole_word, pad_to_multiple_of, seed, exact
         self.is_continuation = torch.zeros(special.vocab_size, dtype=torch.bool)
         for i in continuation_ids:
             self.is_continuation[i] = True
@@ -327,57 +329,49 @@ class MLMCollator:
         self.replacement_ids = allowed.nonzero().squeeze(1)
         self.special_ids = torch.as_tensor(special.special)
 
-    def __call__(self, instances: list[dict], keys: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+    def __call__(self, instances: list[dict], keys: Iterable | None = None,
+                 stream: str = "masking") -> dict[str, torch.Tensor]:
         keys = list(range(len(instances))) if keys is None else list(keys)
         if len(keys) != len(instances):
             raise ValueError(f"{len(instances)} instances but {len(keys)} masking keys")
         rows = []
         for i, (x, key) in enumerate(zip(instances, keys)):
             ids = check_instance(x, self.special.vocab_size, f"instance {i} of the batch")
-            masked, labels = self._mask_row(ids, key)
+            masked, labels = self.mask(ids, key, stream)
             rows.append({"input_ids": masked, "token_type_ids": x["token_type_ids"], "labels": labels,
                          "next_sentence_label": x["next_sentence_label"]})
         return pad_batch(rows, self.special.pad, self.multiple)
 
-    def _generator(self, key: int) -> torch.Generator:
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + key) % (2**63 - 1))
-
-    def _mask_row(self, row: torch.Tensor, key: int):
-        """Each real token chosen with probability p (whole words: a word with its first piece)."""
-        g = self._generator(key)
-        candidates = ~torch.isin(row, self.special_ids)
-        pick = torch.rand(row.shape, generator=g) < self.p
+    def _groups(self, row: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Per token, the unit it is chosen with (1, 2, ...; 0 for specials): with whole words, a word (a piece
+        and the ## pieces after it; a ## piece after a special token starts a unit of its own), else each token."""
+        starts = candidates
         if self.whole_word:
-            # A word is a token plus the ## pieces after it: all its pieces follow the pick of its first piece.
-            starts = candidates & ~self.is_continuation[row]
-            word = torch.cumsum(starts.long(), 0)
-            start_pick = torch.zeros(len(row) + 1, dtype=torch.bool)
-            start_pick[word[starts]] = pick[starts]
-            pick = start_pick[word]
-        return self._replace(row, candidates & pick, g)
+            after_candidate = torch.cat([torch.zeros(1, dtype=torch.bool), candidates[:-1]])
+            starts = candidates & (~self.is_continuation[row] | ~after_candidate)
+        return torch.where(candidates, torch.cumsum(starts.long(), 0), 0)
 
-    def mask_exact(self, row: torch.Tensor, key: int):
-        """Exactly max(1, round(p * real tokens)) tokens chosen, as the original BERT code does; with whole words,
-        words in random order, each taken if it still fits the count. Packed batches need it: their number of
-        labelled tokens must stay within a fixed bound."""
-        g = self._generator(key)
+    def mask(self, row: torch.Tensor, key, stream: str = "masking"):
+        """(masked ids, labels) of one instance. exact (the default, as the original BERT code and packed
+        batches need: their labelled tokens stay within a fixed bound): units in random order, each taken if it
+        still fits max(1, round(p x candidate tokens)) tokens. Otherwise each unit independently with
+        probability p. Then 80% of the chosen tokens become [MASK], 10% a random token, 10% stay."""
+        g = seeds.generator(self.seed, stream, *(key if isinstance(key, tuple) else (key,)))
         candidates = ~torch.isin(row, self.special_ids)
-        k = max(1, round(self.p * int(candidates.sum()))) if bool(candidates.any()) else 0
-        if self.whole_word:
-            starts = candidates & ~self.is_continuation[row]
-            word = torch.where(candidates, torch.cumsum(starts.long(), 0), 0)  # 0: not a candidate
-            sizes = torch.bincount(word, minlength=int(starts.sum()) + 1).tolist()
-            taken, total = [], 0
-            for w in (torch.randperm(int(starts.sum()), generator=g) + 1).tolist():
-                if total + sizes[w] <= k:
-                    taken.append(w)
-                    total += sizes[w]
-            chosen = torch.isin(word, torch.tensor(taken, dtype=torch.long)) & candidates
+        group = self._groups(row, candidates)
+        units = int(group.max()) if len(row) else 0
+        if self.exact:
+            budget = max(1, round(self.p * int(candidates.sum()))) if units else 0
+            sizes, taken, total = torch.bincount(group, minlength=units + 1).tolist(), [], 0
+            for u in (torch.randperm(units, generator=g) + 1).tolist():
+                if total + sizes[u] <= budget:
+                    taken.append(u)
+                    total += sizes[u]
+            picked = torch.zeros(units + 1, dtype=torch.bool)
+            picked[taken] = True
         else:
-            positions = candidates.nonzero().squeeze(1)
-            chosen = torch.zeros_like(candidates)
-            chosen[positions[torch.randperm(len(positions), generator=g)[:k]]] = True
-        return self._replace(row, chosen, g)
+            picked = torch.rand(units + 1, generator=g) < self.p
+        return self._replace(row, picked[group] & candidates, g)
 
     def _replace(self, row: torch.Tensor, chosen: torch.Tensor, g: torch.Generator):
         """80% of the chosen tokens become [MASK], 10% a random non-special token, 10% stay; labels -100 elsewhere."""
@@ -391,7 +385,7 @@ class MLMCollator:
 
 class BucketBatchSampler:
     """Global batches of similar length: shuffle, cut into pools of 50 batches, sort each pool by length, cut into
-    batches, shuffle the batches. Deterministic in (seed, epoch). A global batch is later split into per-rank,
+    batches, shuffle the batches. Deterministic in (seed, epoch): the run's "order" stream (bert.seeds). A global batch is later split into per-rank,
     per-accumulation-step micro-batches (`bert.trainer.micro_batch`), so the data of a step does not depend on how many
     processes share it."""
 
@@ -402,7 +396,7 @@ class BucketBatchSampler:
             raise ValueError(f"{len(self.lengths)} instances cannot fill one global batch of {global_batch}")
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, epoch])
+        rng = seeds.rng(self.seed, "order", epoch)
         order = rng.permutation(len(self.lengths))
         span = self.global_batch * self.pool
         batches = []

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cli
+from . import cli, seeds
 from .cli import add_debug_flag, check_numbers, check_source
 from .checkpoint import atomic_write
 from .config import read_json_object
@@ -86,8 +86,9 @@ def validate_args(args) -> None:
 
 
 class FinetuneJob(Job):
-    """A task's training features, reshuffled each epoch (keyed by seed and epoch, so a resume continues the
-    same order), in global batches split over ranks and accumulation steps (see bert.trainer.Job)."""
+    """A task's training features, reshuffled each epoch (the run's "shuffle" stream keyed by epoch, bert.seeds,
+    so a resume continues the same order), in global batches split over ranks and accumulation steps (see
+    bert.trainer.Job)."""
 
     def __init__(self, task: Task, model, rows: list[dict], args, tokenizer, evaluate=None):
         self.task, self.model, self.rows, self.args, self.tokenizer = task, model, rows, args, tokenizer
@@ -95,7 +96,7 @@ class FinetuneJob(Job):
         self._evaluate = evaluate
 
     def epoch_steps(self, epoch, steps_before, d, accum):
-        order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.args.seed * 7919 + epoch))
+        order = torch.randperm(len(self.rows), generator=seeds.generator(self.args.seed, "shuffle", epoch))
         size = self.args.batch_size
         batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
         if batches and len(batches[-1]) < d.world * accum:  # too few rows left to give every micro-batch one

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import seeds
 from .data import MLMCollator, check_instance
 
 
@@ -72,9 +73,10 @@ def pack(lengths, budget: int, max_seqs: int, window: int = 1024) -> list[list[i
 def epoch_packs(lengths, row_len: int, rows_per_batch: int, per_row: int, seed: int, epoch: int,
                 window: int = 1024) -> list[list[list[int]]]:
     """An epoch's micro-batches, each `rows_per_batch` rows of instance indices: the instances in a shuffled
-    order (deterministic in seed and epoch) packed into rows window by window (`pack`), the rows shuffled again
-    so that long and short ones mix, and cut into micro-batches (a last incomplete one is dropped)."""
-    rng = np.random.default_rng([seed, epoch])
+    order (deterministic in seed and epoch: the run's "order" stream, bert.seeds) packed into rows window by window
+    (`pack`), the rows shuffled again so that long and short ones mix, and cut into micro-batches (a last
+    incomplete one is dropped)."""
+    rng = seeds.rng(seed, "order", epoch)
     order = rng.permutation(len(lengths))
     rows = pack(np.asarray(lengths)[order], row_len, per_row, window)
     rows = [[int(order[i]) for i in rows[j]] for j in rng.permutation(len(rows))]
@@ -152,6 +154,9 @@ class PackingCollator:
     """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring)."""
 
     def __init__(self, masker: MLMCollator, shapes: PackedShapes):
+        if not getattr(masker, "exact", True):
+            raise ValueError("packed batches need exact-count masking (MLMCollator(exact=True)): their labelled "
+                             "tokens must stay within a fixed bound")
         self.masker, self.shapes = masker, shapes
 
     def _empty(self) -> PackedBatch:
@@ -171,7 +176,7 @@ class PackingCollator:
                 raise ValueError(f"a row of {len(row)} instances, {sum(len(x['input_ids']) for x in row)} tokens, "
                                  f"does not fit {per_row} instances of {L} tokens")
 
-    def __call__(self, rows: list[list[dict]], keys) -> PackedBatch:
+    def __call__(self, rows: list[list[dict]], keys, stream: str = "masking") -> PackedBatch:
         """rows: lists of instances; keys: one masking key per instance, in order. Every instance is checked
         (bert.data.check_instance), so the batch passes the model's packed validation."""
         self._check(rows)
@@ -185,7 +190,7 @@ class PackingCollator:
             for j, x in enumerate(row):
                 ids = check_instance(x, self.masker.special.vocab_size, f"instance {j} of row {r}")
                 n = len(ids)
-                masked, labels = self.masker.mask_exact(ids, next(keys))
+                masked, labels = self.masker.mask(ids, next(keys), stream)
                 chosen = (labels != -100).nonzero().squeeze(1)
                 over = chosen[self.shapes.labels - labelled:]  # past R: undone (rare; see the module docstring)
                 masked, chosen = masked.index_copy(0, over, ids[over]), chosen[:self.shapes.labels - labelled]

@@ -22,11 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import seeds
 from .config import BertConfig
 from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
     tokenize_corpus
 from .model import BertForPreTraining
-from .packing import PackedShapes, PackingCollator, epoch_packs
+from .packing import PackedBatch, PackedShapes, PackingCollator, epoch_packs, pack
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device, slice_bounds
@@ -151,13 +152,13 @@ def run_settings(args) -> dict:
 
 # ---- data ----------------------------------------------------------------------------------------
 class StepData(torch.utils.data.Dataset):
-    """Item i: this rank's collated micro-batches of global step i of the epoch. Each row's masking is keyed by
-    its place in the run (global step, position in the global batch), so it is the same under any number of ranks
-    or accumulation steps, and after a resume."""
+    """Item i: this rank's collated micro-batches of global step i of the epoch. Each instance is masked by its
+    key (epoch, index in the epoch), so the same way under any number of ranks or accumulation steps, after a
+    resume, and as a packed run masks it."""
 
-    def __init__(self, instances, batches, collator, d: Dist, accum: int, steps_before: int):
+    def __init__(self, instances, batches, collator, d: Dist, accum: int, epoch: int):
         self.instances, self.batches, self.collator = instances, batches, collator
-        self.d, self.accum, self.steps_before = d, accum, steps_before
+        self.d, self.accum, self.epoch = d, accum, epoch
 
     def __len__(self):
         return len(self.batches)
@@ -167,16 +168,16 @@ class StepData(torch.utils.data.Dataset):
         size, parts = len(global_batch), self.d.world * self.accum
         for a in range(self.accum):
             start, end = slice_bounds(size, parts, self.d.rank * self.accum + a)
-            keys = [(self.steps_before + i) * size + k for k in range(start, end)]
-            out.append(self.collator([self.instances[int(j)] for j in global_batch[start:end]], keys=keys))
+            mine = [int(j) for j in global_batch[start:end]]
+            out.append(self.collator([self.instances[j] for j in mine], keys=[(self.epoch, j) for j in mine]))
         return out
 
 
 class PackedStepData(torch.utils.data.Dataset):
     """Item i: this rank's packed micro-batches of global step i. A global step is world x accum consecutive
     micro-batches of the epoch (rank r takes r*accum ... r*accum + accum - 1), and each instance's masking is keyed
-    by (epoch, instance), so the packs and their masks are the same under any number of ranks or accumulation
-    steps with the same product, and after a resume."""
+    by (epoch, index in the epoch), so the packs and their masks are the same under any number of ranks or
+    accumulation steps with the same product, and after a resume."""
 
     def __init__(self, instances, packs, collator, d: Dist, accum: int, epoch: int):
         self.instances, self.packs, self.collator = instances, packs, collator
@@ -190,7 +191,7 @@ class PackedStepData(torch.utils.data.Dataset):
         return [self._collate(self.packs[p]) for p in range(first, first + self.accum)]
 
     def _collate(self, rows: list[list[int]]) -> dict:
-        keys = [self.epoch * 2**40 + j for row in rows for j in row]
+        keys = [(self.epoch, j) for row in rows for j in row]
         return self.collator([[self.instances[j] for j in row] for row in rows], keys=keys)
 
 
@@ -213,7 +214,7 @@ class Corpus:
             import datasets
 
             self._cache.clear()
-            seed = self.seed * 7919 + epoch
+            seed = seeds.integer(self.seed, "nsp", epoch)
             key = f"{self.train_docs.dataset._fingerprint}-{self.max_seq_len}-{seed}-{self.special.cls}"
 
             def rows():
@@ -230,7 +231,7 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
 
     docs = d.main_first(lambda: tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
                                                 max_documents=args.max_documents))
-    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    order = torch.randperm(len(docs), generator=seeds.generator(args.seed, "split")).tolist()
     n_eval = int(len(docs) * args.eval_fraction) if len(docs) > 1 else 0
     if args.eval_every and args.eval_fraction > 0 and len(docs) > 1:
         n_eval = max(1, n_eval)
@@ -267,20 +268,34 @@ def build_config(args, vocab_size: int) -> BertConfig:
     return cfg
 
 
-def evaluate(model, corpus: Corpus, collator, batch_size: int, batches: int, device) -> dict:
-    """MLM loss, accuracy and perplexity on held-out documents, masked the same way every time."""
-    if not corpus.eval_docs:
-        return {}
-    instances = list(itertools.islice(
-        iter_instances(corpus.eval_docs, corpus.max_seq_len, corpus.special, seed=corpus.seed + 1),
-        batches * batch_size))
+def eval_batches(corpus: Corpus, collator: MLMCollator, packing, batch_size: int, batches: int):
+    """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) in the layout the run trains on:
+    padded batches, or packed micro-batches of the run's fixed shapes (`packing`). Each instance is masked by its
+    index ("eval_masking"): the same at every evaluation, and the same padded or packed."""
+    instances = list(itertools.islice(iter_instances(corpus.eval_docs, corpus.max_seq_len, corpus.special,
+                                                     seed=seeds.integer(corpus.seed, "eval_nsp")),
+                                      batches * batch_size))
+    if packing is None:
+        for start in range(0, len(instances), batch_size):
+            rows = instances[start:start + batch_size]
+            yield collator(rows, keys=range(start, start + len(rows)), stream="eval_masking")
+        return
+    shapes = packing.shapes
+    rows = pack([len(x["input_ids"]) for x in instances], shapes.max_seqlen, shapes.per_row)
+    for first in range(0, len(rows), shapes.rows):
+        group = rows[first:first + shapes.rows]
+        yield packing([[instances[j] for j in row] for row in group], keys=[j for row in group for j in row],
+                      stream="eval_masking")
+
+
+def evaluate(model, batches, device) -> dict:
+    """MLM loss, accuracy and perplexity over `batches` (eval_batches)."""
     model.eval()
     loss_sum, hits, count = 0.0, 0, 0
     with torch.no_grad():
-        for start in range(0, min(len(instances), batches * batch_size), batch_size):
-            rows = instances[start:start + batch_size]
-            batch = collator(rows, keys=[-(start + k + 1) for k in range(len(rows))])
-            out = model(**{k: v.to(device) for k, v in batch.items()})
+        for batch in batches:
+            out = model(**(batch.to(device) if isinstance(batch, PackedBatch) else
+                           {k: v.to(device) for k, v in batch.items()}))
             n = int(out.mlm_count)
             loss_sum += float(out.mlm_loss) * n
             hits += int(out.mlm_correct)
@@ -306,11 +321,10 @@ class PretrainJob(Job):
         if self.packing is not None:
             shapes = self.packing.shapes
             packs = epoch_packs(instances["length"], shapes.max_seqlen, shapes.rows, shapes.per_row,
-                                self.args.seed * 31, epoch)
+                                self.args.seed, epoch)
             return PackedStepData(instances, packs, self.packing, d, accum, epoch)
-        sampler = BucketBatchSampler(np.asarray(instances["length"]), self.args.batch_size,
-                                     seed=self.args.seed * 31 + epoch)
-        return StepData(instances, sampler.epoch_batches(epoch), self.collator, d, accum, steps_before)
+        sampler = BucketBatchSampler(np.asarray(instances["length"]), self.args.batch_size, seed=self.args.seed)
+        return StepData(instances, sampler.epoch_batches(epoch), self.collator, d, accum, epoch)
 
     @property
     def static_shapes(self) -> bool:
@@ -353,8 +367,10 @@ class PretrainJob(Job):
                 "--tokens-per-batch (or --batch-size), or give more data")
 
     def evaluate(self, model):
-        return evaluate(model, self.corpus, self.collator, max(1, self.args.batch_size), self.args.eval_batches,
-                        self.device)
+        if not self.corpus.eval_docs:
+            return {}
+        return evaluate(model, eval_batches(self.corpus, self.collator, self.packing, max(1, self.args.batch_size),
+                                            self.args.eval_batches), self.device)
 
 
 def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | None:

@@ -215,3 +215,24 @@ def test_an_unreadable_cache_is_rebuilt(tmp_path):
         again = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
     assert list(again["sentences"]) == first
     assert list(tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))["sentences"]) == first
+
+
+def test_exact_count_by_default_and_bernoulli_as_an_option():
+    instances = create_instances(id_documents(n_docs=40), max_seq_len=128, special=SPECIAL, seed=0)[:200]
+    exact, bernoulli = MLMCollator(SPECIAL, seed=2), MLMCollator(SPECIAL, seed=2, exact=False)
+    counts, chosen, candidates = set(), 0, 0
+    for k, x in enumerate(instances):
+        ids = torch.tensor(x["input_ids"])
+        n = int((~torch.isin(ids, torch.tensor(SPECIAL.special))).sum())
+        assert int((exact.mask(ids, k)[1] != -100).sum()) == max(1, round(0.15 * n))
+        picked = int((bernoulli.mask(ids, k)[1] != -100).sum())
+        counts.add(picked - round(0.15 * n))
+        chosen, candidates = chosen + picked, candidates + n
+    assert binomial_ok(chosen, candidates, 0.15) and len(counts) > 3  # right on average, not fixed per row
+
+
+def test_a_continuation_piece_after_a_special_token_is_a_unit_of_its_own():
+    special = SpecialIds(2, 3, 4, 0, 1000, (0, 1, 2, 3, 4))
+    collator = MLMCollator(special, whole_word=True, continuation_ids=range(500, 700))
+    row = torch.tensor([2, 10, 501, 3, 502, 503, 11, 3])
+    assert collator._groups(row, ~torch.isin(row, torch.tensor(special.special))).tolist() == [0, 1, 1, 0, 2, 2, 3, 0]

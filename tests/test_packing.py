@@ -327,3 +327,28 @@ def test_collator_and_pack_check_their_inputs():
         pack([3, 4], budget=10, max_seqs=0)
     with pytest.raises(ValueError, match="pack: instance 1 has a negative length -4"):
         pack([3, -4], budget=10, max_seqs=2)
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_an_instance_is_masked_the_same_padded_and_packed(whole_word):
+    """One masking algorithm: with the same key an instance gets the same labels and ids in a padded batch
+    (MLMCollator) as in a packed one (PackingCollator), as training and evaluation of either layout rely on."""
+    rng = random.Random(4)
+    masker = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=9)
+    insts = [instance(n, rng, 1) for n in (40, 9, 31, 20)]
+    keys = [(2, 5), (2, 6), (2, 7), (2, 8)]
+    padded = masker(insts, keys=keys)
+    packed = PackingCollator(masker, PackedShapes.for_rows(rows=2, max_seqlen=64, per_row=2, mlm_probability=0.15))(
+        [insts[:2], insts[2:]], keys=keys)
+    starts = packed.cu_seqlens.tolist()
+    for i, x in enumerate(insts):
+        n, s = len(x["input_ids"]), [0, 40, 64, 95][i]
+        assert starts[[0, 1, 3, 4][i]] == s
+        assert torch.equal(packed.input_ids[s:s + n], padded["input_ids"][i, :n])
+        labels = padded["labels"][i, :n]
+        used = packed.mlm_labels != -100
+        at = (packed.mlm_positions[used] >= s) & (packed.mlm_positions[used] < s + n)
+        assert torch.equal(packed.mlm_positions[used][at] - s, (labels != -100).nonzero().squeeze(1))
+        assert torch.equal(packed.mlm_labels[used][at], labels[labels != -100])
+    with pytest.raises(ValueError, match="packed batches need exact-count masking"):
+        PackingCollator(MLMCollator(SPECIAL, exact=False), PackedShapes.for_rows(2, 64, 2, 0.15))

@@ -273,3 +273,29 @@ def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, c
     for name in os.listdir(tmp_path / "run" / "checkpoints"):
         sd = bert.checkpoint.read_state_dict(str(tmp_path / "run" / "checkpoints" / name))
         assert all(torch.isfinite(t).all() for t in sd.values()), name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backend):
+    """Evaluation runs in the run's own layout: packed micro-batches of its fixed shapes for a packed run. The
+    held-out instances and their masking are the same either way, so both layouts give one loss."""
+    from types import SimpleNamespace
+
+    from bert.data import MLMCollator, SpecialIds
+    from bert.packing import PackedBatch, PackedShapes, PackingCollator
+    from bert.pretrain import eval_batches, evaluate
+
+    special = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=300, special=(0, 1, 2, 3, 4))
+    docs = [[[5 + (7 * d + s + j) % 290 for j in range(6 + s % 5)] for s in range(8)] for d in range(6)]
+    corpus = SimpleNamespace(eval_docs=docs, max_seq_len=32, special=special, seed=4)
+    collator = MLMCollator(special, seed=4)
+    packing = PackingCollator(collator, PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15))
+    padded, packed = list(eval_batches(corpus, collator, None, 6, 3)), list(eval_batches(corpus, collator, packing, 6, 3))
+    assert all(isinstance(b, PackedBatch) for b in packed) and not any(isinstance(b, PackedBatch) for b in padded)
+    assert sum(int((b["labels"] != -100).sum()) for b in padded) == sum(int((b.mlm_labels != -100).sum())
+                                                                        for b in packed)
+    torch.manual_seed(0)
+    model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=300, backend=backend))
+    scores = [evaluate(model, batches, torch.device("cpu")) for batches in (padded, packed)]
+    assert scores[0]["eval_mlm_loss"] == pytest.approx(scores[1]["eval_mlm_loss"], rel=1e-5)
+    assert scores[0]["eval_mlm_acc"] == scores[1]["eval_mlm_acc"] and model.training
