@@ -90,14 +90,16 @@ class FinetuneJob(Job):
     so a resume continues the same order), in global batches split over ranks and accumulation steps (see
     bert.trainer.Job)."""
 
-    def __init__(self, task: Task, model, rows: list[dict], args, tokenizer, evaluate=None):
-        self.task, self.model, self.rows, self.args, self.tokenizer = task, model, rows, args, tokenizer
+    def __init__(self, task: Task, model, rows: list[dict], tokenizer, *, batch_size: int, seed: int,
+                 evaluate=None):
+        self.task, self.model, self.rows, self.tokenizer = task, model, rows, tokenizer
+        self.batch_size, self.seed = batch_size, seed
         self.name = f"fine-tuning ({task.name})"
         self._evaluate = evaluate
 
     def epoch_steps(self, epoch, steps_before, d, accum):
-        order = torch.randperm(len(self.rows), generator=seeds.generator(self.args.seed, "shuffle", epoch))
-        size = self.args.batch_size
+        order = torch.randperm(len(self.rows), generator=seeds.generator(self.seed, "shuffle", epoch))
+        size = self.batch_size
         batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
         if batches and len(batches[-1]) < d.world * accum:  # too few rows left to give every micro-batch one
             batches.pop()
@@ -217,7 +219,8 @@ def run(args) -> dict:
             d.barrier()
             rows = task.features(train_data, label2id, train=True).rows
             total = args.max_steps or max(1, int(math.ceil(len(rows) / args.batch_size) * args.epochs))
-            job = FinetuneJob(task, model, rows, args, tokenizer, evaluate if eval_data else None)
+            job = FinetuneJob(task, model, rows, tokenizer, batch_size=args.batch_size, seed=args.seed,
+                              evaluate=evaluate if eval_data else None)
             trainer = Trainer(job, settings(args, total, data_identity(train_data, id2label)), device, d)
             trainer.fit()
             model = trainer.model

@@ -146,6 +146,9 @@ def to_tokens(config, input_ids, attention_mask=None, token_type_ids=None, posit
 
 
 def _check_ids(name, t, shape, device) -> None:
+    """The one layout check of ids, types and positions, padded or packed: integers, input_ids' shape and device."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor of integer ids, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
     if tuple(t.shape) != tuple(shape):
@@ -204,7 +207,9 @@ def _range_problems(config, values) -> list[str]:
 
 def _from_packed(config, input_ids, token_type_ids, position_ids, cu_seqlens, max_seqlen, row_aligned,
                  validate) -> Tokens:
-    n = input_ids.shape[0] if input_ids.dim() == 1 else -1
+    if input_ids.dim() != 1:
+        raise ValueError(f"packed input_ids must be a [tokens] tensor, got shape {tuple(input_ids.shape)}")
+    n = input_ids.shape[0]
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
             or cu_seqlens.numel() < 2 or cu_seqlens.device != input_ids.device:
         raise ValueError(f"packed cu_seqlens must be a 1-D int32 tensor [sequences + 1] on {input_ids.device}")
@@ -216,16 +221,12 @@ def _from_packed(config, input_ids, token_type_ids, position_ids, cu_seqlens, ma
     if row_aligned and n % max_seqlen:
         raise ValueError(f"row_aligned: a packed batch of rows of max_seqlen tokens, but {n} tokens are not a "
                          f"multiple of max_seqlen={max_seqlen}")
-    p = packed_layout(cu_seqlens, max(n, 0), max_seqlen, row_aligned)
+    p = packed_layout(cu_seqlens, n, max_seqlen, row_aligned)
     # Defaults as for a padded call: one segment, positions counted from each sequence's start (filler: 0).
     token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
     position_ids = torch.where(p.seq < p.sequences, p.pos, 0) if position_ids is None else position_ids
     for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n or t.is_floating_point() \
-                or t.dtype == torch.bool or t.device != input_ids.device:
-            what = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
-            raise ValueError(f"packed {name} must be integer [tokens] like input_ids ({n} on {input_ids.device}), "
-                             f"got {what}")
+        _check_ids(name, t, (n,), input_ids.device)
     tokens = Tokens(input_ids, token_type_ids, position_ids, p)
     if validate or checks_are_free(cu_seqlens):
         _check_packed_values(config, tokens, row_aligned)

@@ -312,18 +312,20 @@ class PretrainJob(Job):
     PackingCollator) or length-bucketed into padded global batches (see bert.trainer.Job)."""
     name = "pre-training"
 
-    def __init__(self, model, corpus: Corpus, collator, tokenizer, args, device, packing=None):
+    def __init__(self, model, corpus: Corpus, collator, tokenizer, device, *, batch_size: int, grad_accum: int,
+                 eval_batches: int, packing: PackingCollator | None = None):
         self.model, self.corpus, self.collator, self.tokenizer = model, corpus, collator, tokenizer
-        self.args, self.device, self.packing = args, device, packing
+        self.device, self.packing = device, packing
+        self.batch_size, self.grad_accum, self.eval_batches = batch_size, grad_accum, eval_batches
 
     def epoch_steps(self, epoch, steps_before, d, accum):
         instances = self.corpus.instances(epoch)
         if self.packing is not None:
             shapes = self.packing.shapes
             packs = epoch_packs(instances["length"], shapes.max_seqlen, shapes.rows, shapes.per_row,
-                                self.args.seed, epoch)
+                                self.corpus.seed, epoch)
             return PackedStepData(instances, packs, self.packing, d, accum, epoch)
-        sampler = BucketBatchSampler(np.asarray(instances["length"]), self.args.batch_size, seed=self.args.seed)
+        sampler = BucketBatchSampler(np.asarray(instances["length"]), self.batch_size, seed=self.corpus.seed)
         return StepData(instances, sampler.epoch_batches(epoch), self.collator, d, accum, epoch)
 
     @property
@@ -363,14 +365,14 @@ class PretrainJob(Job):
             return super().no_full_step()
         shapes, n = self.packing.shapes, len(self.corpus.instances(0))
         return (f"the corpus's {n} instances do not fill one step of {shapes.rows} row(s) of {shapes.max_seqlen} "
-                f"tokens per micro-batch x {self.args.grad_accum} accumulation step(s) x the ranks; lower "
+                f"tokens per micro-batch x {self.grad_accum} accumulation step(s) x the ranks; lower "
                 "--tokens-per-batch (or --batch-size), or give more data")
 
     def evaluate(self, model):
         if not self.corpus.eval_docs:
             return {}
-        return evaluate(model, eval_batches(self.corpus, self.collator, self.packing, max(1, self.args.batch_size),
-                                            self.args.eval_batches), self.device)
+        return evaluate(model, eval_batches(self.corpus, self.collator, self.packing, self.batch_size,
+                                            self.eval_batches), self.device)
 
 
 def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | None:
@@ -416,7 +418,8 @@ def _train(args, device, d: Dist) -> TrainResult:
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,
                            continuation_ids=continuation, seed=args.seed)
-    job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, args, device,
+    job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, device, batch_size=args.batch_size,
+                      grad_accum=args.grad_accum, eval_batches=args.eval_batches,
                       packing=packing_collator(args, collator, d))
     trainer = Trainer(job, settings(args), device, d)
     return TrainResult(trainer.fit(), trainer.model)

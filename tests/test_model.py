@@ -1,5 +1,4 @@
 """Our BERT against transformers' on the same weights and inputs (float32, random right padding)."""
-import dataclasses
 import os
 
 import pytest
@@ -47,30 +46,6 @@ def test_presets_match_the_paper():
         assert cfg.hidden_size < 768 and cfg.hidden_size % cfg.num_attention_heads == 0
     with pytest.raises(ValueError, match="unknown preset"):
         bert.BertConfig.preset("huge")
-
-
-def test_config_json_round_trips_through_transformers(tmp_path):
-    cfg = bert.BertConfig.tiny(vocab_size=1234, id2label={0: "NEG", 1: "POS", 2: "MIX"}, layer_norm_eps=1e-7)
-    (tmp_path / "config.json").write_text(cfg.to_json_string())
-    hf = transformers.BertConfig.from_pretrained(tmp_path)
-    for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-              "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "num_labels"):
-        assert getattr(hf, f) == getattr(cfg, f), f
-    assert hf.id2label == cfg.id2label
-    hf.save_pretrained(tmp_path / "hf")
-    back = bert.BertConfig.from_json_file(tmp_path / "hf")
-    assert dataclasses.replace(back, extra={}) == dataclasses.replace(cfg, extra={})
-
-
-def test_config_rejects_what_it_cannot_run():
-    with pytest.raises(ValueError, match="multiple of num_attention_heads"):
-        bert.BertConfig(hidden_size=100, num_attention_heads=3)
-    with pytest.raises(ValueError, match="hidden_act"):
-        bert.BertConfig(hidden_act="swish")
-    with pytest.raises(ValueError, match="position_embedding_type"):
-        bert.BertConfig.from_dict({"position_embedding_type": "relative_key"})
-    with pytest.raises(ValueError, match="backend"):
-        bert.BertConfig(backend="cuda")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -417,6 +392,8 @@ def test_gpu_triton_backend_bf16_training_step_matches_torch():
     a.loss.backward()
     b.loss.backward()
     assert abs(a.loss.item() - b.loss.item()) < 2e-2 * abs(a.loss.item())
-    ga = torch.cat([p.grad.flatten().float() for p in ref.parameters()])
-    gb = torch.cat([p.grad.flatten().float() for p in tri.parameters()])
-    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.99
+    truth = bert.BertForPreTraining(cfg.replace(backend="torch")).cuda()  # float32, no autocast
+    truth.load_state_dict(ref.state_dict())
+    truth(ids, mask, tt, labels=labels, next_sentence_label=nsp).loss.backward()
+    # Per parameter: at most twice PyTorch's own bf16 error, or two bf16 ulps at the gradient's scale.
+    assert_half_grads_close(tri, ref, truth, floor=2 * torch.finfo(torch.bfloat16).eps)

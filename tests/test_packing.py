@@ -209,8 +209,12 @@ def test_packed_validation_names_the_problem():
     encode = model.bert.encode
     with pytest.raises(ValueError, match="cu_seqlens ends at 20, past the 16 tokens"):
         encode(ids, None, torch.zeros_like(ids), torch.arange(16), cu_seqlens=cu, max_seqlen=16, validate=True)
-    with pytest.raises(ValueError, match="packed token_type_ids must be integer"):
+    with pytest.raises(ValueError, match=r"token_type_ids has shape \(15,\), expected \(16,\)"):
         encode(ids, None, torch.zeros(15, dtype=torch.long), torch.arange(16), cu_seqlens=cu, max_seqlen=16)
+    with pytest.raises(ValueError, match="position_ids must hold integer ids, got dtype torch.float32"):
+        encode(ids, None, None, torch.arange(16.0), cu_seqlens=cu, max_seqlen=16)  # the padded call's words
+    with pytest.raises(ValueError, match=r"packed input_ids must be a \[tokens\] tensor, got shape \(2, 8\)"):
+        encode(ids.view(2, 8), None, None, None, cu_seqlens=cu, max_seqlen=16)
     with pytest.raises(ValueError, match="16 tokens are not a multiple of max_seqlen=6"):
         encode(ids, None, torch.zeros_like(ids), torch.arange(16), cu_seqlens=cu, max_seqlen=6, row_aligned=True)
     with pytest.raises(ValueError, match="a sequence is longer than max_seqlen=6"):
