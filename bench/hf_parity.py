@@ -17,8 +17,6 @@ from bert import hf
 
 SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
              max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-DISTIL = dict(vocab_size=99, dim=64, n_layers=2, n_heads=4, hidden_dim=100, max_position_embeddings=40,
-              dropout=0.0, attention_dropout=0.0)
 # Every family the drop-in knows (bert.hf.FAMILIES), and DistilBERT once more with sinusoidal positions.
 FAMILIES = [*(f.name for f in hf.FAMILIES), "distilbert-sinusoidal"]
 
@@ -34,11 +32,10 @@ def build(family: str, head: str = "ForMaskedLM"):
 
     torch.manual_seed(0)
     record = _record(family)
-    if record.name == "distilbert":  # its config names the sizes differently
-        cfg = transformers.DistilBertConfig(**DISTIL, sinusoidal_pos_embds=family.endswith("sinusoidal"))
-    else:  # ELECTRA: a 32-wide embedding projected up to the hidden size
-        extra = {"embedding_size": 32} if record.name == "electra" else {}
-        cfg = getattr(transformers, record.prefix + "Config")(**SMALL, **extra, pad_token_id=record.pad_token_id)
+    names = dict(record.config_names)  # the family's own field names, its test extras (bert.hf.Family)
+    sizes = {names.get(k, k): v for k, v in SMALL.items()}
+    extra = dict(record.test_config, **({"sinusoidal_pos_embds": True} if family.endswith("-sinusoidal") else {}))
+    cfg = getattr(transformers, record.prefix + "Config")(**sizes, **extra, pad_token_id=record.pad_token_id)
     return getattr(transformers, record.prefix + head)(cfg).eval()
 
 

@@ -1,11 +1,6 @@
-"""Fine-tuning: `bert-finetune {classify,ner,qa}` / `python -m bert.finetune`.
+"""Fine-tuning: `bert-finetune TASK` / `python -m bert.finetune`, one task of bert.tasks.TASKS (listed below,
+from each task class's own description).
 
-classify: GLUE-style TSV (sentence or sentence-pair columns plus label), [CLS] pooled -> dropout -> linear;
-          accuracy and macro F1.
-ner:      CoNLL-2003 files, labels on the first sub-token of each word; entity-level P/R/F1 (seqeval); the
-          predictions are written back per word.
-qa:       SQuAD v1.1 JSON, question as segment A and passage as segment B in overlapping windows; start and end
-          vectors dotted with every token; n-best decoding over windows; exact match and F1.
 --train/--eval take local files or a Hugging Face dataset name (glue/sst2, conll2003, squad). --model is a
 save_pretrained directory (ours or any HF BERT); a pre-training checkpoint gets a new head, and the log says which
 keys were new and which were dropped.
@@ -37,7 +32,8 @@ logger = logging.getLogger("bert")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bert-finetune", description=__doc__,
+    tasks = "".join(f"\n{name}: {' '.join(task.__doc__.split())}" for name, task in TASKS.items())
+    p = argparse.ArgumentParser(prog="bert-finetune", description=__doc__ + tasks,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=list(TASKS), help="the task")
     p.add_argument("--model", required=True, help="a save_pretrained directory (ours or a Hugging Face BERT)")

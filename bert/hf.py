@@ -153,6 +153,10 @@ class Family(NamedTuple):
     linear_act: tuple[tuple[str, str], ...]   # (Linear, activation) children applied in that order, heads too
     mlm_head: MLMHead
     pad_token_id: int              # the RoBERTa family pads with 1 and counts positions after it
+    # The family's config field names where they are not BERT's (DistilBERT: dim, n_layers...), and what its small
+    # test configuration sets besides the shared sizes (ELECTRA: an embedding narrower than the hidden size).
+    config_names: tuple[tuple[str, str], ...] = ()
+    test_config: tuple[tuple[str, object], ...] = ()
 
 
 BERT_LAYERS = Layers("bert", ("attention.self.query", "attention.self.key", "attention.self.value",
@@ -174,9 +178,12 @@ FAMILIES = (
     Family("camembert", "Camembert", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
     Family("electra", "Electra", BERT_LAYERS, (*_BERT_ACT, ("dense", "activation")),
            MLMHead("generator_predictions.dense", "generator_predictions.activation",
-                   "generator_predictions.LayerNorm", "generator_lm_head"), 0),
+                   "generator_predictions.LayerNorm", "generator_lm_head"), 0, test_config=(("embedding_size", 32),)),
     Family("distilbert", "DistilBert", DISTILBERT_LAYERS, (("lin1", "activation"), ("vocab_transform", "activation")),
-           MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"), 0),
+           MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"), 0,
+           config_names=(("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
+                         ("intermediate_size", "hidden_dim"), ("hidden_dropout_prob", "dropout"),
+                         ("attention_probs_dropout_prob", "attention_dropout"))),
 )
 
 
