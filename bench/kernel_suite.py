@@ -81,7 +81,8 @@ def _rates(row: dict, case, peaks: dict) -> dict:
         gbps = (case.bytes_fwd + case.bytes_bwd) / (row["fwd_bwd_ms"] / 1e3) / 1e9
         row.update(fwd_bwd_GBps=gbps, copy_share=gbps / peaks["copy_GBps"])
     if case.flops_fwd:
-        row.update(fwd_TFLOPs=case.flops_fwd / row["fwd_ms"] / 1e9, bwd_TFLOPs=2.5 * case.flops_fwd / row["bwd_ms"] / 1e9)
+        row.update(fwd_TFLOPs=case.flops_fwd / row["fwd_ms"] / 1e9,
+                   bwd_TFLOPs=2.5 * case.flops_fwd / row["bwd_ms"] / 1e9)
     return row
 
 

@@ -385,9 +385,9 @@ class MLMCollator:
 
 class BucketBatchSampler:
     """Global batches of similar length: shuffle, cut into pools of 50 batches, sort each pool by length, cut into
-    batches, shuffle the batches. Deterministic in (seed, epoch): the run's "order" stream (bert.seeds). A global batch is later split into per-rank,
-    per-accumulation-step micro-batches (`bert.trainer.micro_batch`), so the data of a step does not depend on how many
-    processes share it."""
+    batches, shuffle the batches. Deterministic in (seed, epoch): the run's "order" stream (bert.seeds). A global
+    batch is later split into per-rank, per-accumulation-step micro-batches (`bert.trainer.micro_batch`), so the
+    data of a step does not depend on how many processes share it."""
 
     def __init__(self, lengths: list[int] | np.ndarray, global_batch: int, seed: int = 0, pool: int = 50):
         self.lengths = np.asarray(lengths)

@@ -1,7 +1,6 @@
 """What the rest of the project needs to know about one fused op, declared once, at the end of the op's own file.
 
-Every kernel module ends with `RECORD = Record(...)`; `kernels.RECORDS` collects them in the package's import
-order. The benchmark and check tools iterate over the records and name no op themselves:
+Every kernel module ends with `RECORD = Record(...)`; `kernels.RECORDS` collects them in module-name order. The benchmark and check tools iterate over the records and name no op themselves:
 
     bench.smoke           `smoke`: one check per entry, the op against its float64 reference
     bench.kernel_suite    `bench`: the shapes it is timed at, its peers, the bytes and FLOPs it must move
@@ -10,7 +9,8 @@ order. The benchmark and check tools iterate over the records and name no op the
     bench.targets         `goals`: the speed and memory targets read from the benchmark rows
     bench.precompile, bert-bench, bench/test_kernels.py: the record names and `bench`
 
-This module holds plain types only (no triton), so the records can be read without compiling anything.
+This module holds the record types only. Reading the records imports the kernels package and so triton (set
+TRITON_INTERPRET=1 first on a machine without a GPU), but compiles nothing: kernels compile at their first launch.
 """
 from __future__ import annotations
 
