@@ -228,11 +228,15 @@ def same_weights(a_dir, b_dir):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs(tmp_path, checkpoint, precision):
     train, dev = sentiment_files(tmp_path, n=16)
-    metrics = run(args("classify", checkpoint, train, dev, tmp_path / "out", "--max-steps", "3", "--log-every", "1",
-                       "--precision", precision, "--backend", "torch"))
-    rows = read_log(tmp_path / "out" / "log.jsonl")
-    assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
-    assert metrics["eval_examples"] == 16
+    losses = {}
+    for p in (precision, "fp32"):
+        metrics = run(args("classify", checkpoint, train, dev, tmp_path / p, "--max-steps", "3", "--log-every", "1",
+                           "--precision", p, "--backend", "torch"))
+        losses[p] = [r["loss"] for r in read_log(tmp_path / p / "log.jsonl")]
+        assert metrics["eval_examples"] == 16
+    assert len(losses[precision]) == 3 and all(math.isfinite(x) for x in losses[precision])
+    # The first step's loss, before any update: the fp32 one within half-precision rounding (autocast).
+    assert losses[precision][0] == pytest.approx(losses["fp32"][0], rel=2e-2)
 
 
 def _ddp_worker(rank, world, port, argv):

@@ -174,19 +174,27 @@ def test_sentence_transformers_on_bert_and_roberta(tmp_path, family):
 
 
 def test_one_training_step_through_transformers_trainer(tmp_path):
+    """transformers.Trainer trains the fused model as it trains the original: the same losses and weights."""
     pytest.importorskip("accelerate")
-    model = fuse(build("roberta"))
+    original = build("roberta")
+    model = fuse(copy.deepcopy(original))
     ids, mask, labels = batch("roberta")
     rows = [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(ids, mask, labels)]
     before = model.roberta.encoder.layer[0].attention.self.query.weight.detach().clone()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=3,
-                                          learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
-                                          logging_steps=1, disable_tqdm=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = transformers.Trainer(model=model, args=args, train_dataset=rows).train()
-    assert torch.isfinite(torch.tensor(result.training_loss))
+    results = []
+    for m, out in ((model, "fused"), (original, "original")):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / out), max_steps=2,
+                                              per_device_train_batch_size=3, learning_rate=1e-2, report_to=[],
+                                              use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+                                              seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results.append(transformers.Trainer(model=m, args=args, train_dataset=rows).train())
+    assert results[0].training_loss == pytest.approx(results[1].training_loss, rel=1e-5)
     assert not torch.equal(model.roberta.encoder.layer[0].attention.self.query.weight, before)
+    theirs = dict(original.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p, theirs[name], atol=1e-5), name
     assert "MLM loss at labelled positions (RobertaForMaskedLM)" in fuse_report(model)[0].fused
 
 

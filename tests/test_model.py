@@ -276,7 +276,9 @@ def test_qa_positions_on_padding_raise():
         model(ids, mask, tt, start_positions=torch.tensor([2, 1]), end_positions=torch.tensor([3, 4]))
     # seq_len and beyond mean "not in this window" (ignored), as in HF.
     out = model(ids, mask, tt, start_positions=torch.tensor([2, 9]), end_positions=torch.tensor([3, 12]))
-    assert torch.isfinite(out.loss) and out.loss.item() < 1e30
+    ce = torch.nn.functional.cross_entropy  # only the first example's positions count (HF's rule)
+    expected = (ce(out.start_logits[:1], torch.tensor([2])) + ce(out.end_logits[:1], torch.tensor([3]))) / 2
+    assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("cls,labels", [
@@ -302,8 +304,11 @@ def test_no_labelled_example_gives_zero_loss_and_zero_gradients(cls, labels, bat
 def test_all_padding_row_and_no_labels_give_finite_outputs(tiny_model):
     ids, mask, tt = random_batch(99, batch=3, seqlen=8, lengths=[8, 0, 3])
     labels = torch.full_like(ids, -100)
-    out = tiny_model(ids, mask, tt, labels=labels, next_sentence_label=torch.tensor([0, 1, 0]))
-    assert torch.isfinite(out.loss) and out.mlm_loss.item() == 0.0
+    nsp = torch.tensor([0, 1, 0])
+    out = tiny_model(ids, mask, tt, labels=labels, next_sentence_label=nsp)
+    assert out.mlm_loss.item() == 0.0  # nothing to predict: the loss is NSP's alone, the empty row's included
+    assert out.loss.item() == pytest.approx(torch.nn.functional.cross_entropy(out.seq_relationship_logits, nsp).item(),
+                                            rel=1e-6)
     out = tiny_model(ids, mask, tt)
     assert torch.isfinite(out.prediction_logits).all() and torch.isfinite(out.seq_relationship_logits).all()
     base = tiny_model.bert(ids, torch.zeros_like(mask), tt)
