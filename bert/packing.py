@@ -25,6 +25,10 @@ least one), as the original BERT code does, 80/10/10 as usual, keyed per instanc
 about p * (real tokens) per micro-batch; R = ceil(p * T) + rows leaves room for the rounding, and in the rare
 pack that still chooses more, the last instances' extra choices are undone (their tokens restored, unlabelled),
 as BERT's max_predictions_per_seq cap does.
+
+Pre-training without packing (`--no-packing`) uses the same type: `one_per_row` lays a length-bucketed batch out
+as one instance per row, rows as long as its longest instance (rounded up to 8), so the job, the trainer and
+evaluation read one kind of batch; only its shapes then change from batch to batch.
 """
 from __future__ import annotations
 
@@ -134,6 +138,10 @@ class PackedBatch(Mapping):
         return replace(self, **{k: v.to(device, non_blocking=non_blocking) for k, v in self.items()
                                 if isinstance(v, torch.Tensor)})
 
+    def pin_memory(self) -> "PackedBatch":
+        """Pinned host copies (the DataLoader's pin_memory calls this, keeping the type)."""
+        return replace(self, **{k: v.pin_memory() for k, v in self.items() if isinstance(v, torch.Tensor)})
+
     @property
     def lengths(self) -> list[int]:
         """Of the instances: not the rows' filler tails or the unused slots (their NSP label is -100)."""
@@ -206,3 +214,15 @@ class PackingCollator:
                 s += 1
                 out["cu_seqlens"][s:] = (r + 1) * L
         return out
+
+
+def one_per_row(masker: MLMCollator, instances: list[dict], keys, stream: str = "masking",
+                multiple: int = 8) -> PackedBatch:
+    """A padded batch in the packed layout: instance i alone in row i, the rows as long as the longest instance
+    rounded up to `multiple`. Masked as packed batches are (same keys, same masks); no label is ever capped,
+    since exact masking chooses at most p x length + 1/2 tokens of an instance."""
+    if not instances:
+        raise ValueError("one_per_row: no instances")
+    longest = max(len(x["input_ids"]) for x in instances)
+    shapes = PackedShapes.for_rows(len(instances), -(-longest // multiple) * multiple, 1, masker.p)
+    return PackingCollator(masker, shapes)([[x] for x in instances], keys, stream)

@@ -1,8 +1,9 @@
 """BERT pre-training (MLM + NSP): `bert-pretrain` / `python -m bert.pretrain`.
 
 One process on a CPU or GPU, or several GPUs and nodes through torchrun (DistributedDataParallel; NCCL on GPU,
-gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.packing; `--no-packing` pads
-length-bucketed batches instead), which `--compile` compiles once and `--cuda-graphs` captures. Every rank
+gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.packing; `--no-packing` lays
+length-bucketed batches out one instance per padded row instead: the same batch type, shapes that vary), which
+`--compile` compiles once and `--cuda-graphs` captures. Every rank
 trains on its own micro-batches of each global step, and the losses are normalised by the number of labelled
 tokens and sequences in the whole global step, so N ranks compute exactly what one process accumulating N
 micro-batches would. Checkpoints hold the model (save_pretrained), optimizer, scheduler, RNG states
@@ -27,7 +28,7 @@ from .config import BertConfig
 from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
     tokenize_corpus
 from .model import BertForPreTraining
-from .packing import PackedBatch, PackedShapes, PackingCollator, epoch_packs, pack
+from .packing import PackedBatch, PackedShapes, PackingCollator, epoch_packs, one_per_row, pack
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device, slice_bounds
@@ -75,7 +76,8 @@ def add_static_shape_options(p: argparse.ArgumentParser) -> None:
     """Packing into fixed shapes, and what fixed shapes allow: one compilation, CUDA graphs."""
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
                    help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
-                        "and almost no padding (default on; --no-packing pads length-bucketed batches instead)")
+                        "and almost no padding (default on; --no-packing puts length-bucketed batches one instance per padded "
+                        "row instead)")
     p.add_argument("--tokens-per-batch", type=int, default=None,
                    help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
                         "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "
@@ -152,12 +154,13 @@ def run_settings(args) -> dict:
 
 # ---- data ----------------------------------------------------------------------------------------
 class StepData(torch.utils.data.Dataset):
-    """Item i: this rank's collated micro-batches of global step i of the epoch. Each instance is masked by its
-    key (epoch, index in the epoch), so the same way under any number of ranks or accumulation steps, after a
-    resume, and as a packed run masks it."""
+    """Item i: this rank's micro-batches of global step i of the epoch, each one instance per row (the packed
+    layout of a padded batch, bert.packing.one_per_row). Each instance is masked by its key (epoch, index in the
+    epoch), so the same way under any number of ranks or accumulation steps, after a resume, and as a packed run
+    masks it."""
 
-    def __init__(self, instances, batches, collator, d: Dist, accum: int, epoch: int):
-        self.instances, self.batches, self.collator = instances, batches, collator
+    def __init__(self, instances, batches, masker: MLMCollator, d: Dist, accum: int, epoch: int):
+        self.instances, self.batches, self.masker = instances, batches, masker
         self.d, self.accum, self.epoch = d, accum, epoch
 
     def __len__(self):
@@ -169,7 +172,7 @@ class StepData(torch.utils.data.Dataset):
         for a in range(self.accum):
             start, end = slice_bounds(size, parts, self.d.rank * self.accum + a)
             mine = [int(j) for j in global_batch[start:end]]
-            out.append(self.collator([self.instances[j] for j in mine], keys=[(self.epoch, j) for j in mine]))
+            out.append(one_per_row(self.masker, [self.instances[j] for j in mine], [(self.epoch, j) for j in mine]))
         return out
 
 
@@ -268,17 +271,17 @@ def build_config(args, vocab_size: int) -> BertConfig:
     return cfg
 
 
-def eval_batches(corpus: Corpus, collator: MLMCollator, packing, batch_size: int, batches: int):
-    """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) in the layout the run trains on:
-    padded batches, or packed micro-batches of the run's fixed shapes (`packing`). Each instance is masked by its
-    index ("eval_masking"): the same at every evaluation, and the same padded or packed."""
+def eval_batches(corpus: Corpus, masker: MLMCollator, packing, batch_size: int, batches: int):
+    """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) as the run trains on them: one
+    per row in batches of `batch_size`, or packed micro-batches of the run's fixed shapes (`packing`). Each instance
+    is masked by its index ("eval_masking"): the same at every evaluation, and the same either way."""
     instances = list(itertools.islice(iter_instances(corpus.eval_docs, corpus.max_seq_len, corpus.special,
                                                      seed=seeds.integer(corpus.seed, "eval_nsp")),
                                       batches * batch_size))
     if packing is None:
         for start in range(0, len(instances), batch_size):
             rows = instances[start:start + batch_size]
-            yield collator(rows, keys=range(start, start + len(rows)), stream="eval_masking")
+            yield one_per_row(masker, rows, range(start, start + len(rows)), "eval_masking")
         return
     shapes = packing.shapes
     rows = pack([len(x["input_ids"]) for x in instances], shapes.max_seqlen, shapes.per_row)
@@ -294,8 +297,7 @@ def evaluate(model, batches, device) -> dict:
     loss_sum, hits, count = 0.0, 0, 0
     with torch.no_grad():
         for batch in batches:
-            out = model(**(batch.to(device) if isinstance(batch, PackedBatch) else
-                           {k: v.to(device) for k, v in batch.items()}))
+            out = model(**batch.to(device))
             n = int(out.mlm_count)
             loss_sum += float(out.mlm_loss) * n
             hits += int(out.mlm_correct)
@@ -309,12 +311,13 @@ def evaluate(model, batches, device) -> dict:
 
 class PretrainJob(Job):
     """MLM + NSP on NSP instances drawn per epoch, packed into fixed-budget micro-batches (`packing`, a
-    PackingCollator) or length-bucketed into padded global batches (see bert.trainer.Job)."""
+    PackingCollator) or length-bucketed into global batches laid out one instance per row; either way a
+    micro-batch is a bert.packing.PackedBatch (see bert.trainer.Job)."""
     name = "pre-training"
 
-    def __init__(self, model, corpus: Corpus, collator, tokenizer, device, *, batch_size: int, grad_accum: int,
-                 eval_batches: int, packing: PackingCollator | None = None):
-        self.model, self.corpus, self.collator, self.tokenizer = model, corpus, collator, tokenizer
+    def __init__(self, model, corpus: Corpus, masker: MLMCollator, tokenizer, device, *, batch_size: int,
+                 grad_accum: int, eval_batches: int, packing: PackingCollator | None = None):
+        self.model, self.corpus, self.masker, self.tokenizer = model, corpus, masker, tokenizer
         self.device, self.packing = device, packing
         self.batch_size, self.grad_accum, self.eval_batches = batch_size, grad_accum, eval_batches
 
@@ -326,26 +329,18 @@ class PretrainJob(Job):
                                 self.corpus.seed, epoch)
             return PackedStepData(instances, packs, self.packing, d, accum, epoch)
         sampler = BucketBatchSampler(np.asarray(instances["length"]), self.batch_size, seed=self.corpus.seed)
-        return StepData(instances, sampler.epoch_batches(epoch), self.collator, d, accum, epoch)
+        return StepData(instances, sampler.epoch_batches(epoch), self.masker, d, accum, epoch)
 
     @property
     def static_shapes(self) -> bool:
         return self.packing is not None
 
-    @staticmethod
-    def _mlm_labels(batch):
-        return batch["mlm_labels"] if "mlm_labels" in batch else batch["labels"]
+    def counts(self, batch: PackedBatch):
+        return {"mlm": float(batch.labelled), "nsp": float((batch.next_sentence_label != -100).sum())}
 
-    def counts(self, batch):
-        return {"mlm": float((self._mlm_labels(batch) != -100).sum()),
-                "nsp": float((batch["next_sentence_label"] != -100).sum())}
-
-    def sizes(self, batch):
-        if "cu_seqlens" not in batch:
-            return super().sizes(batch)
-        real = batch["next_sentence_label"] != -100  # instances; not the rows' filler tails or unused slots
-        lengths = (batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1])[real]
-        return float(lengths.sum()), float(real.sum()), float(batch["input_ids"].numel())
+    def sizes(self, batch: PackedBatch):
+        lengths = batch.lengths  # the instances': not the rows' filler tails or unused slots
+        return float(sum(lengths)), float(len(lengths)), float(batch.slots)
 
     def loss_terms(self, out, batch):
         nsp_count = (batch["next_sentence_label"] != -100).sum()
@@ -371,7 +366,7 @@ class PretrainJob(Job):
     def evaluate(self, model):
         if not self.corpus.eval_docs:
             return {}
-        return evaluate(model, eval_batches(self.corpus, self.collator, self.packing, self.batch_size,
+        return evaluate(model, eval_batches(self.corpus, self.masker, self.packing, self.batch_size,
                                             self.eval_batches), self.device)
 
 

@@ -355,6 +355,12 @@ def slice_bounds(n: int, parts: int, j: int) -> tuple[int, int]:
     return start, start + base + (j < extra)
 
 
+def _as_built(item):
+    """The loader's collate function: a job's micro-batches pass as built (the default one turns typed batches,
+    bert.packing.PackedBatch, into plain dicts)."""
+    return item
+
+
 def micro_batch(global_batch, rank: int, world_size: int, accum_step: int, accum_steps: int):
     """This rank's rows for one accumulation step of a global batch: the batch is cut into world x accum slices
     (equal when they divide it), rank r takes slices r*accum ... r*accum + accum - 1."""
@@ -596,7 +602,7 @@ class Trainer:
         subset = torch.utils.data.Subset(steps, range(self.state["batch_in_epoch"], len(steps)))
         # Its own generator: the loader never draws from the global RNG, which dropout uses.
         return steps, torch.utils.data.DataLoader(subset, batch_size=None, num_workers=self.s.num_workers,
-                                                  generator=torch.Generator(),
+                                                  generator=torch.Generator(), collate_fn=_as_built,
                                                   pin_memory=self.device.type == "cuda")
 
     def _denominators(self, micro_batches) -> tuple[dict, dict]:

@@ -277,8 +277,9 @@ def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, c
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backend):
-    """Evaluation runs in the run's own layout: packed micro-batches of its fixed shapes for a packed run. The
-    held-out instances and their masking are the same either way, so both layouts give one loss."""
+    """Evaluation runs in the run's own layout: packed micro-batches of its fixed shapes for a packed run, one
+    instance per row otherwise. The held-out instances and their masking are the same either way, so both layouts
+    give one loss."""
     from types import SimpleNamespace
 
     from bert.data import MLMCollator, SpecialIds
@@ -291,9 +292,10 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     collator = MLMCollator(special, seed=4)
     packing = PackingCollator(collator, PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15))
     padded, packed = list(eval_batches(corpus, collator, None, 6, 3)), list(eval_batches(corpus, collator, packing, 6, 3))
-    assert all(isinstance(b, PackedBatch) for b in packed) and not any(isinstance(b, PackedBatch) for b in padded)
-    assert sum(int((b["labels"] != -100).sum()) for b in padded) == sum(int((b.mlm_labels != -100).sum())
-                                                                        for b in packed)
+    assert all(isinstance(b, PackedBatch) for b in padded + packed)  # one batch type, two layouts
+    assert [len(b.lengths) for b in padded] == [6, 6, 6]  # one instance per row
+    assert sum(len(b.lengths) for b in packed) == 18 and all(b.slots == 4 * 32 for b in packed)  # the run's shapes
+    assert sum(b.labelled for b in padded) == sum(b.labelled for b in packed)
     torch.manual_seed(0)
     model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=300, backend=backend))
     scores = [evaluate(model, batches, torch.device("cpu")) for batches in (padded, packed)]
