@@ -356,3 +356,21 @@ def test_an_instance_is_masked_the_same_padded_and_packed(whole_word):
         assert torch.equal(packed.mlm_labels[used][at], labels[labels != -100])
     with pytest.raises(ValueError, match="packed batches need exact-count masking"):
         PackingCollator(MLMCollator(SPECIAL, exact=False), PackedShapes.for_rows(2, 64, 2, 0.15))
+
+
+def test_one_per_row_is_a_padded_batch_in_the_packed_layout():
+    from bert.packing import one_per_row
+
+    rng = random.Random(5)
+    masker = MLMCollator(SPECIAL, seed=2)
+    insts = [instance(n, rng, n % 2) for n in (13, 30, 4)]
+    b = one_per_row(masker, insts, [(0, 1), (0, 2), (0, 3)])
+    padded = masker(insts, keys=[(0, 1), (0, 2), (0, 3)])  # the same masks, padded to 32 as well
+    assert b.max_seqlen == 32 and b.slots == 3 * 32 and b.lengths == [13, 30, 4] and b.row_aligned
+    assert b.cu_seqlens.tolist() == [0, 13, 32, 62, 64, 68, 96]  # each row: its instance, then its filler
+    for r, n in enumerate((13, 30, 4)):
+        assert torch.equal(b.input_ids[32 * r:32 * r + n], padded["input_ids"][r, :n])
+    assert b.labelled == int((padded["labels"] != -100).sum())
+    assert b.next_sentence_label.tolist() == [1, -100, 0, -100, 0, -100]
+    with pytest.raises(ValueError, match="no instances"):
+        one_per_row(masker, [], [])
