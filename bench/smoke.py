@@ -151,17 +151,16 @@ def check_bert_step_packed(s: Shapes, dtype, device) -> Result:
     return check_bert_step(s, dtype, device, packed=True)
 
 
-CHECKS: dict = {}  # name -> fn(Shapes, dtype, device) -> Result, filled by checks()
-_FOUND = []
+CHECKS: dict = {}  # name -> fn(Shapes, dtype, device) -> Result, filled by checks() (tests may add their own)
 
 
 def checks() -> dict:
     """Every kernel record's smoke cases (in the records' order), then the model checks. Importing the records
-    imports triton, so this runs only once TRITON_INTERPRET is settled (main, or a worker it spawned)."""
-    if not _FOUND:
+    imports triton, so this runs only once TRITON_INTERPRET is settled (main, or a worker it spawned). Filled once:
+    the model checks, always present, say it has been."""
+    if "bert_step" not in CHECKS:
         from kernels._record import records
 
-        _FOUND.append(True)
         found = {name: kernel_check(build) for r in records() for name, build in r.smoke.items()}
         for name, check in dict(found, bert_step=check_bert_step, bert_step_packed=check_bert_step_packed).items():
             CHECKS.setdefault(name, check)

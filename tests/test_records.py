@@ -51,7 +51,6 @@ def with_double(monkeypatch):
 
     monkeypatch.setattr(kernels, "RECORDS", kernels.RECORDS + (DOUBLE,))
     monkeypatch.setattr(smoke, "CHECKS", {})  # rebuilt from the records
-    monkeypatch.setattr(smoke, "_FOUND", [])
 
 
 def test_the_package_lists_one_record_per_op_module():
