@@ -31,6 +31,7 @@ output_hidden_states, or with a mask that differs between queries, runs the orig
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from torch import nn
 
 from . import ops
 from .model import check_labels
-from .padding import pad, unpad, unpad_mask
+from .padding import pad, static_layout, unpad, unpad_mask
 
 _ORIGINALS = "_bertfuse_originals"
 _REPORT = "_bertfuse_report"
@@ -90,24 +91,36 @@ class FusedSelfOutput(nn.Module):
 
 
 def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
-    """[batch, seq] key mask from whatever the model handed its encoder: None, a 2-D mask, or a 3-D/4-D boolean
-    or additive mask. None when the mask is not one key mask shared by every query and head (a causal or
-    per-query mask): the fused attention cannot express it."""
+    """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as transformers reads
+    it: None; a 2-D mask (0 = padding); a 3-D/4-D boolean mask (True = attend) or float mask, which transformers
+    *adds* to the scores, so only its values 0 (attend) and <= the dtype's minimum / 2 (never attended) are a mask.
+    None when the fused attention cannot express it: a mask that differs between queries or heads (causal), an
+    additive mask with other values (a bias), or, under torch.export, anything it would have to read values to
+    know (an export then runs the original code)."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
-    if attention_mask.dim() == 2:
-        return attention_mask != 0
     m = attention_mask
-    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
-    if allowed.dim() == 3:
-        allowed = allowed[:, None]
-    if allowed.dim() != 4 or allowed.shape[-1] != seqlen:
+    if m.dim() == 2:
+        return m != 0
+    if m.dim() == 3:
+        m = m[:, None]
+    if m.dim() != 4 or m.shape[-1] != seqlen or m.shape[0] not in (1, batch):
         return None
-    allowed = allowed.expand(batch, -1, -1, seqlen)
-    keys = allowed[:, :1, :1, :]
-    if allowed.shape[1] * allowed.shape[2] > 1 and not bool((allowed == keys).all()):  # one sync, padded inputs
+    m = m.expand(batch, -1, -1, seqlen)
+    # A view expanded along heads and queries is one key mask by construction; anything else is checked.
+    shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
+    exporting = torch.compiler.is_exporting()
+    if exporting and not (shared and m.dtype == torch.bool):
         return None
-    return keys[:, 0, 0, :]
+    keys = m[:, 0, 0, :]
+    checks = [] if shared else [(m == keys[:, None, None, :]).all()]
+    if m.dtype != torch.bool:
+        blocked = keys <= torch.finfo(m.dtype).min / 2
+        checks.append(((keys == 0) | blocked).all())
+        keys = ~blocked
+    if checks and not bool(torch.stack(checks).all()):  # one sync, for masks transformers built or a user gave
+        return None
+    return keys
 
 
 def _bert_layer(layer, x, p, training: bool):
@@ -205,7 +218,12 @@ MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 
 class FusedEncoder(nn.Module):
-    """An encoder on packed tokens with the varlen attention kernel; the same `layer` ModuleList (same keys)."""
+    """An encoder on packed tokens with the varlen attention kernel; the same `layer` ModuleList (same keys).
+
+    Gradient checkpointing goes through transformers' own mechanism: each layer runs under the checkpoint function
+    `gradient_checkpointing_enable` installed (on the layers in transformers 5, on the encoder before), with the
+    arguments it was given (use_reentrant either way)."""
+    gradient_checkpointing = False   # transformers 4 sets this (and _gradient_checkpointing_func) on the encoder
 
     def __init__(self, orig: nn.Module, layers: Layers, config):
         super().__init__()
@@ -218,7 +236,8 @@ class FusedEncoder(nn.Module):
         batch, seqlen, _ = hidden_states.shape
         keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
         if keys is None:
-            wants.add("an attention mask that differs between queries (not a key-padding mask)")
+            wants.add("an attention mask the fused attention cannot express (per query, or additive values "
+                      "other than 0 and the dtype's minimum)")
         if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
             _warn(f"{', '.join(sorted(wants)) or 'cross-attention/cache'} requested: this call runs the original "
                   "(unfused) attention code")
@@ -228,12 +247,56 @@ class FusedEncoder(nn.Module):
             return self._original(hidden_states, attention_mask=attention_mask, **kwargs)
         from transformers import modeling_outputs as outputs
 
-        p = unpad_mask(keys)
+        # Under torch.export a layout of static shape (no token count read from the data); else padding removed.
+        exporting = torch.compiler.is_exporting()
+        p = static_layout(keys) if exporting else unpad_mask(keys)
         x = unpad(hidden_states, p)
         for layer in self.layer:
-            x = self.layers.run(layer, x, p, self.training)
+            x = self._run(layer, x, p)
+        out = torch.where(keys[..., None], pad(x, p), 0.0) if exporting else pad(x, p)  # padding kept: zero it
         # What the original encoder returns: BERT-like models read `.cache` from it too.
-        return getattr(outputs, self.layers.output)(last_hidden_state=pad(x, p))
+        return getattr(outputs, self.layers.output)(last_hidden_state=out)
+
+    def _run(self, layer, x, p):
+        """One layer through its own __call__ (so its hooks fire, and a transformers 5 layer checkpoints itself
+        when gradient checkpointing is on); transformers 4 checkpoints from the encoder, so this does too."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() \
+                and not _checkpoints_itself(layer):
+            return self._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p), x)
+        return layer(x, packed=p)
+
+
+def _checkpoints_itself(layer: nn.Module) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers 4: the encoder does it
+        return False
+    return isinstance(layer, GradientCheckpointingLayer)
+
+
+# ---- fused layers: the layer object stays (its hooks, its class for transformers' output capture), its class
+# becomes a subclass whose forward, given packed tokens, runs the fused layer ----------------------------------
+@functools.cache
+def fused_layer_class(base: type, kind: str) -> type:
+    """`base` (a transformers layer class) with a forward that, called with `packed=` (bert.padding.Packed), runs
+    the fused layer on packed tokens, and otherwise is base's own forward (the original encoder's fallback calls).
+    Instance-local: fuse sets it as one layer object's __class__, unfuse puts base back."""
+    run = next(k.run for k in LAYERS if k.name == kind)
+
+    def forward(self, hidden_states, *args, packed=None, **kwargs):
+        if packed is None:
+            return base.forward(self, hidden_states, *args, **kwargs)
+        return run(self, hidden_states, packed, self.training)
+
+    def reduce(self, protocol):  # pickles (and deep-copies) as "this base class, fused", not by a dynamic name
+        return _new_fused_layer, (base, kind), self.__dict__
+
+    return type(f"Fused{base.__name__}", (base,), {"forward": forward, "__reduce_ex__": reduce,
+                                                   "__module__": __name__})
+
+
+def _new_fused_layer(base: type, kind: str):
+    return object.__new__(fused_layer_class(base, kind))
 
 
 # ---- recognising what is inside a model -------------------------------------------------------
@@ -302,6 +365,11 @@ class _Fuser:
         self.record.append((parent, name, old))
         setattr(parent, name, new)
 
+    def retype(self, module: nn.Module, cls: type) -> None:
+        """The object stays (its hooks, its place in the model); only its class changes, for unfuse to undo."""
+        self.record.append((module, "__class__", type(module)))
+        module.__class__ = cls
+
     def linear_gelus(self, root: nn.Module, report: EncoderReport) -> int:
         """Every (Linear, GeLU) child pair of LINEAR_ACT under root: one fused module, the activation an Identity.
         Other activations (the pooler's tanh) are not this kernel's business; a GeLU it lacks is reported."""
@@ -350,6 +418,8 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
         report.kept.append(("attention", "; ".join(reasons)))
         _warn(f"{report.family} at {path}: attention stays unfused: {'; '.join(reasons)}")
     else:
+        for layer in encoder.layer:
+            fuser.retype(layer, fused_layer_class(type(layer), kind.name))
         fuser.replace(model, child, FusedEncoder(encoder, kind, getattr(model, "config", None)))
         report.fused.append("attention (varlen, padding removed once)")
     return report
@@ -406,12 +476,16 @@ class FusedMLMForward:
     def __call__(self, *args, **kwargs):
         kw = self._arguments(args, kwargs)
         labels, nsp_label = kw.pop("labels", None), kw.pop("next_sentence_label", None)
-        if labels is None or kw.get("output_attentions") or kw.get("output_hidden_states") \
-                or kw.get("return_dict") is False:
+        pretraining = _has(self.task, "cls.seq_relationship")
+        # The original code wherever transformers' answer is not the masked-only loss: no labels (the logits are
+        # the answer), BERT pre-training without a next-sentence label (transformers' loss is then None), or a
+        # call asking for more than loss and logits.
+        if labels is None or (pretraining and nsp_label is None) or kw.get("output_attentions") \
+                or kw.get("output_hidden_states") or kw.get("return_dict") is False:
             return self.unfused(*args, **kwargs)
         kw.pop("return_dict", None)
         out = getattr(self.task, self.base)(**{k: v for k, v in kw.items() if v is not None})
-        return self._loss(out, labels, nsp_label)
+        return self._loss(out, labels, nsp_label if pretraining else None)
 
     def _loss(self, out, labels, nsp_label):
         task, head = self.task, self.head
@@ -421,20 +495,47 @@ class FusedMLMForward:
         rows = (labels != -100).nonzero().squeeze(1)
         h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
         loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=ops.backend_for(h)).loss
-        if _has(task, "cls.seq_relationship"):  # BERT pre-training: next-sentence prediction as well
+        if nsp_label is not None:  # BERT pre-training: next-sentence prediction as well
             from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
             nsp_logits = task.cls.seq_relationship(out[1])
-            if nsp_label is not None:
-                loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), nsp_label.view(-1))
-            return BertForPreTrainingOutput(loss=loss, prediction_logits=None, seq_relationship_logits=nsp_logits)
+            loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), nsp_label.view(-1))
+            return _without_logits(BertForPreTrainingOutput)(loss=loss, seq_relationship_logits=nsp_logits)
         from transformers.modeling_outputs import MaskedLMOutput
 
-        return MaskedLMOutput(loss=loss, logits=None)
+        return _without_logits(MaskedLMOutput)(loss=loss)
 
 
-def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports) -> list:
-    """The task models around each encoder model: their GeLUs and LayerNorms, and the masked-only MLM loss."""
+@functools.cache
+def _without_logits(output: type) -> type:
+    """`output` (a transformers ModelOutput class) whose vocabulary logits were never formed: fields by name as
+    usual (the logits None), but integer indexing and to_tuple() refuse, because with a field missing every later
+    position would mean another field than in transformers' output. Registered in this module, so it pickles."""
+    def refuse(self, *args):
+        raise TypeError(f"{output.__name__} of a model fused with mlm_logits=False holds no vocabulary logits, so "
+                        "positional access would not mean what it means in transformers; read fields by name "
+                        "(out.loss, ...) or fuse with mlm_logits=True")
+
+    def getitem(self, key):
+        return output.__getitem__(self, key) if isinstance(key, str) else refuse(self)
+
+    name = f"{output.__name__}WithoutLogits"
+    cls = type(name, (output,), {"__getitem__": getitem, "to_tuple": refuse, "__module__": __name__,
+                                 "__qualname__": name})
+    globals()[name] = cls
+    return cls
+
+
+def _is_masked_lm(task: nn.Module) -> bool:
+    """A masked-LM or pre-training task model, by class: a decoder's LM head (BertLMHeadModel, RobertaForCausalLM)
+    has the same modules but computes the shifted next-token loss."""
+    return not getattr(getattr(task, "config", None), "is_decoder", False) and any(
+        c.__name__.endswith(("ForMaskedLM", "ForPreTraining")) for c in type(task).__mro__)
+
+
+def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: bool) -> list:
+    """The task models around each encoder model: their GeLUs and LayerNorms, and (mlm_logits=False) the
+    masked-only MLM loss."""
     patched = []
     for (path, enc_model, _), report in zip(encoders, reports):
         for task in model.modules():
@@ -444,27 +545,41 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports) -> list:
             n = fuser.linear_gelus(task, report) + fuser.layer_norms(task)
             if n:
                 report.fused.append(f"{n} head modules ({type(task).__name__})")
-            head = _mlm_head(task)
-            if head is not None and task not in patched:
-                task.forward = FusedMLMForward(task, head, base)
-                patched.append(task)
-                report.fused.append(f"MLM loss at labelled positions ({type(task).__name__})")
+            head = _mlm_head(task) if _is_masked_lm(task) else None
+            if head is None or task in patched:
+                continue
+            if mlm_logits:
+                report.kept.append((f"MLM loss ({type(task).__name__})", "mlm_logits=True: the full vocabulary "
+                                    "logits are formed, as transformers returns them"))
+                continue
+            task.forward = FusedMLMForward(task, head, base)
+            patched.append(task)
+            report.fused.append(f"MLM loss at labelled positions, no logits ({type(task).__name__})")
     return patched
 
 
 # ---- the public calls -------------------------------------------------------------------------
-def fuse(model: nn.Module) -> nn.Module:
-    """Fuse every encoder inside `model` in place (see the module docstring); returns `model`."""
-    if getattr(model, _ORIGINALS, None):
-        return model  # already fused
+def fuse(model: nn.Module, mlm_logits: bool = True) -> nn.Module:
+    """Fuse every encoder inside `model` in place (see the module docstring); returns `model`.
+
+    mlm_logits: True (the default) keeps transformers' contract for masked-LM and pre-training models given
+    labels: the full [batch, seq, vocab] logits are formed and returned with the loss. False computes the loss
+    at the labelled positions only, by the masked-only kernel, and never forms the logits (memory bounded by the
+    labelled tokens): `logits` / `prediction_logits` are then None, and the output refuses integer indexing and
+    to_tuple() (positions would shift). The loss itself means the same either way."""
+    saved = getattr(model, _ORIGINALS, None)
+    if saved:  # already fused
+        if saved[2] != mlm_logits:
+            raise ValueError(f"fuse: this model is already fused with mlm_logits={saved[2]}; unfuse it first")
+        return model
     encoders = encoder_parts(model)
     if not encoders:
         raise ValueError(f"fuse: no encoder inside {type(model).__name__} (looked for a module with `embeddings` "
                          "and an `encoder` or `transformer` holding a `layer` list)")
     fuser = _Fuser()
     reports = [_fuse_encoder_model(fuser, *part) for part in encoders]
-    heads = _fuse_heads(fuser, model, encoders, reports)
-    object.__setattr__(model, _ORIGINALS, (fuser.record, heads))
+    heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
+    object.__setattr__(model, _ORIGINALS, (fuser.record, heads, mlm_logits))
     object.__setattr__(model, _REPORT, reports)
     return model
 
@@ -474,8 +589,11 @@ def unfuse(model: nn.Module) -> nn.Module:
     saved = getattr(model, _ORIGINALS, None)
     if not saved:
         return model
-    record, heads = saved
+    record, heads, _ = saved
     for parent, name, old in reversed(record):
+        if name == "__class__":
+            parent.__class__ = old
+            continue
         old.train(getattr(parent, name).training)
         setattr(parent, name, old)
     for task in heads:

@@ -77,6 +77,21 @@ def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None) -> P
     return packed_layout(cu_seqlens, indices.numel(), max_seqlen, origin=Origin(indices, batch, seqlen))
 
 
+def static_layout(keep: torch.Tensor) -> Packed:
+    """A layout of a [batch, seqlen] key mask whose shapes do not depend on its values (for torch.export): every
+    one of the batch * seqlen tokens, each row's kept tokens first (a stable sort), as 2 * batch sequences, a
+    row's kept tokens then its padding. The padding attends only to itself (its outputs, finite, are for the
+    caller to discard); max_seqlen is seqlen. Costs the attention FLOPs of the padding, so only for export."""
+    batch, seqlen = keep.shape
+    keep = keep != 0
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept first, in order
+    rows = torch.arange(batch, device=keep.device)[:, None] * seqlen
+    lengths = torch.stack([keep.sum(1), seqlen - keep.sum(1)], 1).reshape(-1).to(torch.int32)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+    origin = Origin((rows + order).reshape(-1), batch, seqlen)
+    return packed_layout(cu_seqlens, batch * seqlen, seqlen, origin=origin)
+
+
 def unpad(x: torch.Tensor, p: Packed) -> torch.Tensor:
     """[batch, seqlen, ...] -> [T, ...]: the kept tokens of a padded input."""
     o = p.origin

@@ -39,7 +39,7 @@ FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_h
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_fused_matches_original(family, monkeypatch):
     ref = build(family)
-    fused = fuse(copy.deepcopy(ref))
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)  # the masked-only loss kernel, called below
     before = {k: v.clone() for k, v in ref.state_dict().items()}
     assert list(fused.state_dict()) == list(before)
     ids, mask, labels = batch(family)
@@ -107,8 +107,11 @@ def test_report_lists_what_was_fused_and_kept():
     (report,) = fuse_report(model)
     assert report.path == "electra" and report.family == "ElectraModel" and report.layers == "bert"
     text = str(report)
-    assert "attention (varlen" in text and "Linear + GeLU" in text and "MLM loss at labelled positions" in text
-    assert report.kept == []
+    assert "attention (varlen" in text and "Linear + GeLU" in text and "MLM loss at labelled positions" not in text
+    assert [what for what, _ in report.kept] == ["MLM loss (ElectraForMaskedLM)"]  # mlm_logits=True (the default)
+    unfuse(model)
+    fuse(model, mlm_logits=False)
+    assert "MLM loss at labelled positions, no logits" in str(fuse_report(model)[0]) and not fuse_report(model)[0].kept
     unfuse(model)
     assert fuse_report(model) == []
 
@@ -194,8 +197,10 @@ def test_one_training_step_through_transformers_trainer(tmp_path):
     assert not torch.equal(model.roberta.encoder.layer[0].attention.self.query.weight, before)
     theirs = dict(original.named_parameters())
     for name, p in model.named_parameters():
-        assert torch.allclose(p, theirs[name], atol=1e-5), name
-    assert "MLM loss at labelled positions (RobertaForMaskedLM)" in fuse_report(model)[0].fused
+        # 1e-4, a hundredth of one step (lr 1e-2): Adam divides by sqrt(v), so where a gradient is small its
+        # rounding (~1e-7 relative, fused or not) moves the weight by more than the rounding itself.
+        assert torch.allclose(p, theirs[name], atol=1e-4), name
+    assert "MLM loss (RobertaForMaskedLM)" in dict(fuse_report(model)[0].kept)  # mlm_logits=True: logits formed
 
 
 MLM_CLASSES = [("bert", "ForPreTraining"), ("bert", "ForMaskedLM"), ("roberta", "ForMaskedLM"),
@@ -222,7 +227,7 @@ def test_positional_calls_mean_the_same_fused_and_unfused(family, head):
     """The fused forward binds arguments as the model's own does: `model(ids, mask, token_type_ids)` took the third
     as labels when fused (a loss, no logits) and as token_type_ids unfused."""
     ref = build(family, head)
-    fused = fuse(copy.deepcopy(ref))
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
     ids, mask, labels = batch(family)
     three = _positional(ref, ids, mask, None)[:3]
     with torch.no_grad():
@@ -239,13 +244,15 @@ def test_a_fused_model_pickles_both_ways(tmp_path):
     """torch.save of a fused model used to load into an error ('no attribute _fused_mlm_forward'); now it loads
     fused, computes the same, and unfuses."""
     ref = build("bert", "ForPreTraining")
-    fused = fuse(copy.deepcopy(ref))
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)  # the patched forward and the fused layers' classes
     ids, mask, labels = batch("bert")
+    labels = dict(labels=labels, next_sentence_label=torch.tensor([0, 1, 0]))
     torch.save(fused, tmp_path / "fused.pt")
     loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
     assert fuse_report(loaded)
-    want = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
-    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, labels=labels).loss, want)
+    want = fused(input_ids=ids, attention_mask=mask, **labels)
+    assert want.prediction_logits is None
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, **labels).loss, want.loss)
     unfuse(loaded)
     assert "forward" not in loaded.__dict__
     with torch.no_grad():

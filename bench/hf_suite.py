@@ -1,0 +1,135 @@
+"""Run transformers' own model tests on plain and on fused models: `python -m bench.hf_suite` (bench/hf_suite.sh).
+
+The common tests (`ModelTesterMixin`, `ConfigTester`) come from the source distribution of the installed
+transformers version (downloaded once with pip into --cache). That distribution lacks three modules the common
+tests import (the generation and export mixins and the shared config kwargs): small stand-ins are written in
+their place, so generation and export tests are not run here (tests/test_hf_contract.py covers decoder caches and
+torch.export of fused models). Our testers (bench/hf_testers/families.py) give each family its small config and
+inputs; the plugin (bench/hf_testers/plugin.py) fuses each model right after it is built.
+
+Each (family, heads) runs unfused, fused on the PyTorch path, and fused in the Triton interpreter; the report
+lists every test that passes unfused and fails or skips fused ("regressions"), per run, in --out/summary.md and
+--out/summary.json. Exit status 1 when there is any regression.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("unfused", "torch", "interpret")
+STAND_INS = {
+    "generation/test_utils.py": "class GenerationTesterMixin:\n    \"\"\"Stand-in: not in the sdist.\"\"\"\n",
+    "exporters/test_export.py": "class ExportTesterMixin:\n    \"\"\"Stand-in: not in the sdist.\"\"\"\n",
+    "utils/test_configuration_utils.py": "config_common_kwargs = {\"output_hidden_states\": True, "
+                                         "\"return_dict\": False, \"tie_word_embeddings\": False}\n",
+}
+
+
+def sdist(version: str, cache: Path) -> Path:
+    """The transformers source distribution of `version`, downloaded once."""
+    target = cache / f"transformers-{version}.tar.gz"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+                        "--no-build-isolation", "-d", str(cache), f"transformers=={version}"], check=True)
+    return target
+
+
+def layout(archive: Path, work: Path) -> None:
+    """work/hf_tests: the distribution's top-level test modules and the stand-ins; work/test_fused_families.py."""
+    tests = work / "hf_tests"
+    shutil.rmtree(work, ignore_errors=True)
+    tests.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if len(parts) == 3 and parts[1] == "tests" and parts[2].endswith(".py") and member.isfile():
+                (tests / parts[2]).write_bytes(tar.extractfile(member).read())
+    (tests / "__init__.py").touch()
+    for path, text in STAND_INS.items():
+        (tests / path).parent.mkdir(exist_ok=True)
+        (tests / path).parent.joinpath("__init__.py").touch()
+        (tests / path).write_text(text)
+    shutil.copy(ROOT / "bench" / "hf_testers" / "families.py", work / "test_fused_families.py")
+
+
+def run(work: Path, out: Path, family: str, heads: int, mode: str, extra: list[str]) -> dict[str, str]:
+    """{test id: "passed" | "failed" | "skipped"} of one pytest run."""
+    xml = out / f"{family}-{heads}h-{mode}.xml"
+    env = dict(os.environ, BERTFUSE_FAMILY=family, BERTFUSE_HEADS=str(heads),
+               BERTFUSE_MODE="unfused" if mode == "unfused" else "fused",
+               PYTHONPATH=os.pathsep.join([str(work), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    if mode == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "test_fused_families.py", "-q", "-p", "no:cacheprovider",
+           "-p", "bench.hf_testers.plugin", "--rootdir", str(work), "-c", os.devnull, f"--junitxml={xml}", *extra]
+    with open(out / f"{family}-{heads}h-{mode}.log", "w") as log:
+        subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return outcomes(xml)
+
+
+def outcomes(xml: Path) -> dict[str, str]:
+    found = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        state = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+        found[case.get("name")] = state
+    return found
+
+
+def compare(plain: dict[str, str], fused: dict[str, str]) -> list[str]:
+    """Tests that pass unfused and fail, skip or vanish fused."""
+    return sorted(t for t, s in plain.items() if s == "passed" and fused.get(t) != "passed")
+
+
+def counts(results: dict[str, str]) -> str:
+    return ", ".join(f"{sum(s == k for s in results.values())} {k}" for k in ("passed", "failed", "skipped"))
+
+
+def main(argv=None) -> int:
+    import transformers
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results/hf_suite"))
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "bertfuse")
+    ap.add_argument("--families", default="bert,roberta,distilbert")
+    ap.add_argument("--heads", default="4,2")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("-k", default=None, help="pytest -k expression (a subset of the tests)")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if "unfused" not in modes or set(modes) - set(MODES):
+        ap.error(f"--modes: a comma list of {', '.join(MODES)}, including unfused (the baseline)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.out / "work"
+    layout(sdist(transformers.__version__, args.cache), work)
+    extra = ["-k", args.k] if args.k else []
+    report = {"transformers": transformers.__version__, "runs": []}
+    lines = [f"transformers {transformers.__version__}: tests passing unfused that fail or skip fused", "",
+             "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|"]
+    for fam in args.families.split(","):
+        for heads in map(int, args.heads.split(",")):
+            plain = run(work, args.out, fam, heads, "unfused", extra)
+            for mode in modes:
+                res = plain if mode == "unfused" else run(work, args.out, fam, heads, mode, extra)
+                bad = compare(plain, res)
+                report["runs"].append({"family": fam, "heads": heads, "mode": mode, "outcomes": res,
+                                       "regressions": bad})
+                lines.append(f"| {fam} | {heads} | {mode} | {counts(res)} | {len(bad)}: {', '.join(bad)} |")
+                print(lines[-1], flush=True)
+    (args.out / "summary.json").write_text(json.dumps(report, indent=1))
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    return 1 if any(r["regressions"] for r in report["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
