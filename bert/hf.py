@@ -94,9 +94,9 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
     """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as transformers reads
     it: None; a 2-D mask (0 = padding); a 3-D/4-D boolean mask (True = attend) or float mask, which transformers
     *adds* to the scores, so only its values 0 (attend) and <= the dtype's minimum / 2 (never attended) are a mask.
-    None when the fused attention cannot express it: a mask that differs between queries or heads (causal), an
-    additive mask with other values (a bias), or, under torch.export, anything it would have to read values to
-    know (an export then runs the original code)."""
+    None when the fused attention cannot express it: a mask that differs between queries or heads (causal), or
+    an additive mask with other values (a bias). Under torch.export no value can be read, so the exported program
+    checks this when it runs and stops with that message rather than compute something else."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
     m = attention_mask
@@ -109,17 +109,20 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
     m = m.expand(batch, -1, -1, seqlen)
     # A view expanded along heads and queries is one key mask by construction; anything else is checked.
     shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
-    exporting = torch.compiler.is_exporting()
-    if exporting and not (shared and m.dtype == torch.bool):
-        return None
     keys = m[:, 0, 0, :]
     checks = [] if shared else [(m == keys[:, None, None, :]).all()]
     if m.dtype != torch.bool:
         blocked = keys <= torch.finfo(m.dtype).min / 2
         checks.append(((keys == 0) | blocked).all())
         keys = ~blocked
-    if checks and not bool(torch.stack(checks).all()):  # one sync, for masks transformers built or a user gave
-        return None
+    if checks:
+        ok = torch.stack(checks).all()
+        if torch.compiler.is_exporting():
+            torch._assert_async(ok, "bert.hf.fuse: this attention mask differs between queries or holds additive "
+                                "values other than 0 and the minimum, which the exported fused attention cannot "
+                                "express; export the unfused model for such masks")
+        elif not bool(ok):  # one sync, for masks transformers built or a user gave
+            return None
     return keys
 
 
@@ -341,7 +344,7 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, layer: nn.Module) ->
     at = _get(layer, kind.attention)
     head_dim = at.attention_head_size
     reasons = []
-    if head_dim not in ops._kernels().attention.HEAD_DIMS:
+    if not ops._kernels().attention.supports_head_dim(head_dim):
         reasons.append(f"head_dim {head_dim} is not supported by the attention kernel")
     if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
         reasons.append(f"an attention scale other than 1/sqrt(head_dim) ({at.scaling})")

@@ -104,7 +104,7 @@ def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, d
 def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch"):
     """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence; filler
     tokens (past cu_seqlens[-1]) get zeros."""
-    if backend == "triton" and q.shape[-1] not in _kernels().attention.HEAD_DIMS:
+    if backend == "triton" and not _kernels().attention.supports_head_dim(q.shape[-1]):
         warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
                    "this model's attention runs in PyTorch")
         backend = "torch"

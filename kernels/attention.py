@@ -37,7 +37,19 @@ from . import tuned
 from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, randn
 
 __all__ = ["varlen_attention", "padded_attention"]
-HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 128
+HEAD_DIMS = (8, 16, 32, 48, 64, 80, 128)   # the widths compiled for sm_90 and tested; any 1..MAX_HEAD_DIM runs
+
+
+def block_d(head_dim: int) -> int:
+    """The tile width along head_dim: a power of two and at least 16 (tl.dot's smallest K). Narrower or
+    non-power-of-two heads (transformers' tiny test models use 8) are zero-padded inside the kernels: the padded
+    lanes load as 0, so they add nothing to q.k, and are never stored."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    return 1 <= head_dim <= MAX_HEAD_DIM
 LOG2E = 1.4426950408889634
 
 
@@ -60,22 +72,34 @@ def _span(seq_start, seq_len, start, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile(Ptr, rows, ok, stride_t, head_offset, offs_d):
-    """The [rows, head_dim] tile of one head of a [T, H, D] tensor; zeros where `ok` is False."""
-    return tl.load(Ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :], mask=ok[:, None], other=0.0)
+def _tile_mask(ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[rows, BLOCK_D] mask of a tile: its rows where `ok`, and only the real head_dim lanes when the tile is
+    wider than the head (without padding the lanes need no mask, and get none)."""
+    if HEAD_DIM == BLOCK_D:
+        return ok[:, None]
+    else:
+        return ok[:, None] & (offs_d[None, :] < HEAD_DIM)
 
 
 @triton.jit
-def _tile_t(Ptr, rows, ok, stride_t, head_offset, offs_d):
-    """The same tile transposed, [head_dim, rows]: the right-hand operand of q @ k^T and dO @ v^T."""
-    return tl.load(Ptr + rows[None, :] * stride_t + head_offset + offs_d[:, None], mask=ok[None, :], other=0.0)
+def _tile(Ptr, rows, ok, stride_t, head_offset, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The [rows, BLOCK_D] tile of one head of a [T, H, D] tensor; zeros where `ok` is False and past D."""
+    return tl.load(Ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :],
+                   mask=_tile_mask(ok, offs_d, HEAD_DIM, BLOCK_D), other=0.0)
 
 
 @triton.jit
-def _store_tile(Ptr, rows, ok, stride_t, head_offset, offs_d, value):
+def _tile_t(Ptr, rows, ok, stride_t, head_offset, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The same tile transposed, [BLOCK_D, rows]: the right-hand operand of q @ k^T and dO @ v^T."""
+    return tl.load(Ptr + rows[None, :] * stride_t + head_offset + offs_d[:, None],
+                   mask=tl.trans(_tile_mask(ok, offs_d, HEAD_DIM, BLOCK_D)), other=0.0)
+
+
+@triton.jit
+def _store_tile(Ptr, rows, ok, stride_t, head_offset, offs_d, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Writes `value` (float32) as the [rows, head_dim] tile of one head of a [T, H, D] tensor where `ok`."""
     tl.store(Ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :], value.to(Ptr.dtype.element_ty),
-             mask=ok[:, None])
+             mask=_tile_mask(ok, offs_d, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
@@ -116,7 +140,7 @@ def _attention_fwd_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
     total_tokens, max_seqlen, qk_scale, p_drop,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -125,14 +149,14 @@ def _attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
-    q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
+    q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
-        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
+        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         s = tl.where(n_ok[None, :], _scores(q, kt, qk_scale, DOT_PRECISION), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -142,13 +166,13 @@ def _attention_fwd_kernel(
             keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop,
                                 BLOCK_N)
             p = tl.where(keep, p, 0.0)
-        v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
+        v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     if HAS_DROPOUT:
         out = out / (1.0 - p_drop)
-    _store_tile(O, q_rows, m_ok, stride_o_t, h * stride_o_h, offs_d, out)
+    _store_tile(O, q_rows, m_ok, stride_o_t, h * stride_o_h, offs_d, out, HEAD_DIM, BLOCK_D)
     tl.store(LSE + h * total_tokens + q_rows, m_i + tl.math.log2(l_i), mask=m_ok)
 
 
@@ -157,15 +181,15 @@ def _attention_bwd_preprocess_kernel(
     O, DO,          # [T, H, D]
     Delta,          # [H, T] float32: rowsum(dO * O)
     stride_o_t, stride_o_h, stride_do_t, stride_do_h, total_tokens,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = rows < total_tokens
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _tile(O, rows64, ok, stride_o_t, h * stride_o_h, offs_d)
-    do = _tile(DO, rows64, ok, stride_do_t, h * stride_do_h, offs_d)
+    o = _tile(O, rows64, ok, stride_o_t, h * stride_o_h, offs_d, HEAD_DIM, BLOCK_D)
+    do = _tile(DO, rows64, ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(Delta + h * total_tokens + rows64, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=ok)
 
 
@@ -180,7 +204,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -191,14 +215,14 @@ def _attention_bwd_dkdv_kernel(
     n_ok, k_rows = _span(seq_start, seq_len, start_n * BLOCK_N, BLOCK_N)
     # Tiles transposed to [keys, queries], so that the owned key block is the M side of every dot (tensor-core
     # instructions want M >= 64; the walked query block is narrower): S^T = K Q^T, dP^T = V dO^T.
-    k = _tile(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
-    v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
+    k = _tile(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
+    v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for start_m in range(0, seq_len, BLOCK_M):
         m_ok, q_rows = _span(seq_start, seq_len, start_m, BLOCK_M)
-        qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
-        do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
+        qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
+        do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
         lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
         pt = tl.math.exp2(_scores(k, qt, qk_scale, DOT_PRECISION) - lse[None, :])
         pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
@@ -214,8 +238,8 @@ def _attention_bwd_dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
     dk *= softmax_scale
-    _store_tile(DK, k_rows, n_ok, stride_dk_t, h * stride_dk_h, offs_d, dk)
-    _store_tile(DV, k_rows, n_ok, stride_dv_t, h * stride_dv_h, offs_d, dv)
+    _store_tile(DK, k_rows, n_ok, stride_dk_t, h * stride_dk_h, offs_d, dk, HEAD_DIM, BLOCK_D)
+    _store_tile(DV, k_rows, n_ok, stride_dv_t, h * stride_dv_h, offs_d, dv, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -229,7 +253,7 @@ def _attention_bwd_dq_kernel(
     stride_dq_t, stride_dq_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -238,14 +262,14 @@ def _attention_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
-    q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d)
-    do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d)
+    q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
+    do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
     lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
-        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d)
-        vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d)
+        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
+        vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
         p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
@@ -256,7 +280,7 @@ def _attention_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
     dq *= softmax_scale
-    _store_tile(DQ, q_rows, m_ok, stride_dq_t, h * stride_dq_h, offs_d, dq)
+    _store_tile(DQ, q_rows, m_ok, stride_dq_t, h * stride_dq_h, offs_d, dq, HEAD_DIM, BLOCK_D)
 
 
 class _Launch(NamedTuple):
@@ -303,8 +327,8 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
         raise ValueError(f"{op}: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[2] not in HEAD_DIMS:
-        raise ValueError(f"{op}: head_dim {q.shape[2]} is not supported; use one of {HEAD_DIMS}")
+    if not supports_head_dim(q.shape[2]):
+        raise ValueError(f"{op}: head_dim {q.shape[2]} is not supported; the kernels take 1 to {MAX_HEAD_DIM}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
             or cu_seqlens.numel() < 1:
         raise TypeError(f"{op}: cu_seqlens must be a 1-D int32 tensor [batch + 1]")
@@ -349,7 +373,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
             total, max_seqlen, softmax_scale * LOG2E, dropout_p,
             HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, num_warps=warps, num_stages=stages)
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=warps,
+            num_stages=stages)
     return o.to(dtype), lse
 
 
@@ -373,8 +398,10 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
     delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
-        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=dim)
-    flags = dict(HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=dim)
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=block_d(dim),
+        HEAD_DIM=dim)
+    flags = dict(HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim),
+                 HEAD_DIM=dim)
 
     def launch(kernel: str):
         block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, q.device, max_seqlen)
@@ -421,7 +448,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      seed: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """softmax(q k^T * scale) v within each packed sequence; returns a tensor of q's shape.
 
-    q, k, v: [total_tokens, heads, head_dim] (head_dim 16, 32, 64 or 128); cu_seqlens: int32 [batch + 1];
+    q, k, v: [total_tokens, heads, head_dim] (head_dim 1 to 128; see block_d); cu_seqlens: int32 [batch + 1];
     max_seqlen: the longest sequence. Tokens at or past cu_seqlens[-1] (the filler of a packed batch of fixed
     size) belong to no sequence: their output and gradients are zero, whatever they hold. Dropout on the
     attention probabilities uses Philox with `seed` (an int or a one-element device tensor; default: drawn by
@@ -565,8 +592,9 @@ def _variant(part: str, dtype, dim: int, launch, dropout=True) -> Variant:
     tensors = _TENSORS[part]
     args = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32", max_seqlen="i32",
                 qk_scale="fp32", p_drop="fp32", Seed=torch.int64 if dropout else None, HAS_DROPOUT=dropout,
-                DOT_PRECISION=dot_precision(dtype), BLOCK_D=dim, BLOCK_M=launch.BLOCK_M, BLOCK_N=launch.BLOCK_N,
-                LSE=torch.float32, **{f"stride_{t}_{d}": "i32:16" for t in tensors for d in ("t", "h")})
+                DOT_PRECISION=dot_precision(dtype), BLOCK_D=block_d(dim), HEAD_DIM=dim, BLOCK_M=launch.BLOCK_M,
+                BLOCK_N=launch.BLOCK_N, LSE=torch.float32,
+                **{f"stride_{t}_{d}": "i32:16" if dim % 16 == 0 else "i32" for t in tensors for d in ("t", "h")})
     if part == "fwd":
         args.update(O=dtype)
         fn = _attention_fwd_kernel
@@ -585,7 +613,8 @@ def _variants():
                     yield _variant(part, dtype, dim, _default_config(part, dim, dtype), dropout)
         yield Variant(f"attention bwd preprocess {dtype}", _attention_bwd_preprocess_kernel,
                       dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32:16", stride_o_h="i32:16",
-                           stride_do_t="i32:16", stride_do_h="i32:16", total_tokens="i32", BLOCK_M=64, BLOCK_D=64),
+                           stride_do_t="i32:16", stride_do_h="i32:16", total_tokens="i32", BLOCK_M=64, BLOCK_D=64,
+                           HEAD_DIM=64),
                       4, 3, dtype)
 
 

@@ -191,9 +191,9 @@ def test_other_instances_and_classes_are_untouched():
 def test_fallbacks_warn_once_and_stay_correct():
     bert_ops._warned.clear()  # "warn once" is per process; start this test from a clean slate
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(**dict(TINY, hidden_size=48, num_attention_heads=2))  # head_dim 24
+    cfg = transformers.BertConfig(**dict(TINY, hidden_size=288, num_attention_heads=2))  # head_dim 144
     ref = transformers.BertModel(cfg).eval()
-    with pytest.warns(UserWarning, match="head_dim 24 is not supported"):
+    with pytest.warns(UserWarning, match="head_dim 144 is not supported"):
         fused = fuse_hf_bert(copy.deepcopy(ref))
     assert type(fused.encoder).__name__ == "BertEncoder"
     ids, mask, tt = random_batch(99, seed=6)
