@@ -21,3 +21,22 @@ def test_empty_batch():
     u = unpad_mask(torch.zeros(2, 5, dtype=torch.long))
     assert u.origin.indices.numel() == 0 and u.tokens == 0 and u.cu_seqlens.tolist() == [0, 0, 0] and u.max_seqlen == 0
     assert pad(torch.zeros(0, 3), u).shape == (2, 5, 3)
+
+
+def test_static_layout_has_value_independent_shapes_and_the_kept_tokens_in_order():
+    """torch.export's layout: every token of the [batch, seq] input, each row's kept tokens first as one
+    sequence, its padding after as another; holes, empty and full rows included."""
+    from bert.padding import static_layout
+
+    keep = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 1]]).bool()
+    p = static_layout(keep)
+    assert p.tokens == keep.numel() and p.max_seqlen == 5 and p.sequences == 8
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 5, 10, 15, 15, 17, 20]
+    x = torch.arange(20.0).view(4, 5, 1)
+    packed = unpad(x, p)[:, 0]
+    for row in range(4):
+        kept_part = packed[p.cu_seqlens[2 * row]:p.cu_seqlens[2 * row + 1]]
+        assert kept_part.tolist() == x[row, keep[row], 0].tolist()  # in order, nothing else
+    assert torch.equal(pad(unpad(x, p), p), x)
+    assert torch.equal(static_layout(~keep).cu_seqlens[1::2] - static_layout(~keep).cu_seqlens[:-1:2],
+                       (~keep).sum(1).int())
