@@ -9,7 +9,8 @@ inputs; the plugin (bench/hf_testers/plugin.py) fuses each model right after it 
 
 Each (family, heads) runs unfused, fused on the PyTorch path, and fused in the Triton interpreter; the report
 lists every test that passes unfused and fails or skips fused ("regressions"), per run, in --out/summary.md and
---out/summary.json. Exit status 1 when there is any regression.
+--out/summary.json (each run's pytest log and junit XML in --out/logs/). Exit status 1 when there is any
+regression, 2 when the suite cannot be set up (one line says why).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +65,7 @@ def layout(archive: Path, work: Path) -> None:
 
 def run(work: Path, out: Path, family: str, heads: int, mode: str, extra: list[str]) -> dict[str, str]:
     """{test id: "passed" | "failed" | "skipped"} of one pytest run."""
-    xml = out / f"{family}-{heads}h-{mode}.xml"
+    xml = out / "logs" / f"{family}-{heads}h-{mode}.xml"
     env = dict(os.environ, BERTFUSE_FAMILY=family, BERTFUSE_HEADS=str(heads),
                BERTFUSE_MODE="unfused" if mode == "unfused" else "fused",
                PYTHONPATH=os.pathsep.join([str(work), str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -72,7 +74,7 @@ def run(work: Path, out: Path, family: str, heads: int, mode: str, extra: list[s
         env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", "test_fused_families.py", "-q", "-p", "no:cacheprovider",
            "-p", "bench.hf_testers.plugin", "--rootdir", str(work), "-c", os.devnull, f"--junitxml={xml}", *extra]
-    with open(out / f"{family}-{heads}h-{mode}.log", "w") as log:
+    with open(xml.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     return outcomes(xml)
 
@@ -95,40 +97,60 @@ def counts(results: dict[str, str]) -> str:
     return ", ".join(f"{sum(s == k for s in results.values())} {k}" for k in ("passed", "failed", "skipped"))
 
 
-def main(argv=None) -> int:
-    import transformers
+def run_group(work: Path, out: Path, fam: str, heads: int, modes: list[str], extra: list[str]) -> list[dict]:
+    """One (family, heads): unfused first (the baseline), then each fused mode against it."""
+    plain = run(work, out, fam, heads, "unfused", extra)
+    found = []
+    for mode in modes:
+        res = plain if mode == "unfused" else run(work, out, fam, heads, mode, extra)
+        found.append({"family": fam, "heads": heads, "mode": mode, "outcomes": res, "regressions": compare(plain, res)})
+    return found
 
+
+def _row(r: dict) -> str:
+    bad = r["regressions"]
+    return f"| {r['family']} | {r['heads']} | {r['mode']} | {counts(r['outcomes'])} | {len(bad)}: {', '.join(bad)} |"
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results/hf_suite"))
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "bertfuse")
     ap.add_argument("--families", default="bert,roberta,distilbert")
     ap.add_argument("--heads", default="4,2")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--jobs", type=int, default=1, help="(family, heads) groups run at once, one thread each")
     ap.add_argument("-k", default=None, help="pytest -k expression (a subset of the tests)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     if "unfused" not in modes or set(modes) - set(MODES):
         ap.error(f"--modes: a comma list of {', '.join(MODES)}, including unfused (the baseline)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "work"
-    layout(sdist(transformers.__version__, args.cache), work)
+    try:
+        import transformers
+
+        from bert.hf import family
+        for name in args.families.split(","):
+            family(name)
+        archive = sdist(transformers.__version__, args.cache)
+    except (ImportError, ValueError, subprocess.CalledProcessError) as e:
+        print(f"hf_suite: {e}", file=sys.stderr)
+        return 2
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    work = args.cache / f"hf_suite-{transformers.__version__}"
+    layout(archive, work)
+    if args.jobs > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # one thread per test process when several run at once
     extra = ["-k", args.k] if args.k else []
-    report = {"transformers": transformers.__version__, "runs": []}
+    groups = [(fam, int(h)) for fam in args.families.split(",") for h in args.heads.split(",")]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        runs = [r for rs in pool.map(lambda g: run_group(work, args.out, *g, modes, extra), groups) for r in rs]
     lines = [f"transformers {transformers.__version__}: tests passing unfused that fail or skip fused", "",
-             "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|"]
-    for fam in args.families.split(","):
-        for heads in map(int, args.heads.split(",")):
-            plain = run(work, args.out, fam, heads, "unfused", extra)
-            for mode in modes:
-                res = plain if mode == "unfused" else run(work, args.out, fam, heads, mode, extra)
-                bad = compare(plain, res)
-                report["runs"].append({"family": fam, "heads": heads, "mode": mode, "outcomes": res,
-                                       "regressions": bad})
-                lines.append(f"| {fam} | {heads} | {mode} | {counts(res)} | {len(bad)}: {', '.join(bad)} |")
-                print(lines[-1], flush=True)
-    (args.out / "summary.json").write_text(json.dumps(report, indent=1))
+             "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|", *map(_row, runs)]
+    print("\n".join(lines))
+    (args.out / "summary.json").write_text(json.dumps({"transformers": transformers.__version__, "runs": runs},
+                                                      indent=1))
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
-    return 1 if any(r["regressions"] for r in report["runs"]) else 0
+    return 1 if any(r["regressions"] for r in runs) else 0
 
 
 if __name__ == "__main__":
