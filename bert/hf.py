@@ -228,9 +228,9 @@ class FusedEncoder(nn.Module):
     arguments it was given (use_reentrant either way)."""
     gradient_checkpointing = False   # transformers 4 sets this (and _gradient_checkpointing_func) on the encoder
 
-    def __init__(self, orig: nn.Module, layers: Layers, config):
+    def __init__(self, orig: nn.Module, layers: Layers, config, report: "EncoderReport"):
         super().__init__()
-        self.layer, self.layers, self.config = orig.layer, layers, config
+        self.layer, self.layers, self.config, self.report = orig.layer, layers, config, report
         object.__setattr__(self, "_original", orig)  # not a submodule: its parameters are already ours
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
@@ -242,8 +242,9 @@ class FusedEncoder(nn.Module):
             wants.add("an attention mask the fused attention cannot express (per query, or additive values "
                       "other than 0 and the dtype's minimum)")
         if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
-            _warn(f"{', '.join(sorted(wants)) or 'cross-attention/cache'} requested: this call runs the original "
-                  "(unfused) attention code")
+            why = ", ".join(sorted(wants)) or "cross-attention/cache"
+            self.report.calls[why] = self.report.calls.get(why, 0) + 1  # fuse_report lists them
+            _warn(f"{why} requested: this call runs the original (unfused) attention code")
             self._original.train(self.training)
             if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
                 kwargs["encoder_hidden_states"] = encoder_hidden_states
@@ -332,11 +333,13 @@ class EncoderReport:
     layers: str                      # "bert", "distilbert" or "unknown"
     fused: list[str] = field(default_factory=list)
     kept: list[tuple[str, str]] = field(default_factory=list)   # (what, why)
+    calls: dict[str, int] = field(default_factory=dict)         # why a call ran the original encoder: how often
 
     def __str__(self):
         kept = "; ".join(f"{w} ({why})" for w, why in self.kept) or "nothing"
+        calls = "".join(f"; {n} call(s) ran the original attention ({why})" for why, n in self.calls.items())
         return f"{self.path} ({self.family}, {self.layers} layers): fused {', '.join(self.fused) or 'nothing'}; " \
-               f"kept {kept}"
+               f"kept {kept}{calls}"
 
 
 def _attention_problems(enc_model: nn.Module, kind: Layers, layer: nn.Module) -> list[str]:
@@ -423,7 +426,7 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     else:
         for layer in encoder.layer:
             fuser.retype(layer, fused_layer_class(type(layer), kind.name))
-        fuser.replace(model, child, FusedEncoder(encoder, kind, getattr(model, "config", None)))
+        fuser.replace(model, child, FusedEncoder(encoder, kind, getattr(model, "config", None), report))
         report.fused.append("attention (varlen, padding removed once)")
     return report
 

@@ -178,7 +178,7 @@ def test_float_4d_masks_mean_what_they_mean_in_transformers(monkeypatch):
     causal = torch.tril(torch.ones(13, 13, dtype=torch.bool))[None, None] & keep[:, None, None, :]
     zero_one = causal.float()  # 0/1 values: transformers *adds* them to the scores
     additive = torch.zeros(3, 1, 1, 13).masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min)
-    calls = count_calls(monkeypatch, "varlen_attention")
+    calls, before = count_calls(monkeypatch, "varlen_attention"), 0
     for mask, fused_attention in ((zero_one, False), (zero_one[:, :, :1].expand(3, 1, 13, 13), False),
                                   (additive, True), (keep[:, None, None, :].expand(3, 1, 13, 13), True)):
         calls.clear()
@@ -187,8 +187,12 @@ def test_float_4d_masks_mean_what_they_mean_in_transformers(monkeypatch):
             a = ref(input_ids=ids, attention_mask=mask).last_hidden_state
             b = fused(input_ids=ids, attention_mask=mask).last_hidden_state
         assert bool(calls) == fused_attention
+        assert (sum(fuse_report(fused)[0].calls.values()) == before + 1) != fused_attention  # listed when it fell back
+        before = sum(fuse_report(fused)[0].calls.values())
         rows = keep if fused_attention else torch.ones_like(keep)  # the original code fills padding as it does
         assert rel_err(b[rows], a[rows]) <= TOL
+    assert "2 call(s) ran the original attention (an attention mask the fused attention cannot express" \
+        in str(fuse_report(fused)[0])
 
 
 # ---- 7. head_dim 8: the fused attention runs on transformers' tiny test configurations ----------------------------
