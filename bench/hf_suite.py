@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     except (ImportError, ValueError, subprocess.CalledProcessError) as e:
         print(f"hf_suite: {e}", file=sys.stderr)
         return 2
+    args.out = args.out.resolve()
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     work = args.cache / f"hf_suite-{transformers.__version__}"
     layout(archive, work)
