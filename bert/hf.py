@@ -600,7 +600,9 @@ def unfuse(model: nn.Module) -> nn.Module:
         if name == "__class__":
             parent.__class__ = old
             continue
-        old.train(getattr(parent, name).training)
+        current = getattr(parent, name)
+        old.train(current.training)
+        _take_parameters(old, current)
         setattr(parent, name, old)
     for task in heads:
         original = task.forward.original
@@ -610,6 +612,16 @@ def unfuse(model: nn.Module) -> nn.Module:
     object.__delattr__(model, _ORIGINALS)
     object.__delattr__(model, _REPORT)
     return model
+
+
+def _take_parameters(old: nn.Module, new: nn.Module) -> None:
+    """The fused module's Parameters into the original it replaced, where they are no longer the same objects
+    (load_state_dict(assign=True) while fused puts new ones on the fused modules): unfuse keeps what was loaded."""
+    current = dict(new.named_parameters())
+    for name, param in list(old.named_parameters()):
+        if name in current and current[name] is not param:
+            owner, _, leaf = name.rpartition(".")
+            setattr(old.get_submodule(owner), leaf, current[name])
 
 
 def fuse_report(model: nn.Module) -> list[EncoderReport]:

@@ -211,3 +211,19 @@ def test_head_dim_8_runs_the_fused_attention(monkeypatch):
     assert max(errs.values()) <= TOL, max(errs, key=errs.get)
     unfuse(fused)
     assert type(fused.bert.encoder.layer[0]) is transformers.models.bert.modeling_bert.BertLayer
+
+
+def test_unfuse_keeps_parameters_assigned_while_fused():
+    """load_state_dict(assign=True) on a fused model puts new Parameter objects on the fused modules; unfuse
+    hands them to the original modules instead of bringing back the old values."""
+    ref = bert("BertForMaskedLM")
+    fused = fuse(copy.deepcopy(ref))
+    new = {k: v + 0.5 for k, v in ref.state_dict().items()}
+    fused.load_state_dict(new, assign=True)
+    unfuse(fused)
+    for k, v in fused.state_dict().items():
+        assert torch.equal(v, new[k]), k
+    loaded = bert("BertForMaskedLM")
+    loaded.load_state_dict(new)
+    with torch.no_grad():  # every module computes with the loaded values, not only the state_dict holds them
+        assert torch.equal(fused(**inputs()).logits, loaded(**inputs()).logits)
