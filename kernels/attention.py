@@ -527,7 +527,8 @@ def _smoke(s, device, p: float) -> Case:
         return torch.cat(outs)
 
     inputs = [randn(s.tokens, s.heads, s.head_dim, device=device, seed=i) for i in range(3)]
-    return Case("attention" + (f" dropout{p}" if p else ""), inputs, ours, reference, ["o", "dq", "dk", "dv"])
+    name = "attention" + (f" dropout{p}" if p else "") + (f" head_dim {s.head_dim}" if s.head_dim < 16 else "")
+    return Case(name, inputs, ours, reference, ["o", "dq", "dk", "dv"])
 
 
 def _peers(cu, max_seqlen) -> dict:
@@ -637,7 +638,9 @@ def _at(seq_len: int, padding: float) -> dict:
 RECORD = Record(
     name="attention",
     smoke={"attention": lambda s, device: _smoke(s, device, 0.0),
-           "attention_dropout": lambda s, device: _smoke(s, device, 0.1)},
+           "attention_dropout": lambda s, device: _smoke(s, device, 0.1),
+           # 8-wide heads (transformers' tiny test models), zero-padded to 16 inside the kernels
+           "attention_head_dim_8": lambda s, device: _smoke(s._replace(head_dim=8), device, 0.0)},
     bench_shapes=BenchShapes(quick=[(256, 128, 12), (64, 512, 12)],
                              full=[(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)],
                              tiny=[(2, 24, 2)]),
