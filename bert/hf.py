@@ -21,13 +21,19 @@ What is fused:
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
     matmul without bias, then bias + GeLU in one kernel;
   * the encoder: padding removed once per forward, every layer's attention run by the varlen kernel on packed
-    tokens, padding restored at the end (padded positions of last_hidden_state are then 0);
-  * MLM heads given labels (BERT's cls.predictions, RoBERTa's lm_head, ELECTRA's generator, DistilBERT's
-    vocab_*): the loss by the masked-only kernel at labelled positions; the vocabulary logits are then not formed.
-What cannot be fused keeps the original module with one warning naming the reason, and `fuse_report` lists it:
-attention the kernel cannot express (relative or disentangled positions, a head_dim it lacks, decoders), an
-activation without a kernel, layers of an unknown structure. A call asking for output_attentions or
-output_hidden_states, or with a mask that differs between queries, runs the original encoder code.
+    tokens, padding restored at the end (padded positions of last_hidden_state are then 0). Each layer stays the
+    same object, its class a subclass of its own (`fused_layer_class`), called through its own __call__, so its
+    hooks fire and gradient checkpointing recomputes it; under torch.export a static layout replaces unpadding;
+  * with fuse(model, mlm_logits=False), masked-LM heads given labels (BERT's cls.predictions, RoBERTa's lm_head,
+    ELECTRA's generator, DistilBERT's vocab_*): the loss by the masked-only kernel at labelled positions, the
+    vocabulary logits never formed. By default (mlm_logits=True) the head returns transformers' full logits.
+The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
+fused models). What cannot be fused keeps the original module with one warning naming the reason, and
+`fuse_report` lists it: attention the kernel cannot express (relative or disentangled positions, a head_dim over
+128, decoders and their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call
+asking for output_attentions, output_hidden_states, cross-attention or a cache, or with a mask the kernel cannot
+express (one that differs between queries, or additive values other than 0 and the minimum), runs the original
+encoder code, and fuse_report counts it.
 """
 from __future__ import annotations
 
