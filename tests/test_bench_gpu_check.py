@@ -13,6 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
 
 
+from bench.smoke import checks  # noqa: E402  (every check, run in two dtypes)
+
+
 def run(*args, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -24,7 +27,7 @@ def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["all.tar.gz", "summary.md"]  # raw/ packed, then removed
     summary = (out / "summary.md").read_text()
-    assert "| smoke | ok |" in summary and f"{2 * 8} passed, 0 failed" in summary
+    assert "| smoke | ok |" in summary and f"{2 * len(checks())} passed, 0 failed" in summary
     assert "not measured" in summary and "## GPU tests" in summary
     with tarfile.open(out / "all.tar.gz") as tar:
         names = {os.path.normpath(n) for n in tar.getnames()}
