@@ -3,13 +3,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_utils import DTYPES, check_against_reference
+from kernel_utils import DTYPES, case_seed, check_against_reference
 
 kernels = pytest.importorskip("kernels")
 
 
 def run_case(shape, dtype, device, approximate):
-    g = torch.Generator().manual_seed(hash((shape, str(dtype), approximate)) % 2**31)
+    g = torch.Generator().manual_seed(case_seed(shape, str(dtype), approximate))
     n = shape[-1]
     x = (3 * torch.randn(shape, generator=g)).to(device)
     b = torch.randn(n, generator=g).to(device)
@@ -26,7 +26,8 @@ def run_case(shape, dtype, device, approximate):
     dxs, dbs = torch.autograd.grad(ys, (xs, bs), dy.to(dtype))
     check_against_reference("y", y, y64, ys, dtype)
     check_against_reference("dx", dx, dx64, dxs, dtype)
-    check_against_reference("dbias", db, db64, dbs, dtype)
+    # dbias sums dx over the rows: its rounding scales with the sum of |dx|.
+    check_against_reference("dbias", db, db64, dbs, dtype, terms=dx64.abs().reshape(-1, n).sum(0))
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
