@@ -50,12 +50,12 @@ def grad_errors(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, flo
     return errs
 
 
-def assert_half_grads_close(ours: torch.nn.Module, own: torch.nn.Module, truth: torch.nn.Module,
-                            floor: float = 2e-3) -> None:
-    """Per parameter (grad_errors' scaling): our gradient's error against `truth` (the same model in float32,
-    no autocast) at most twice the reference's own error under the same half-precision autocast, or `floor`
-    (two float16 ulps at the gradient's scale: below that a ratio of errors is rounding luck). Per parameter,
-    so that no small gradient hides behind the embeddings' large ones."""
+def assert_grads_no_worse(ours: torch.nn.Module, own: torch.nn.Module, truth: torch.nn.Module,
+                          floor: float = 2e-3) -> None:
+    """Per parameter (grad_errors' scaling): our gradient's error against `truth` (the model in a higher
+    precision) at most twice the reference implementation's own error in the same precision as ours (float32,
+    or half-precision autocast), or `floor` (below that a ratio of errors is rounding luck: two float16 ulps by
+    default). Per parameter, so that no small gradient hides behind the embeddings' large ones."""
     mine, theirs = grad_errors(ours, truth), grad_errors(own, truth)
     too_far = {n: (round(e, 6), round(theirs[n], 6)) for n, e in mine.items() if e > max(2 * theirs[n], floor)}
     assert not too_far, too_far

@@ -1,4 +1,5 @@
 """Our BERT against transformers' on the same weights and inputs (float32, random right padding)."""
+import copy
 import os
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 import bert
 from bert.checkpoint import LoadingInfo
-from hf_utils import TOL, assert_half_grads_close, grad_errors, mlm_labels, random_batch, rel_err
+from hf_utils import TOL, assert_grads_no_worse, grad_errors, mlm_labels, random_batch, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,15 +83,22 @@ def test_base_model_parity_on_real_minilm_checkpoint():
     assert ours.loading_info == LoadingInfo([], [])
     ids, mask, tt = random_batch(30522, batch=3, seqlen=29, lengths=[29, 12, 1], seed=3, pairs=False)
     ids[:, 0] = 101
+    truth = copy.deepcopy(theirs).double()
     a = theirs(input_ids=ids, attention_mask=mask, token_type_ids=tt)
     b = ours(ids, mask, tt)
     keep = mask.bool()
     assert rel_err(b.last_hidden_state[keep], a.last_hidden_state[keep]) <= TOL
     assert rel_err(b.pooler_output, a.pooler_output) <= TOL
-    w = torch.randn_like(a.last_hidden_state)  # a random projection makes every output element matter
-    ((a.last_hidden_state * w)[keep].sum() + a.pooler_output.sum()).backward()
-    ((b.last_hidden_state * w)[keep].sum() + b.pooler_output.sum()).backward()
-    check_grads(ours, theirs)
+    w = torch.randn_like(a.last_hidden_state, dtype=torch.float64)  # a random projection: every output matters
+    for out in (a, b, truth(input_ids=ids, attention_mask=mask, token_type_ids=tt)):
+        ((out.last_hidden_state * w.to(out.last_hidden_state.dtype))[keep].sum() + out.pooler_output.sum()).backward()
+    check_real_grads(ours, theirs, truth)
+
+
+def check_real_grads(ours, theirs, truth):
+    """Six real layers compound float32 rounding in the gradients (up to ~1e-5 of a LayerNorm weight's scale in
+    transformers itself), so the yardstick is transformers' own float32 error against its float64 run."""
+    assert_grads_no_worse(ours, theirs, truth, floor=TOL)
 
 
 def test_pretraining_parity_on_real_minilm_with_heads(tmp_path):
@@ -107,9 +115,11 @@ def test_pretraining_parity_on_real_minilm_with_heads(tmp_path):
     assert rel_err(b.loss, a.loss) <= TOL
     assert rel_err(b.seq_relationship_logits, a.seq_relationship_logits) <= TOL
     assert rel_err(b.prediction_logits, a.prediction_logits[labels != -100]) <= TOL
+    truth = copy.deepcopy(theirs).double()
     a.loss.backward()
     b.loss.backward()
-    check_grads(ours, theirs)
+    truth(input_ids=ids, attention_mask=mask, token_type_ids=tt, labels=labels, next_sentence_label=nsp).loss.backward()
+    check_real_grads(ours, theirs, truth)
 
 
 @pytest.mark.parametrize("ours_cls, hf_name, kind", [
@@ -379,7 +389,7 @@ def test_triton_backend_under_float16_autocast_matches_torch():
     assert abs(a.loss.item() - b.loss.item()) < 1e-2 * abs(a.loss.item())
     for (name, p), q in zip(ref.named_parameters(), tri.parameters()):
         assert q.grad is not None and q.grad.dtype == torch.float32, name
-    assert_half_grads_close(tri, ref, truth)
+    assert_grads_no_worse(tri, ref, truth)
 
 
 @pytest.mark.gpu
@@ -401,4 +411,4 @@ def test_gpu_triton_backend_bf16_training_step_matches_torch():
     truth.load_state_dict(ref.state_dict())
     truth(ids, mask, tt, labels=labels, next_sentence_label=nsp).loss.backward()
     # Per parameter: at most twice PyTorch's own bf16 error, or two bf16 ulps at the gradient's scale.
-    assert_half_grads_close(tri, ref, truth, floor=2 * torch.finfo(torch.bfloat16).eps)
+    assert_grads_no_worse(tri, ref, truth, floor=2 * torch.finfo(torch.bfloat16).eps)
