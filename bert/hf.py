@@ -277,11 +277,19 @@ class FusedEncoder(nn.Module):
 
 
 def _checkpoints_itself(layer: nn.Module) -> bool:
+    own = _checkpointing_layer_class()
+    return own is not None and isinstance(layer, own)
+
+
+@functools.cache
+def _checkpointing_layer_class() -> type | None:
+    """transformers 5's self-checkpointing layer base, looked up once; None on transformers 4 (the encoder
+    checkpoints its layers there)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # transformers 4: the encoder does it
-        return False
-    return isinstance(layer, GradientCheckpointingLayer)
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
 
 
 # ---- fused layers: the layer object stays (its hooks, its class for transformers' output capture), its class
