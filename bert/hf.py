@@ -55,6 +55,13 @@ _ORIGINALS = "_bertfuse_originals"
 _REPORT = "_bertfuse_report"
 
 
+class _Saved(NamedTuple):
+    """What fuse changed in a model, kept on it (under _ORIGINALS) for unfuse, and how it was fused."""
+    record: list                   # (parent, attribute, original value): replaced modules and changed classes
+    heads: list                    # task models whose forward was patched
+    mlm_logits: bool
+
+
 def _warn(reason: str) -> None:
     ops.warn_once(f"fuse: {reason}")
 
@@ -589,8 +596,8 @@ def fuse(model: nn.Module, mlm_logits: bool = True) -> nn.Module:
     to_tuple() (positions would shift). The loss itself means the same either way."""
     saved = getattr(model, _ORIGINALS, None)
     if saved:  # already fused
-        if saved[2] != mlm_logits:
-            raise ValueError(f"fuse: this model is already fused with mlm_logits={saved[2]}; unfuse it first")
+        if saved.mlm_logits != mlm_logits:
+            raise ValueError(f"fuse: this model is already fused with mlm_logits={saved.mlm_logits}; unfuse it first")
         return model
     encoders = encoder_parts(model)
     if not encoders:
@@ -599,7 +606,7 @@ def fuse(model: nn.Module, mlm_logits: bool = True) -> nn.Module:
     fuser = _Fuser()
     reports = [_fuse_encoder_model(fuser, *part) for part in encoders]
     heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
-    object.__setattr__(model, _ORIGINALS, (fuser.record, heads, mlm_logits))
+    object.__setattr__(model, _ORIGINALS, _Saved(fuser.record, heads, mlm_logits))
     object.__setattr__(model, _REPORT, reports)
     return model
 
@@ -609,8 +616,7 @@ def unfuse(model: nn.Module) -> nn.Module:
     saved = getattr(model, _ORIGINALS, None)
     if not saved:
         return model
-    record, heads, _ = saved
-    for parent, name, old in reversed(record):
+    for parent, name, old in reversed(saved.record):
         if name == "__class__":
             parent.__class__ = old
             continue
@@ -618,7 +624,7 @@ def unfuse(model: nn.Module) -> nn.Module:
         old.train(current.training)
         _take_parameters(old, current)
         setattr(parent, name, old)
-    for task in heads:
+    for task in saved.heads:
         original = task.forward.original
         del task.forward
         if original is not None:

@@ -86,7 +86,8 @@ def static_layout(keep: torch.Tensor) -> Packed:
     keep = keep != 0
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept first, in order
     rows = torch.arange(batch, device=keep.device)[:, None] * seqlen
-    lengths = torch.stack([keep.sum(1), seqlen - keep.sum(1)], 1).reshape(-1).to(torch.int32)
+    kept = keep.sum(1)
+    lengths = torch.stack([kept, seqlen - kept], 1).reshape(-1).to(torch.int32)
     cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
     origin = Origin((rows + order).reshape(-1), batch, seqlen)
     return packed_layout(cu_seqlens, batch * seqlen, seqlen, origin=origin)

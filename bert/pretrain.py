@@ -76,8 +76,8 @@ def add_static_shape_options(p: argparse.ArgumentParser) -> None:
     """Packing into fixed shapes, and what fixed shapes allow: one compilation, CUDA graphs."""
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
                    help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
-                        "and almost no padding (default on; --no-packing puts length-bucketed batches one instance per padded "
-                        "row instead)")
+                        "and almost no padding (default on; --no-packing puts length-bucketed batches one instance "
+                        "per padded row instead)")
     p.add_argument("--tokens-per-batch", type=int, default=None,
                    help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
                         "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "

@@ -1,6 +1,7 @@
 """What the rest of the project needs to know about one fused op, declared once, at the end of the op's own file.
 
-Every kernel module ends with `RECORD = Record(...)`; `kernels.RECORDS` collects them in module-name order. The benchmark and check tools iterate over the records and name no op themselves:
+Every kernel module ends with `RECORD = Record(...)`; `kernels.RECORDS` collects them in module-name order. The
+benchmark and check tools iterate over the records and name no op themselves:
 
     bench.smoke           `smoke`: one check per entry, the op against its float64 reference
     bench.kernel_suite    `bench`: the shapes it is timed at, its peers, the bytes and FLOPs it must move

@@ -4,16 +4,13 @@ import os
 import subprocess
 import tarfile
 
-
 from bench import precompile
+from bench.smoke import checks
 from bench.summary import render
 from bench.targets import evaluate, targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
-
-
-from bench.smoke import checks  # noqa: E402  (every check, run in two dtypes)
 
 
 def run(*args, timeout=300):
@@ -27,6 +24,7 @@ def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["all.tar.gz", "summary.md"]  # raw/ packed, then removed
     summary = (out / "summary.md").read_text()
+    # every smoke check, run in two dtypes
     assert "| smoke | ok |" in summary and f"{2 * len(checks())} passed, 0 failed" in summary
     assert "not measured" in summary and "## GPU tests" in summary
     with tarfile.open(out / "all.tar.gz") as tar:

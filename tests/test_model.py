@@ -35,6 +35,12 @@ def check_grads(ours, theirs):
     return errs[worst]
 
 
+def check_real_grads(ours, theirs, truth):
+    """Six real layers compound float32 rounding in the gradients (up to ~1e-5 of a LayerNorm weight's scale in
+    transformers itself), so the yardstick is transformers' own float32 error against its float64 run."""
+    assert_grads_no_worse(ours, theirs, truth, floor=TOL)
+
+
 def test_presets_match_the_paper():
     def count(cfg):
         with torch.device("meta"):
@@ -93,12 +99,6 @@ def test_base_model_parity_on_real_minilm_checkpoint():
     for out in (a, b, truth(input_ids=ids, attention_mask=mask, token_type_ids=tt)):
         ((out.last_hidden_state * w.to(out.last_hidden_state.dtype))[keep].sum() + out.pooler_output.sum()).backward()
     check_real_grads(ours, theirs, truth)
-
-
-def check_real_grads(ours, theirs, truth):
-    """Six real layers compound float32 rounding in the gradients (up to ~1e-5 of a LayerNorm weight's scale in
-    transformers itself), so the yardstick is transformers' own float32 error against its float64 run."""
-    assert_grads_no_worse(ours, theirs, truth, floor=TOL)
 
 
 def test_pretraining_parity_on_real_minilm_with_heads(tmp_path):
