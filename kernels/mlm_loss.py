@@ -43,6 +43,7 @@ __all__ = ["masked_lm_loss"]
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 REDUCTIONS = ("mean", "sum", "none")
+STRATEGIES = ("auto", "chunked", "fused")
 
 
 class MLMLossOutput(NamedTuple):
@@ -203,6 +204,51 @@ def _mlm_loss_bwd_dweight_kernel(
         tl.store(DB + vocab, db, mask=v_ok)
 
 
+@triton.jit
+def _ce_rows_kernel(
+    Z,          # [C, V] one chunk's logits (compute dtype); overwritten with their gradient when WRITE_GRAD
+    Labels,     # [C] int64; a label outside [0, V) matches no logit
+    Scale,      # [C] float32 the weight of each row's loss in what is differentiated (read when WRITE_GRAD)
+    Loss,       # [C] float32 out: lse - z[label] (lse alone for a label outside [0, V))
+    Hit,        # [C] int8 out: 1 where the first index of the row's largest logit is the label
+    stride_z, V,
+    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One row per program, two passes over its logits: online max / sum of exponentials / first argmax, then
+    (WRITE_GRAD) dz = (exp(z - lse) - onehot(label)) * scale written over z."""
+    row = tl.program_id(0)
+    base = Z + row.to(tl.int64) * stride_z
+    label = tl.load(Labels + row)
+    has_label = (label >= 0) & (label < V)
+    m = -float("inf")
+    l = 0.0
+    best = -float("inf")
+    best_idx = 0
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        tile_max = tl.max(z, axis=0)
+        m_new = tl.maximum(m, tile_max)
+        l = l * tl.math.exp2((m - m_new) * LOG2E) + tl.sum(tl.math.exp2((z - m_new) * LOG2E), axis=0)
+        m = m_new
+        # First index of the maximum, as torch.argmax: a later tile wins only if strictly larger.
+        tile_idx = tl.min(tl.where(z == tile_max, cols, V), axis=0)
+        best_idx = tl.where(tile_max > best, tile_idx, best_idx)
+        best = tl.maximum(best, tile_max)
+    lse = m + tl.math.log2(l) * LN2
+    target = tl.load(base + label, mask=has_label, other=0.0).to(tl.float32)
+    tl.store(Loss + row, lse - target)
+    tl.store(Hit + row, (has_label & (best_idx == label)).to(tl.int8))
+    if WRITE_GRAD:
+        scale = tl.load(Scale + row)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            ok = cols < V
+            z = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+            dz = (tl.math.exp2((z - lse) * LOG2E) - tl.where(cols == label, 1.0, 0.0)) * scale
+            tl.store(base + cols, dz.to(Z.dtype.element_ty), mask=ok)
+
+
 class _Tiles(NamedTuple):
     BLOCK_M: int     # labelled rows
     BLOCK_V: int     # vocabulary entries
@@ -326,6 +372,162 @@ def _backward(ctx, dloss, _dhit, _dlse):
 _mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+
+# -- strategy "chunked": logits by cuBLAS, one chunk of labelled rows at a time -------------------------------------
+
+# The logits of one chunk: 512 MiB keeps BERT-large at 256 x 512 tokens (~19,700 labelled rows, three chunks in
+# bfloat16) under 1 GB of extra memory with d weight's float32 accumulator, and BERT-base at 256 x 128 in one.
+CHUNK_BYTES = 512 * 2**20
+
+
+class _CE(NamedTuple):
+    BLOCK_V: int     # vocabulary entries per step of a row's two passes
+    num_warps: int
+
+
+def _ce_default(dtype: torch.dtype) -> _CE:
+    return _CE(1024, 4) if INTERPRET else _CE(4096, 8 if dtype == torch.float32 else 16)
+
+
+def _chunk_bounds(n: int, vocab: int, itemsize: int, chunk_rows: int | None) -> list[tuple[int, int]]:
+    """Equal chunks of at most chunk_rows rows (default: CHUNK_BYTES of logits each)."""
+    most = chunk_rows or max(1, CHUNK_BYTES // (vocab * itemsize))
+    size = triton.cdiv(n, triton.cdiv(n, most)) if n else 1
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+class _Grads(NamedTuple):
+    dhidden: torch.Tensor    # [N, H], or [0] when not wanted
+    dweight: torch.Tensor    # [V, H], or [0]
+    dbias: torch.Tensor      # [V] float32, or [0]
+
+
+def _new_grads(hidden, weight, bias, need_hidden, need_weight, accumulate=False) -> _Grads:
+    """Gradient buffers, [0] where not wanted; `accumulate`: d weight in float32 (summed over chunks)."""
+    def tensor(wanted, shape, dtype):
+        return hidden.new_zeros(shape, dtype=dtype) if wanted else hidden.new_empty(0, dtype=dtype)
+
+    return _Grads(tensor(need_hidden, hidden.shape, hidden.dtype),
+                  tensor(need_weight, weight.shape, torch.float32 if accumulate else weight.dtype),
+                  tensor(need_weight and bias is not None, weight.shape[:1], torch.float32))
+
+
+class _Pass(NamedTuple):
+    loss: torch.Tensor       # [N] float32: lse - z[label]
+    hit: torch.Tensor        # [N] bool
+    grads: _Grads
+
+
+def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=False, need_weight=False) -> _Pass:
+    """Per chunk of rows: z = hidden @ weight^T + bias by cuBLAS in the compute dtype, the row kernel over z, and,
+    given the per-row weights `scale` of the differentiated sum, d hidden = dz @ weight, d weight += dz^T @ hidden,
+    d bias += colsum(dz) (cuBLAS again, dz written over z)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    hit = torch.empty(n, dtype=torch.int8, device=hidden.device)
+    chunks = _chunk_bounds(n, v, hidden.element_size(), chunk_rows)
+    write = scale is not None and (need_hidden or need_weight)
+    grads = _new_grads(hidden, weight, bias, write and need_hidden, write and need_weight, len(chunks) > 1)
+    t = tuned.pick("mlm_loss.ce", _ce_default(hidden.dtype), hidden.device, hidden.dtype, hidden.shape[1])
+    for start, end in chunks:
+        h, z = hidden[start:end], F.linear(hidden[start:end], weight, bias)
+        _ce_rows_kernel[(end - start,)](
+            z, labels[start:end], scale[start:end] if write else loss, loss[start:end], hit[start:end], z.stride(0), v, WRITE_GRAD=write, BLOCK_V=t.BLOCK_V, num_warps=t.num_warps)
+        if not write:
+            continue
+        if need_hidden:
+            torch.mm(z, weight, out=grads.dhidden[start:end])
+        if need_weight:  # one chunk: cuBLAS's float32 sum rounded once, as eager PyTorch; more: summed in float32
+            if len(chunks) == 1:
+                torch.mm(z.t(), h, out=grads.dweight)
+            else:
+                grads.dweight.add_(z.t() @ h)
+            if bias is not None:
+                grads.dbias.add_(z.sum(dim=0, dtype=torch.float32))
+    return _Pass(loss, hit.bool(), grads._replace(dweight=grads.dweight.to(weight.dtype)))
+
+
+@torch.library.custom_op("bertfuse::masked_lm_loss_chunked", mutates_args=())
+def _mlm_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                      scale: torch.Tensor, chunk_rows: int, need_hidden: bool, need_weight: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total = sum(loss * scale) float32 [], loss [N] float32, hit [N] bool, and the gradients of total: d hidden,
+    d weight, d bias float32), the gradients computed here, in the forward, where the logits are at hand."""
+    p = _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden, need_weight)
+    return ((p.loss * scale).sum(), p.loss, p.hit, *p.grads)
+
+
+@_mlm_loss_chunked.register_fake
+def _(hidden, weight, bias, labels, scale, chunk_rows, need_hidden, need_weight):
+    n = hidden.shape[0]
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
+            hidden.new_empty(n, dtype=torch.bool), *_new_grads(hidden, weight, bias, need_hidden, need_weight))
+
+
+def _chunked_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[3:])
+    ctx.bias_dtype = inputs[2].dtype if inputs[2] is not None else None
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _chunked_backward(ctx, dtotal, *_):
+    """The upstream gradient of the (scalar) total scales what the forward computed."""
+    dhidden, dweight, dbias = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    return (dhidden * dtotal if need[0] else None, dweight * dtotal if need[1] else None,
+            (dbias * dtotal).to(ctx.bias_dtype) if need[2] and ctx.bias_dtype else None, None, None, None, None, None)
+
+
+_mlm_loss_chunked.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
+
+
+@torch.library.custom_op("bertfuse::masked_lm_loss_chunked_rows", mutates_args=())
+def _mlm_loss_chunked_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           labels: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [N] float32, hit [N] bool), for reduction="none": each row's upstream gradient is known only in the
+    backward, which recomputes the logits (4 logit-sized matmuls in all instead of 3)."""
+    p = _chunked_pass(hidden, weight, bias, labels, None, chunk_rows)
+    return p.loss, p.hit
+
+
+@_mlm_loss_chunked_rows.register_fake
+def _(hidden, weight, bias, labels, chunk_rows):
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.bool)
+
+
+@torch.library.custom_op("bertfuse::masked_lm_loss_chunked_bwd", mutates_args=())
+def _mlm_loss_chunked_bwd(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          labels: torch.Tensor, chunk_rows: int, need_hidden: bool, need_weight: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = _chunked_pass(hidden, weight, bias, labels, dloss.float().contiguous(), chunk_rows, need_hidden, need_weight)
+    return tuple(p.grads)
+
+
+@_mlm_loss_chunked_bwd.register_fake
+def _(dloss, hidden, weight, bias, labels, chunk_rows, need_hidden, need_weight):
+    return tuple(_new_grads(hidden, weight, bias, need_hidden, need_weight))
+
+
+def _rows_setup_context(ctx, inputs, output):
+    hidden, weight, bias, labels, chunk_rows = inputs
+    ctx.save_for_backward(hidden, weight, bias, labels)
+    ctx.chunk_rows = chunk_rows
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rows_backward(ctx, dloss, _dhit):
+    hidden, weight, bias, labels = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dhidden, dweight, dbias = _mlm_loss_chunked_bwd(dloss, hidden, weight, bias, labels, ctx.chunk_rows, need[0],
+                                                    need[1] or need[2])
+    return (dhidden if need[0] else None, dweight if need[1] else None,
+            dbias.to(bias.dtype) if need[2] else None, None, None)
+
+
+_mlm_loss_chunked_rows.register_autograd(_rows_backward, setup_context=_rows_setup_context)
+
+
 def _check(hidden, weight, bias, labels, reduction):
     op = "masked_lm_loss"
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -350,46 +552,115 @@ def _check(hidden, weight, bias, labels, reduction):
     check_device(op, hidden=hidden, weight=weight, bias=bias, labels=labels)
 
 
+class _Strategy(NamedTuple):
+    strategy: str
+
+
+def pick_strategy(hidden: torch.Tensor, rows: int) -> str:
+    """What strategy="auto" runs for `rows` labelled rows of hidden's width and dtype on hidden's device: the
+    committed launch-config table's choice for this GPU ("mlm_loss.strategy", measured by bench.tune, keyed by
+    the row count's bucket), else "chunked" (the CPU, or a GPU or shape the table lacks)."""
+    choice = tuned.pick("mlm_loss.strategy", _Strategy("chunked"), hidden.device, hidden.dtype, hidden.shape[1],
+                        seqlen=rows).strategy
+    if choice not in STRATEGIES[1:]:
+        tuned.warn_ignored("mlm_loss.strategy", choice)
+        return "chunked"
+    return choice
+
+
+class _Rows(NamedTuple):
+    """The rows the kernels compute, one concern: gathering (validate=True) or masking (validate=False)."""
+    hidden: torch.Tensor             # [N', H]
+    labels: torch.Tensor             # [N'] int64; -1 where a row counts for nothing (validate=False)
+    used: torch.Tensor | None        # [N'] bool (validate=False), else None: every row counts
+    count: int | torch.Tensor        # labelled rows, at least 1 (the mean's divisor)
+    index: torch.Tensor | None       # [N'] positions in the caller's rows (validate=True)
+
+
+def _rows(hidden, labels, vocab: int, ignore_index: int, validate: bool) -> _Rows:
+    used = labels != ignore_index
+    if not validate:  # a label outside [0, V) is treated as ignored, as documented
+        used = used & (labels >= 0) & (labels < vocab)
+        return _Rows(hidden, labels.masked_fill(~used, -1).to(torch.int64), used, used.sum().clamp_min(1), None)
+    index = used.nonzero().squeeze(1)
+    picked = labels[index]
+    if picked.numel():
+        lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
+                             f"got values in [{lo}, {hi}]")
+    return _Rows(hidden[index], picked.to(torch.int64), None, max(index.numel(), 1), index)
+
+
+def _check_strategy(strategy, chunk_rows) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"masked_lm_loss: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"masked_lm_loss: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+
+
+def _row_loss(r: _Rows, weight, bias, strategy: str, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [N'] float32 with 0 where a row counts for nothing, hit [N'] bool), differentiable per row."""
+    args = unit_stride(r.hidden), unit_stride(weight), dense(bias), r.labels.contiguous()
+    if strategy == "fused":
+        per_row, hit, _ = _mlm_loss_fwd(*args)
+    else:
+        per_row, hit = _mlm_loss_chunked_rows(*args, chunk_rows)
+    return (per_row if r.used is None else per_row * r.used), hit
+
+
+def _reduced_loss(r: _Rows, weight, bias, reduction: str, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean or sum, hit [N']) by the chunked strategy, its gradients computed in the forward: the weight of each
+    row in the differentiated sum (1/count or 1, 0 where a row counts for nothing) is known there."""
+    scale = torch.ones(r.hidden.shape[0], dtype=torch.float32, device=r.hidden.device)
+    if r.used is not None:
+        scale = scale * r.used
+    if reduction == "mean":
+        scale = scale / r.count
+    grad = torch.is_grad_enabled()
+    need_hidden = grad and r.hidden.requires_grad
+    need_weight = grad and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    total, _, hit, *_ = _mlm_loss_chunked(unit_stride(r.hidden), unit_stride(weight), dense(bias),
+                                          r.labels.contiguous(), scale, chunk_rows, need_hidden, need_weight)
+    return total, hit
+
+
 def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                    ignore_index: int = -100, reduction: str = "mean", return_correct: bool = False,
-                   validate: bool = True):
-    """cross_entropy(hidden @ weight^T + bias, labels) without materialising the logits.
+                   validate: bool = True, strategy: str = "auto", chunk_rows: int | None = None):
+    """cross_entropy(hidden @ weight^T + bias, labels) over the labelled rows only, in bounded memory.
 
     hidden [N, H], weight [V, H], bias [V] or None, labels [N] (ignore_index rows contribute nothing).
     Returns the loss ("mean" over labelled rows, 0 when there are none; "sum"; or "none": [N] with 0 at
     ignored rows), or with return_correct=True an MLMLossOutput(loss, correct), `correct` counting labelled
     rows whose top-1 logit is the label.
 
+    strategy: "chunked" (logits of at most `chunk_rows` rows at a time by cuBLAS, default CHUNK_BYTES of them;
+    gradients computed in the forward), "fused" (no logits in memory at all; Triton matmuls, recomputed in the
+    backward) or "auto" (the GPU's measured choice, pick_strategy; "chunked" on the CPU). The module docstring
+    gives each one's FLOPs and memory.
+
     validate=True (the default) checks that labels lie in [0, V) and skips ignored rows, which takes one host
     sync. validate=False takes none, for fixed-shape batches whose labels are checked where they are made
     (bert.packing): every row is computed and the ignored ones are zeroed, loss and gradients; a label
-    outside [0, V) then acts like an ignored row's (no error, no NaN). Runs as the custom ops
-    bertfuse::masked_lm_loss_fwd / _bwd, which torch.compile traces through.
+    outside [0, V) then acts like an ignored row's (no error, no NaN). Runs as custom ops
+    (bertfuse::masked_lm_loss_*), which torch.compile traces through.
     """
     _check(hidden, weight, bias, labels, reduction)
-    used = labels != ignore_index
-    if validate:
-        rows = used.nonzero().squeeze(1)
-        picked = labels[rows]
-        if picked.numel():
-            lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
-            if lo < 0 or hi >= weight.shape[0]:
-                raise ValueError(f"masked_lm_loss: labels must be in [0, {weight.shape[0]}) or ignore_index="
-                                 f"{ignore_index}; got values in [{lo}, {hi}]")
-        h, count = hidden[rows], max(rows.numel(), 1)
-    else:  # a label outside [0, V) is treated as ignored, as documented
-        used = used & (labels >= 0) & (labels < weight.shape[0])
-        picked, h, count = labels.masked_fill(~used, -1), hidden, used.sum().clamp_min(1)
-    per_row, hit, _ = _mlm_loss_fwd(unit_stride(h), unit_stride(weight), dense(bias),
-                                    picked.to(torch.int64).contiguous())
-    if not validate:  # ignored rows: a label of -1 matched nothing; their loss (and so gradient) is zeroed
-        per_row = per_row * used
-    if reduction == "mean":
-        loss = per_row.sum() / count
-    elif reduction == "sum":
-        loss = per_row.sum()
+    _check_strategy(strategy, chunk_rows)
+    r = _rows(hidden, labels, weight.shape[0], ignore_index, validate)
+    if strategy == "auto":
+        strategy = pick_strategy(r.hidden, r.hidden.shape[0])
+    if strategy == "chunked" and reduction != "none":
+        loss, hit = _reduced_loss(r, weight, bias, reduction, chunk_rows or 0)
     else:
-        loss = per_row if not validate else per_row.new_zeros(labels.shape[0]).index_put((rows,), per_row)
+        per_row, hit = _row_loss(r, weight, bias, strategy, chunk_rows or 0)
+        if reduction == "mean":
+            loss = per_row.sum() / r.count
+        elif reduction == "sum":
+            loss = per_row.sum()
+        else:
+            loss = per_row if r.index is None else per_row.new_zeros(labels.shape[0]).index_put((r.index,), per_row)
     if return_correct:
         return MLMLossOutput(loss, hit.sum(dtype=torch.int64))
     return loss

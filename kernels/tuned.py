@@ -97,18 +97,27 @@ def _table_config(kernel: str, folder: str, arch: str, dtype: str, size: int, se
     return None if entry is None else entry.get("config")
 
 
-def _valid(kernel: str, config, tunable) -> bool:
+def _valid_value(name: str, value, default) -> bool:
+    """A choice (a string) where the default is one; else a positive int, a power of two for a block size."""
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            and (not name.startswith("BLOCK") or value & (value - 1) == 0))
+
+
+def _valid(kernel: str, config, default: NamedTuple, tunable) -> bool:
     ok = isinstance(config, dict) and set(config) <= set(tunable) and all(
-        isinstance(v, int) and v >= 1 and (not k.startswith("BLOCK") or v & (v - 1) == 0) for k, v in config.items())
+        _valid_value(k, v, getattr(default, k)) for k, v in config.items())
     if not ok:
-        _warn_once(kernel, json.dumps(config, sort_keys=True, default=str))
+        warn_ignored(kernel, json.dumps(config, sort_keys=True, default=str))
     return ok
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once(kernel: str, text: str) -> None:
+def warn_ignored(kernel: str, text: str) -> None:
+    """Warn once per (kernel, config) that a table's config is unusable and the launcher's default stays."""
     warnings.warn(f"kernels: ignoring the launch config {text} for {kernel} (expected positive ints, powers of two "
-                  "for block sizes, only tunable fields); using the default")
+                  "for block sizes, a known choice, only tunable fields); using the default")
 
 
 def pick(kernel: str, default: NamedTuple, device: torch.device, dtype: torch.dtype, size: int,
@@ -120,7 +129,7 @@ def pick(kernel: str, default: NamedTuple, device: torch.device, dtype: torch.dt
     if config is None and device.type == "cuda" and not INTERPRET:
         config = _table_config(kernel, config_dir(), device_arch(device), dtype_name(dtype), int(size),
                                bucket(seqlen))
-    if config is None or not _valid(kernel, config, tunable):
+    if config is None or not _valid(kernel, config, default, tunable):
         return default
     return default._replace(**config)
 
