@@ -1,4 +1,5 @@
-"""kernels.masked_lm_loss against F.linear + F.cross_entropy in float64: loss and grads of hidden, weight, bias."""
+"""kernels.masked_lm_loss against F.linear + F.cross_entropy in float64: loss and grads of hidden, weight, bias,
+for both strategies ("chunked": logits by torch per chunk of rows; "fused": no logits in memory) and "auto"."""
 import math
 
 import pytest
@@ -22,7 +23,11 @@ def make(n, v, h, seed=0, ignore_every=3):
     return hidden, weight, bias, labels
 
 
-def run_case(n, v, h, dtype, device, reduction="mean", with_bias=True, seed=0, ignore_every=3):
+STRATEGIES = ["chunked", "fused"]
+
+
+def run_case(n, v, h, dtype, device, reduction="mean", with_bias=True, seed=0, ignore_every=3, strategy="auto",
+             chunk_rows=None, validate=True):
     hidden, weight, bias, labels = make(n, v, h, seed, ignore_every)
     bias = bias if with_bias else None
     labels = labels.to(device)
@@ -32,7 +37,8 @@ def run_case(n, v, h, dtype, device, reduction="mean", with_bias=True, seed=0, i
                 for t in (hidden, weight, bias)]
 
     ours = leaves(dtype)
-    out = kernels.masked_lm_loss(*ours, labels, reduction=reduction, return_correct=True)
+    out = kernels.masked_lm_loss(*ours, labels, reduction=reduction, return_correct=True, strategy=strategy,
+                                 chunk_rows=chunk_rows, validate=validate)
     grad_out = torch.randn(out.loss.shape, generator=torch.Generator().manual_seed(1)).to(device)
     inputs = [t for t in ours if t is not None]
     grads = torch.autograd.grad(out.loss, inputs, grad_out.to(out.loss.dtype))
@@ -60,53 +66,79 @@ def run_case(n, v, h, dtype, device, reduction="mean", with_bias=True, seed=0, i
     return out
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("v", [7, 1000])
-def test_float32_reductions_and_vocab_sizes(device, reduction, v):
-    run_case(29, v, 40, torch.float32, device, reduction)
+def test_float32_reductions_and_vocab_sizes(device, reduction, v, strategy):
+    run_case(29, v, 40, torch.float32, device, reduction, strategy=strategy)
 
 
-def test_bert_vocab_size(device):
-    run_case(3, 30522, 16, torch.float32, device, ignore_every=0)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bert_vocab_size(device, strategy):
+    run_case(3, 30522, 16, torch.float32, device, ignore_every=0, strategy=strategy)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(device, dtype):
+def test_half_precision(device, dtype, strategy):
     """bfloat16 too on a CPU: in the interpreter (whose bf16 tl.dot is wrong) the dots run on float32 copies."""
-    run_case(21, 300, 48, dtype, device)
+    run_case(21, 300, 48, dtype, device, strategy=strategy)
 
 
-def test_one_row_no_bias_and_odd_hidden(device):
-    run_case(1, 50, 17, torch.float32, device, with_bias=False, ignore_every=0)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_row_no_bias_and_odd_hidden(device, strategy):
+    run_case(1, 50, 17, torch.float32, device, with_bias=False, ignore_every=0, strategy=strategy)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_no_labelled_rows_gives_zero_loss_and_zero_grads(device, reduction):
+@pytest.mark.parametrize("chunk_rows", [1, 4, 7])
+def test_chunked_in_chunks_of_any_size(device, chunk_rows, reduction, dtype):
+    """31 rows (20 labelled) in chunks of 1, 4 (uneven: 5 chunks of 4) and 7: the chunks' d weight and d bias
+    sum in float32, d hidden lands in each chunk's rows."""
+    run_case(31, 97, 24, dtype, device, reduction, strategy="chunked", chunk_rows=chunk_rows)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_unvalidated_rows(device, strategy, reduction):
+    """validate=False: every row computed (no gather, no sync), the ignored ones zeroed in loss and gradients."""
+    run_case(23, 61, 16, torch.float32, device, reduction, strategy=strategy, chunk_rows=5, validate=False)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_labelled_rows_gives_zero_loss_and_zero_grads(device, reduction, strategy):
     hidden = torch.randn(5, 16, device=device, requires_grad=True)
     weight = torch.randn(30, 16, device=device, requires_grad=True)
     bias = torch.randn(30, device=device, requires_grad=True)
     labels = torch.full((5,), -100, device=device)
-    loss = kernels.masked_lm_loss(hidden, weight, bias, labels, reduction=reduction)
-    assert torch.isfinite(loss).all() and (loss == 0).all()
-    loss.sum().backward()
-    for t in (hidden, weight, bias):
-        assert torch.equal(t.grad, torch.zeros_like(t))
-    empty = kernels.masked_lm_loss(hidden[:0], weight, bias, labels[:0])
+    for validate in (True, False):
+        loss = kernels.masked_lm_loss(hidden, weight, bias, labels, reduction=reduction, strategy=strategy,
+                                      validate=validate)
+        assert torch.isfinite(loss).all() and (loss == 0).all()
+        loss.sum().backward()
+        for t in (hidden, weight, bias):
+            assert torch.equal(t.grad, torch.zeros_like(t))
+            t.grad = None
+    empty = kernels.masked_lm_loss(hidden[:0], weight, bias, labels[:0], strategy=strategy)
     assert empty.item() == 0.0
 
 
-def test_accuracy_counts_hits(device):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_accuracy_counts_hits(device, strategy):
     hidden, weight, bias, labels = make(40, 60, 24, seed=3, ignore_every=4)
     logits = F.linear(hidden, weight, bias)
     labels = torch.where(labels == -100, labels, logits.argmax(-1))  # make every labelled row a hit...
     labels[1] = (logits[1].argmax() + 1) % 60                      # ...but two
     labels[2] = (logits[2].argmax() + 7) % 60
     out = kernels.masked_lm_loss(hidden.to(device), weight.to(device), bias.to(device), labels.to(device),
-                                 return_correct=True)
+                                 return_correct=True, strategy=strategy)
     assert out.correct.item() == int((labels != -100).sum()) - 2
 
 
-def test_vocabulary_splits_merge_to_the_first_maximum(device):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_vocabulary_splits_merge_to_the_first_maximum(device, strategy):
     """All logits equal: every vocabulary split ties, and the merged top-1 must be index 0, as torch.argmax;
     the loss is ln V whichever split holds the label."""
     n, v, h = 6, 1000, 8   # 8 vocabulary tiles, cut into several splits for so few rows
@@ -114,7 +146,7 @@ def test_vocabulary_splits_merge_to_the_first_maximum(device):
     hidden = torch.zeros(n, h, device=device, requires_grad=True)
     weight = torch.randn(v, h, device=device, requires_grad=True)
     out = kernels.masked_lm_loss(hidden, weight, torch.zeros(v, device=device), labels, reduction="none",
-                                 return_correct=True)
+                                 return_correct=True, strategy=strategy)
     assert out.correct.item() == 3
     torch.testing.assert_close(out.loss, torch.full((n,), math.log(v), device=device))
     out.loss.sum().backward()
@@ -137,14 +169,16 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_no_rows_by_vocab_tensor_is_allocated(device):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_rows_by_vocab_tensor_is_allocated(device, strategy):
+    """fused: nothing larger than the weight; chunked: nothing larger than one chunk of logits (8 rows here)."""
     n, v, h = 64, 2053, 8   # n * v is 8x the weight's size, so any [n, v] tensor would stand out
     hidden, weight, bias, labels = make(n, v, h, ignore_every=0)
     hidden, weight, bias = (t.to(device).requires_grad_() for t in (hidden, weight, bias))
     with _LargestTensor() as seen:
-        kernels.masked_lm_loss(hidden, weight, bias, labels.to(device)).backward()
+        kernels.masked_lm_loss(hidden, weight, bias, labels.to(device), strategy=strategy, chunk_rows=8).backward()
     weight_bytes, logits_bytes = v * h * 4, n * v * 4
-    assert seen.largest <= weight_bytes < logits_bytes
+    assert seen.largest <= max(weight_bytes, 8 * v * 4 if strategy == "chunked" else 0) < logits_bytes
     with _LargestTensor() as seen:  # the same check catches the plain implementation
         F.cross_entropy(F.linear(hidden, weight, bias), labels.to(device)).backward()
     assert seen.largest >= logits_bytes
@@ -170,32 +204,98 @@ def test_no_rows_by_vocab_tensor_is_allocated(device):
     (lambda d: kernels.masked_lm_loss(torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), None,
                                       torch.zeros(4, dtype=torch.long, device=d), reduction="max"), ValueError,
      "reduction"),
+    (lambda d: kernels.masked_lm_loss(torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), None,
+                                      torch.zeros(4, dtype=torch.long, device=d), strategy="cublas"), ValueError,
+     "strategy must be one of"),
+    (lambda d: kernels.masked_lm_loss(torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), None,
+                                      torch.zeros(4, dtype=torch.long, device=d), chunk_rows=0), ValueError,
+     "chunk_rows must be a positive int"),
 ])
 def test_bad_inputs(device, call, err, match):
     with pytest.raises(err, match=match):
         call(device)
 
 
+def _ops_called(fn) -> set[str]:
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    names: set[str] = set()
+    with Seen():
+        fn()
+    return {n for n in names if n.startswith("bertfuse::")}
+
+
+def test_auto_is_chunked_without_a_table_and_follows_the_table(device):
+    """No table entry (the CPU): auto runs chunked. An entry for this launch site picks the strategy; one naming
+    no strategy is ignored with a warning."""
+    from kernels import tuned
+    from kernels.mlm_loss import pick_strategy
+
+    hidden, weight, bias, labels = (t.to(device) for t in make(9, 30, 8))
+
+    def run():
+        kernels.masked_lm_loss(hidden, weight, bias, labels)
+
+    assert pick_strategy(hidden, 9) == "chunked" and _ops_called(run) == {"bertfuse::masked_lm_loss_chunked"}
+    with tuned.forced("mlm_loss.strategy", {"strategy": "fused"}):
+        assert pick_strategy(hidden, 9) == "fused" and _ops_called(run) == {"bertfuse::masked_lm_loss_fwd"}
+    with tuned.forced("mlm_loss.strategy", {"strategy": "cublas"}), pytest.warns(UserWarning, match="ignoring"):
+        assert pick_strategy(hidden, 9) == "chunked"
+
+
+def test_chunked_computes_no_gradient_when_none_is_wanted(device):
+    """The chunked forward computes the gradients, but only when autograd will want them: under no_grad, or for
+    inputs that do not require them, no weight-sized tensor is made, and d hidden only when hidden needs it."""
+    n, v, h = 12, 50, 16
+    hidden, weight, bias, labels = (t.to(device) for t in make(n, v, h))
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    made.add(tuple(t.shape))
+            return out
+
+    made: set = set()
+    with torch.no_grad(), Shapes():
+        kernels.masked_lm_loss(hidden.requires_grad_(), weight.requires_grad_(), bias, labels, strategy="chunked")
+    assert (v, h) not in made
+    made.clear()
+    frozen = weight.detach()
+    with Shapes():
+        kernels.masked_lm_loss(hidden, frozen, None, labels, strategy="chunked")
+    assert (v, h) not in made
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("h", [768, 1024])
-def test_gpu_compiled(dtype, h):
-    run_case(1000, 30522, h, dtype, torch.device("cuda"), ignore_every=5)
+def test_gpu_compiled(dtype, h, strategy):
+    run_case(1000, 30522, h, dtype, torch.device("cuda"), ignore_every=5, strategy=strategy)
 
 
 @pytest.mark.gpu
-def test_gpu_memory_stays_small():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gpu_memory_stays_small(strategy):
+    """fused: the gradients plus far less than one bf16 [n, V] tensor; chunked, in chunks of 1,000 rows: the
+    gradients, d weight's float32 sum and a chunk's product, and one chunk of logits."""
     n, v, h = 4915, 30522, 768
     hidden, weight, bias, labels = (t.cuda() for t in make(n, v, h, ignore_every=0))
     hidden, weight, bias = (t.bfloat16().requires_grad_() for t in (hidden, weight, bias))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    kernels.masked_lm_loss(hidden, weight, bias, labels).backward()
+    kernels.masked_lm_loss(hidden, weight, bias, labels, strategy=strategy, chunk_rows=1000).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     grads = sum(t.numel() * t.element_size() for t in (hidden, weight, bias))
-    assert extra < grads + n * v * 2 // 10   # the gradients, plus far less than one bf16 [n, v] tensor
+    allowed = n * v * 2 // 10 if strategy == "fused" else 1000 * v * 2 + v * h * 6 + v * 4
+    assert extra < grads + allowed
 
 
 @pytest.mark.parametrize("layout", ["strided", "expanded"])
@@ -243,3 +343,30 @@ def test_unvalidated_labels_outside_the_vocabulary_count_for_nothing_on_both_bac
     g2, = torch.autograd.grad(ref.loss, hidden)
     torch.testing.assert_close(g1, g2)
     assert torch.equal(g1[[1, 2, 4]], torch.zeros_like(g1[[1, 2, 4]]))
+
+
+def test_chunked_ops_pass_opcheck_and_compile(device):
+    """The chunked custom ops' schemas, fake implementations and autograd registration (torch.library.opcheck),
+    and a fullgraph torch.compile of an unvalidated call giving eager's loss and gradients."""
+    from kernels import mlm_loss as m
+
+    hidden, weight, bias, labels = make(20, 40, 16)
+    hidden, weight, bias, labels = hidden.to(device), weight.to(device), bias.to(device), labels.to(device)
+    scale = torch.rand(20, generator=torch.Generator().manual_seed(2)).to(device)
+    sure = labels.masked_fill(labels < 0, -1)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    for op, args in ((m._mlm_loss_chunked, (*leaves, sure, scale, 7, True, True)),
+                     (m._mlm_loss_chunked_rows, (*leaves, sure, 7))):
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+    def call(h, w, b):
+        return kernels.masked_lm_loss(h, w, b, labels, validate=False, strategy="chunked", chunk_rows=7)
+
+    outs = []
+    for fn in (call, torch.compile(call, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = fn(*leaves)
+        outs.append([loss, *torch.autograd.grad(loss, leaves)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
