@@ -314,7 +314,7 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
         print(f"Timing {', '.join(gpu_only)} needs a GPU; on this CPU only the memory tables run.\n")
     print("## Kernels\n")
     print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
-                          "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "status"]))
+                          "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "rel_err_fp64", "status"]))
 
 
 def run_metadata(device, argv) -> dict:

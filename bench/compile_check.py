@@ -157,8 +157,9 @@ def groups() -> dict:
 from .tune import default_launch  # noqa: E402  (needs no compiler: shared with the sweep)
 
 
-def variant_for(kernel: str, dtype, size: int, config: dict | None = None) -> Variant:
-    """The compile variant of a table entry (BERT's training flags: dropout, residual, bias on)."""
+def variant_for(kernel: str, dtype, size: int, config: dict | None = None) -> Variant | None:
+    """The compile variant of a table entry (BERT's training flags: dropout, residual, bias on); None for a
+    launch site that chooses among implementations rather than configuring one kernel (mlm_loss.strategy)."""
     launch = default_launch(kernel, dtype, size)._replace(**(config or {}))
     return record(kernel).tuning.variant(kernel.split(".")[1], dtype, size, launch)
 
@@ -171,4 +172,6 @@ def table_variants(arch: str = "sm_90"):
     for kernel, entries in sorted(table.get("kernels", {}).items()):
         for key, entry in sorted(entries.items()):
             dtype, size, _ = key.split("/")
-            yield variant_for(kernel, getattr(torch, dtype), int(size), entry["config"])
+            variant = variant_for(kernel, getattr(torch, dtype), int(size), entry["config"])
+            if variant is not None:
+                yield variant

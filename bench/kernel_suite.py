@@ -6,12 +6,17 @@ Times are medians from triton.testing.do_bench. Bandwidth counts the bytes a ker
 once, each output written once); TFLOP/s counts real tokens only, with the backward taken as 2.5x the forward's
 FLOPs (FlashAttention's convention: the recomputed QK^T included). Extra peak memory is that of one forward +
 backward from a clean allocator state (GPU), or the peak RSS growth of a fresh process doing one (CPU).
+
+Where a problem has an exact reference, each row also says how right the implementation is: `rel_err_fp64`, the
+largest over its output and every input gradient of ||ours - exact|| / ||exact||, the exact values computed in
+float64 on the same inputs, so that nobody wins by being wrong. Implementations that draw dropout have none.
 """
 from __future__ import annotations
 
 import torch
 
 from .peaks import timeit
+from .tune import rel_err
 
 # Set in bench.precompile's workers: each suite then runs only this project's implementations, once, untimed,
 # so that their kernels compile (in parallel processes) into Triton's on-disk cache before the timed run.
@@ -50,18 +55,39 @@ def _gpu_peak(fn, inputs) -> float:
     return torch.cuda.max_memory_allocated() - base
 
 
-def _measure(case, fn, device) -> dict:
+def exact_error(case, impl: str, fn, inputs) -> float | None:
+    """The largest ||ours - exact|| / ||exact|| over fn's output and the gradients of its inputs (for a fixed
+    upstream gradient), the exact values by case.reference in float64 on the same inputs; None without a reference
+    or for an impl that draws dropout. A gradient an implementation does not compute (None) is not compared."""
+    if case.reference is None or "dropout" in impl:
+        return None
+    out = fn(*inputs)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)
+    leaves = [t for t in inputs if t.requires_grad]
+    got = [out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype), allow_unused=True)]
+    exact_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    ref = case.reference(*exact_inputs)
+    want = [ref, *torch.autograd.grad(ref, [t for t in exact_inputs if t.requires_grad], upstream.double(),
+                                      allow_unused=True)]
+    return max(rel_err(a, b) for a, b in zip(got, want) if a is not None and b is not None)
+
+
+def _measure(case, impl, fn, device) -> dict:
     inputs = case.inputs()
     row = {}
     if device.type == "cuda":
         row["peak_extra_MB"] = _gpu_peak(fn, inputs) / 2**20
     t_fwd, t_bwd, t_all = _fwd_bwd_times(fn, inputs, device)
     row.update(fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3, fwd_bwd_ms=t_all * 1e3)
+    error = exact_error(case, impl, fn, inputs)
+    if error is not None:
+        row["rel_err_fp64"] = error
     return row
 
 
 def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
-    """In a fresh process: (peak RSS growth in bytes during one forward+backward, median seconds)."""
+    """In a fresh process: (peak RSS growth in bytes during one forward+backward, median seconds, the error to
+    the float64 reference or None)."""
     import resource
 
     from kernels._record import record
@@ -73,7 +99,8 @@ def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     before = rss_mb()
     _backward(fn(*inputs))
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before) * 2**20
-    return extra, timeit(lambda: _backward(fn(*inputs)), torch.device("cpu"), warmup=1, reps=3)
+    seconds = timeit(lambda: _backward(fn(*inputs)), torch.device("cpu"), warmup=1, reps=3)
+    return extra, seconds, exact_error(case, impl, fn, case.inputs())
 
 
 def _rates(row: dict, case, peaks: dict) -> dict:
@@ -106,10 +133,12 @@ def _case_rows(record, shape, index, case, peaks, device, full, fresh) -> list[d
             if fresh:
                 from .e2e import in_fresh_process
 
-                extra, t = in_fresh_process(_cpu_child, record.name, shape, index, name, full)
+                extra, t, error = in_fresh_process(_cpu_child, record.name, shape, index, name, full)
                 row.update(fwd_bwd_ms=t * 1e3, peak_extra_MB=extra / 2**20)
+                if error is not None:
+                    row["rel_err_fp64"] = error
             else:
-                row.update(_rates(_measure(case, fn, device), case, peaks))
+                row.update(_rates(_measure(case, name, fn, device), case, peaks))
             row["status"] = "ok"
         except Exception as e:  # one implementation failing costs its row only
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

@@ -113,11 +113,31 @@ def _backward_run(forward, inputs, grad_of) -> Run:
     return Run(timed, outputs)
 
 
+def _whole_run(forward, inputs, grad_of) -> Run:
+    """A Run timing forward(*inputs) and its backward together, comparing the gradients of grad_of."""
+    grad = torch.randn_like(forward(*inputs))
+
+    def timed():
+        forward(*inputs).backward(grad)
+
+    def outputs():
+        for t in inputs:
+            t.grad = None
+        timed()
+        return [t.grad for t in grad_of]
+
+    return Run(timed, outputs)
+
+
 def setup(problem: Problem, device: torch.device) -> Run:
-    """What to time and compare for one problem: the forward kernel's call without gradients, or the backward
-    of the record's function, comparing the gradients that kernel writes."""
+    """What to time and compare for one problem: the forward kernel's call without gradients, the backward of
+    the record's function comparing the gradients that kernel writes, or, for the record's `whole` parts (a
+    strategy; a kernel that computes gradients in the forward), forward and backward together."""
     part = problem.kernel.split(".")[1]
-    fn, inputs, grads = _tuning(problem.kernel).setup(problem.shape, problem.size, problem.dtype, device)
+    tuning = _tuning(problem.kernel)
+    fn, inputs, grads = tuning.setup(problem.shape, problem.size, problem.dtype, device, part)
+    if part in tuning.whole:
+        return _whole_run(fn, inputs, grads[part])
     if part not in grads:
         def forward():
             with torch.no_grad():
@@ -146,8 +166,8 @@ def _check_candidate(problem: Problem, config: dict, arch: int, warm: bool) -> s
     that Triton's disk cache holds it), else the reason it was pruned."""
     from . import compile_check
 
-    failure, _ = compile_check.check(compile_check.variant_for(problem.kernel, problem.dtype, problem.size, config),
-                                     arch)
+    variant = compile_check.variant_for(problem.kernel, problem.dtype, problem.size, config)
+    failure = None if variant is None else compile_check.check(variant, arch)[0]  # None: a choice, not a kernel
     if failure is None and warm:
         try:
             run_with(problem, config, setup(problem, torch.device("cuda")), "timed")
@@ -175,7 +195,8 @@ def prune(problem: Problem, configs: list[dict], arch: int, jobs: int, warm: boo
 
 # -- the sweep ------------------------------------------------------------------------------------------------------
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (inf if a has a non-finite value)."""
     a, b = a.double(), b.double()
     if not torch.isfinite(a).all():
         return float("inf")
@@ -207,7 +228,7 @@ def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, c
     default_ms = next((t for t, c in times if c == base), None)
     for t, config in sorted(times, key=lambda tc: tc[0]):
         outputs = run_with(problem, config, run, "outputs")
-        if max(_rel_err(o, r) for o, r in zip(outputs, reference)) <= TOLERANCE[problem.dtype]:
+        if max(rel_err(o, r) for o, r in zip(outputs, reference)) <= TOLERANCE[problem.dtype]:
             return {"config": config, "ms": t, "default_ms": default_ms, "candidates": len(pool),
                     "pruned": len(pruned)}
         pruned[json.dumps(config, sort_keys=True)] = "output differs from the default config's"

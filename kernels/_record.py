@@ -79,6 +79,8 @@ class Bench(NamedTuple):
     bytes_bwd: int = 0
     flops_fwd: float = 0.0      # FLOPs of the forward (the backward counted as 2.5x: FlashAttention's convention)
     extra: dict = {}            # more row fields (what the targets select on)
+    reference: Callable | None = None  # the exact function, run in float64 on the same inputs: each impl's
+                                       # output and gradients get their relative error to it (rel_err_fp64)
 
 
 # -- launch-config tuning and the sm_90 compile check ---------------------------------------------------------------
@@ -107,15 +109,18 @@ class TuneShape(NamedTuple):
 class Tuning(NamedTuple):
     """The launch sites ("<record>.<part>") a config table may set. `default(part, dtype, size)` is the
     launcher's built-in config; `candidates[part]` the configs swept (fields it may change); `variant(part, dtype,
-    size, launch)` the compile Variant with BERT's training flags; `setup(shape, size, dtype, device)` gives
-    (fn, inputs, {part: inputs whose gradients that backward kernel writes}); parts missing there are forward
-    kernels, timed without gradients."""
+    size, launch)` the compile Variant with BERT's training flags (None for a part that is a choice between
+    implementations, not a kernel); `setup(shape, size, dtype, device, part)` gives (fn, inputs, {part: inputs
+    whose gradients that backward kernel writes}); parts missing there are forward kernels, timed without
+    gradients; parts in `whole` are timed forward + backward together (a strategy; a kernel that computes the
+    gradients in the forward)."""
     parts: tuple
     default: Callable
     candidates: dict
     shapes: tuple
     setup: Callable
     variant: Callable
+    whole: tuple = ()
 
 
 def grid(**axes) -> list[dict]:

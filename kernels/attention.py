@@ -507,6 +507,21 @@ def _cu_seqlens(lengths, device) -> torch.Tensor:
     return cu.to(device)
 
 
+def _sequence_reference(lengths, scale: float, keep=None, p: float = 0.0):
+    """Plain attention over packed q, k, v [T, heads, dim], sequence by sequence (with a given dropout mask)."""
+    def reference(q, k, v):
+        outs, start = [], 0
+        for n in (int(n) for n in lengths):
+            qq, kk, vv = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
+            if keep is not None:
+                probs = probs * keep[:, start:start + n, :n].to(probs.dtype) / (1 - p)
+            outs.append((probs @ vv).transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+    return reference
+
+
 def _smoke(s, device, p: float) -> Case:
     seed, cu = 4321, _cu_seqlens(s.lengths, device)
     max_len, scale = max(s.lengths), 1 / math.sqrt(s.head_dim)
@@ -515,16 +530,7 @@ def _smoke(s, device, p: float) -> Case:
     def ours(q, k, v):
         return varlen_attention(q, k, v, cu, max_len, dropout_p=p, seed=seed)
 
-    def reference(q, k, v):  # sequence by sequence, with the kernel's own dropout mask
-        outs, start = [], 0
-        for n in s.lengths:
-            qq, kk, vv = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
-            if keep is not None:
-                probs = probs * keep[:, start:start + n, :n].to(probs.dtype) / (1 - p)
-            outs.append((probs @ vv).transpose(0, 1))
-            start += n
-        return torch.cat(outs)
+    reference = _sequence_reference(s.lengths, scale, keep, p)  # with the kernel's own dropout mask
 
     inputs = [randn(s.tokens, s.heads, s.head_dim, device=device, seed=i) for i in range(3)]
     name = "attention" + (f" dropout{p}" if p else "") + (f" head_dim {s.head_dim}" if s.head_dim < 16 else "")
@@ -580,10 +586,12 @@ def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
     name = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}%"
     flops, extra = 4 * heads * 64 * float((lengths.double() ** 2).sum()), dict(seq_len=seqlen, padding=padding,
                                                                                 head_dim=64)
-    for impls, dims in ((padded, (batch, heads, seqlen, 64)), (packed, (total, heads, 64))):
+    exact = {"padded": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias.double()),
+             "packed": _sequence_reference(lengths, 1 / math.sqrt(64))}
+    for impls, dims, layout in ((padded, (batch, heads, seqlen, 64), "padded"), (packed, (total, heads, 64), "packed")):
         yield Bench("attention", name, impls, lambda dims=dims: tuple(
             torch.randn(*dims, device=device, dtype=dtype, requires_grad=True) for _ in range(3)),
-            flops_fwd=flops, extra=extra)
+            flops_fwd=flops, extra=extra, reference=exact[layout])
 
 
 _TENSORS = {"fwd": ("q", "k", "v", "o"), "dkdv": ("q", "k", "v", "do", "dk", "dv"), "dq": ("q", "k", "v", "do", "dq")}
@@ -619,7 +627,7 @@ def _variants():
                       4, 3, dtype)
 
 
-def _tune_setup(shape, size, dtype, device):
+def _tune_setup(shape, size, dtype, device, part=None):
     batch, seq, heads = shape
     lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=torch.Generator().manual_seed(0))
     cu = _cu_seqlens(lengths, device)
@@ -661,6 +669,8 @@ RECORD = Record(
                 where=_at(512, 0.0), fmt="{:.0f} TFLOP/s"),
            Goal("attention vs torch varlen_attn, s512", ">= 1x", "attention", "fwd_bwd_ms", ">=", 1.0,
                 peer="torch-varlen_attn", where=_at(512, 0.0)),
+           Goal("attention vs flash-attn varlen, every shape", ">= 1x", "attention", "fwd_bwd_ms", ">=", 1.0,
+                peer="flash_attn-varlen"),
            Goal("attention at 50% padding vs SDPA + padding mask, s512", ">= 2x", "attention", "fwd_bwd_ms", ">=",
                 2.0, peer="sdpa-masked", where=_at(512, 0.5))),
 )

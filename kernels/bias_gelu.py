@@ -239,7 +239,7 @@ def _bench(shape, device, dtype, full):
 
     n = tokens * i * dtype.itemsize  # forward: read x, write y; backward: read dy, x, write dx
     yield Bench("bias_gelu", f"{tokens}x{i}", {"torch-eager": lambda x, b: F.gelu(x + b), "ours": bias_gelu}, inputs,
-                2 * n, 3 * n)
+                2 * n, 3 * n, reference=lambda x, b: F.gelu(x + b))
 
 
 def _variant(part: str, dtype, n: int, launch, tanh=False) -> Variant:
@@ -264,7 +264,7 @@ def _variants():
                 yield _variant(part, dtype, 3072, _default(part, dtype, 3072), tanh)
 
 
-def _tune_setup(shape, size, dtype, device):
+def _tune_setup(shape, size, dtype, device, part=None):
     tokens, n = shape
     x, b = randn(tokens, n, device=device, dtype=dtype, grad=True), randn(n, seed=1, device=device, dtype=dtype,
                                                                             grad=True)

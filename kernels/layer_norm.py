@@ -26,7 +26,8 @@ from torch import nn
 
 from . import tuned
 from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
-from ._record import Bench, BenchShapes, Case, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals, randn
+from ._record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals,
+                      randn)
 
 __all__ = ["LayerNorm", "layer_norm", "fuse_layer_norms"]
 MAX_N = 16384
@@ -344,6 +345,22 @@ def _bench(shape, device, dtype, full):
     yield Bench("layer_norm+residual+dropout", f"{tokens}x{h}", {"torch-eager": eager, "ours": ours}, inputs,
                 3 * n, 5 * n)
 
+    def exact(x, r, w, b):
+        return nn.functional.layer_norm(x + r, (h,), w.to(x.dtype), b.to(x.dtype), 1e-12)
+
+    plain = {"torch-eager": exact, "ours": lambda x, r, w, b: layer_norm(x, w, b, 1e-12, residual=r)}
+    plain["liger-layer_norm"] = _liger_peer()
+    yield Bench("layer_norm+residual", f"{tokens}x{h}", plain, inputs, 3 * n, 5 * n, reference=exact)
+
+
+def _liger_peer():
+    """Liger-Kernel's LayerNorm on the sum x + r (it fuses no residual), or why it cannot run here."""
+    try:
+        from liger_kernel.transformers.functional import liger_layer_norm
+    except Exception as e:  # not installed, or fails to import here
+        return f"liger-kernel unavailable ({type(e).__name__}: {e})"[:160]
+    return lambda x, r, w, b: liger_layer_norm(x + r, w, b, 1e-12)
+
 
 def _variant(part: str, dtype, n: int, launch, residual=True, dropout=True, affine=True) -> Variant:
     common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
@@ -375,7 +392,7 @@ def _variants():
                     yield _variant(part, dtype, n, _default(part, dtype, n), *flags)
 
 
-def _tune_setup(shape, size, dtype, device):
+def _tune_setup(shape, size, dtype, device, part=None):
     tokens, h = shape
     x, r, w, b = (randn(*s, seed=i, device=device, dtype=dtype, grad=True)
                   for i, s in enumerate([(tokens, h), (tokens, h), (h,), (h,)]))
@@ -396,5 +413,7 @@ RECORD = Record(
                   shapes=(TuneShape(768, None, (16384, 768)), TuneShape(1024, None, (16384, 1024), rank=1)),
                   setup=_tune_setup, variant=_variant),
     variants=_variants,
-    goals=memory_bound_goals("LayerNorm+residual+dropout", "layer_norm+residual+dropout"),
+    goals=(*memory_bound_goals("LayerNorm+residual+dropout", "layer_norm+residual+dropout"),
+           Goal("LayerNorm+residual vs Liger-Kernel's LayerNorm", "faster", "layer_norm+residual", "fwd_bwd_ms", ">",
+                1.0, peer="liger-layer_norm")),
 )

@@ -274,9 +274,11 @@ def _tiles(kernel: str, h: int, dtype: torch.dtype) -> _Tiles:
 
 
 def _config(kernel: str, hidden: torch.Tensor) -> _Tiles:
-    """This GPU's measured tiles for `kernel` (kernels/tuned.py), else the defaults of `_tiles`."""
+    """This GPU's measured tiles for `kernel` (kernels/tuned.py), else the defaults of `_tiles`. Every mlm_loss
+    launch site is keyed by hidden size and the bucket of the labelled row count."""
     h = hidden.shape[1]
-    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, hidden.dtype), hidden.device, hidden.dtype, h)
+    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, hidden.dtype), hidden.device, hidden.dtype, h,
+                      seqlen=hidden.shape[0])
 
 
 def _vocab_splits(device, n_row_blocks: int, vocab: int, block_v: int) -> tuple[int, int]:
@@ -396,6 +398,16 @@ def _chunk_bounds(n: int, vocab: int, itemsize: int, chunk_rows: int | None) -> 
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """z = h @ weight^T + bias by cuBLAS, in rows padded to a multiple of 16 elements (30,522 -> 30,528), so that
+    every row starts 16-byte aligned and the row kernel moves it in 16-byte vectors."""
+    v = weight.shape[0]
+    z = h.new_empty(h.shape[0], triton.cdiv(v, 16) * 16)[:, :v]
+    if bias is None:
+        return torch.mm(h, weight.t(), out=z)
+    return torch.addmm(bias.to(h.dtype), h, weight.t(), out=z)
+
+
 class _Grads(NamedTuple):
     dhidden: torch.Tensor    # [N, H], or [0] when not wanted
     dweight: torch.Tensor    # [V, H], or [0]
@@ -428,9 +440,10 @@ def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=F
     chunks = _chunk_bounds(n, v, hidden.element_size(), chunk_rows)
     write = scale is not None and (need_hidden or need_weight)
     grads = _new_grads(hidden, weight, bias, write and need_hidden, write and need_weight, len(chunks) > 1)
-    t = tuned.pick("mlm_loss.ce", _ce_default(hidden.dtype), hidden.device, hidden.dtype, hidden.shape[1])
+    t = tuned.pick("mlm_loss.ce", _ce_default(hidden.dtype), hidden.device, hidden.dtype, hidden.shape[1], seqlen=n)
     for start, end in chunks:
-        h, z = hidden[start:end], F.linear(hidden[start:end], weight, bias)
+        h = hidden[start:end]
+        z = _logits(h, weight, bias)
         _ce_rows_kernel[(end - start,)](
             z, labels[start:end], scale[start:end] if write else loss, loss[start:end], hit[start:end], z.stride(0), v, WRITE_GRAD=write, BLOCK_V=t.BLOCK_V, num_warps=t.num_warps)
         if not write:
@@ -668,45 +681,89 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 # -- what the project's tools need to know about this op (kernels/_record.py) ---------------------------------------
 
-def _smoke(s, device) -> Case:
-    rows = max(1, int(0.15 * s.tokens))
-    labels = torch.randint(0, s.vocab, (rows,), generator=torch.Generator().manual_seed(5)).to(device)
-    labels[::7] = -100
-    inputs = [randn(rows, s.hidden, device=device), randn(s.vocab, s.hidden, device=device, seed=1, scale=.05),
-              randn(s.vocab, device=device, seed=2, scale=.05)]
+def _smoke_case(strategy: str):
+    def smoke(s, device) -> Case:
+        rows = max(1, int(0.15 * s.tokens))
+        labels = torch.randint(0, s.vocab, (rows,), generator=torch.Generator().manual_seed(5)).to(device)
+        labels[::7] = -100
+        inputs = [randn(rows, s.hidden, device=device), randn(s.vocab, s.hidden, device=device, seed=1, scale=.05),
+                  randn(s.vocab, device=device, seed=2, scale=.05)]
 
-    def reference(h, w, b):  # the logits in the inputs' dtype, the softmax in float32 at least (as under autocast)
-        logits = F.linear(h, w, b)
-        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
+        def reference(h, w, b):  # the logits in the inputs' dtype, the softmax in float32 at least (as autocast)
+            logits = F.linear(h, w, b)
+            return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
 
-    return Case("mlm_loss", inputs, lambda h, w, b: masked_lm_loss(h, w, b, labels), reference,
-                ["loss", "dhidden", "dweight", "dbias"])
+        return Case(f"mlm_loss {strategy}", inputs,
+                    lambda h, w, b: masked_lm_loss(h, w, b, labels, strategy=strategy), reference,
+                    ["loss", "dhidden", "dweight", "dbias"])
+    return smoke
+
+
+def _mlm_labels(tokens: int, vocab: int, device):
+    g = torch.Generator().manual_seed(0)
+    labels = torch.where(torch.rand(tokens, generator=g) < 0.15, torch.randint(0, vocab, (tokens,), generator=g),
+                         -100).to(device)
+    return labels, (labels != -100).nonzero().squeeze(1)
+
+
+def _peers(labels, rows) -> dict:
+    """The fused linear cross-entropies a user could pick instead, on the same gathered rows: Liger-Kernel's and
+    Apple's Cut Cross-Entropy (which takes no bias: it runs without one); a missing one is the reason it is
+    skipped."""
+    peers = {}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as e:  # not installed, or fails to import here
+        peers["(d) liger fused linear CE"] = f"liger-kernel unavailable ({type(e).__name__}: {e})"[:160]
+    else:
+        peers["(d) liger fused linear CE"] = lambda x, w, b: liger_fused_linear_cross_entropy(x[rows], w, labels[rows],
+                                                                                             b)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:
+        peers["(e) cut cross-entropy, no bias"] = f"cut-cross-entropy unavailable ({type(e).__name__}: {e})"[:160]
+    else:
+        peers["(e) cut cross-entropy, no bias"] = lambda x, w, b: linear_cross_entropy(x[rows], w, labels[rows])
+    return peers
 
 
 def _bench(shape, device, dtype, full):
     """Pre-training shapes, 15% of the tokens labelled: HF's path (the decoder on every position), the labelled
-    rows gathered before a plain linear + cross-entropy, and ours on the gathered rows. The interpreter is far
-    too slow for ours at these sizes: on a CPU only the two PyTorch paths run (their memory is the point)."""
+    rows gathered before a plain linear + cross-entropy, ours on the gathered rows (auto, and each strategy),
+    and the peers. In the interpreter the fused strategy is far too slow at these sizes: on a CPU it is left
+    out (ours there is the chunked strategy, which is mostly torch's matmuls)."""
     tokens, h, vocab = *shape, 30522
-    g = torch.Generator().manual_seed(0)
-    labels = torch.where(torch.rand(tokens, generator=g) < 0.15, torch.randint(0, vocab, (tokens,), generator=g),
-                         -100).to(device)
-    rows = (labels != -100).nonzero().squeeze(1)
+    labels, rows = _mlm_labels(tokens, vocab, device)
 
     def inputs():
         return (randn(tokens, h, device=device, dtype=dtype, grad=True),
                 randn(vocab, h, seed=1, scale=0.02, device=device, dtype=dtype, grad=True),
                 torch.zeros(vocab, device=device, dtype=dtype, requires_grad=True))
 
+    def reference(x, w, b):
+        return F.cross_entropy(F.linear(x[rows], w, b), labels[rows])
+
+    def ours(strategy):
+        return lambda x, w, b: masked_lm_loss(x[rows], w, b, labels[rows], strategy=strategy)
+
     impls = {"(a) full logits": lambda x, w, b: F.cross_entropy(F.linear(x, w, b).float(), labels),
-             "(b) gather+linear+CE": lambda x, w, b: F.cross_entropy(F.linear(x[rows], w, b).float(), labels[rows])}
+             "(b) gather+linear+CE": lambda x, w, b: F.cross_entropy(F.linear(x[rows], w, b).float(), labels[rows]),
+             "(c) ours": ours("auto"), "(c) ours chunked": ours("chunked")}
     if device.type == "cuda":
-        impls["(c) ours"] = lambda x, w, b: masked_lm_loss(x[rows], w, b, labels[rows])
+        impls["(c) ours fused"] = ours("fused")
+    impls.update(_peers(labels, rows))
     yield Bench("mlm_loss", f"{tokens} tok (~{rows.numel()} labelled) x V{vocab} x H{h}", impls, inputs,
-                extra=dict(hidden=h))
+                extra=dict(hidden=h, tokens=tokens), reference=reference)
 
 
-def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant:
+def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant | None:
+    if part == "strategy":
+        return None
+    if part == "ce":
+        return Variant(f"mlm_loss ce rows {dtype}", _ce_rows_kernel,
+                       dict(Z=dtype, Labels=torch.int64, Scale=torch.float32, Loss=torch.float32, Hit=torch.int8,
+                            stride_z="i32:16", V="i32", WRITE_GRAD=True, BLOCK_V=tiles.BLOCK_V),
+                       tiles.num_warps, 1, dtype, "vectors")
     args = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64, stride_h_n="i32:16",
                 stride_w_v="i32:16", N="i32", V="i32", H="i32:16", HAS_BIAS=bias, DOT_PRECISION=dot_precision(dtype),
                 BLOCK_M=tiles.BLOCK_M, BLOCK_V=tiles.BLOCK_V, BLOCK_H=tiles.BLOCK_H, Lse=torch.float32)
@@ -723,45 +780,69 @@ def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant:
     return Variant(name, fn, args, tiles.num_warps, tiles.num_stages, dtype, "wgmma")
 
 
+def _default(part: str, dtype, h: int):
+    if part == "ce":
+        return _ce_default(dtype)
+    if part == "strategy":
+        return _Strategy("chunked")
+    return _tiles(part, h, dtype)
+
+
 def _variants():
     for dtype in (torch.bfloat16, torch.float32):
         for h in (768, 1024):
             for bias in (True, False):
                 for part in ("fwd", "dhidden", "dweight"):
                     yield _variant(part, dtype, h, _tiles(part, h, dtype), bias)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        yield _variant("ce", dtype, 768, _ce_default(dtype))
 
 
-def _tune_setup(shape, size, dtype, device):
+# The strategy a tuning part measures: the fused kernels' parts run "fused", the row kernel's "chunked", and the
+# strategy part lets the table decide (bench.tune forces each candidate in turn).
+_TUNED_STRATEGY = {"fwd": "fused", "dhidden": "fused", "dweight": "fused", "ce": "chunked", "strategy": "auto"}
+
+
+def _tune_setup(shape, size, dtype, device, part=None):
     rows, h, vocab = shape
     hid, w, b = (randn(*s, seed=i, scale=c, device=device, dtype=dtype, grad=True)
                  for i, (s, c) in enumerate([((rows, h), 1.0), ((vocab, h), 0.05), ((vocab,), 0.05)]))
     labels = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(3)).to(device)
-    return (lambda hid, w, b: masked_lm_loss(hid, w, b, labels)), (hid, w, b), {"dhidden": (hid,), "dweight": (w, b)}
+    strategy = _TUNED_STRATEGY.get(part, "auto")
+    return ((lambda hid, w, b: masked_lm_loss(hid, w, b, labels, strategy=strategy)), (hid, w, b),
+            {"dhidden": (hid,), "dweight": (w, b), "ce": (hid, w, b), "strategy": (hid, w, b)})
 
 
-def _mlm_goal(name, goal, field, op, bound, peer, share=False) -> Goal:
-    return Goal(name, goal, "mlm_loss", field, op, bound, peer=peer, share=share, where=dict(hidden=768),
-                impl="(c) ours")
+def _mlm_goal(name, goal, field, op, bound, peer, share=False, where=None) -> Goal:
+    return Goal(name, goal, "mlm_loss", field, op, bound, peer=peer, share=share, where=where or {}, impl="(c) ours")
 
 
 RECORD = Record(
     name="mlm_loss",
-    smoke={"mlm_loss": _smoke},
-    bench_shapes=BenchShapes(quick=[(32768, 768)], full=[(32768, 768), (32768, 1024)], tiny=[(256, 768)],
-                             cpu=[(4096, 768)]),
+    smoke={"mlm_loss chunked": _smoke_case("chunked"), "mlm_loss fused": _smoke_case("fused")},
+    bench_shapes=BenchShapes(quick=[(32768, 768), (131072, 1024)], full=[(32768, 768), (32768, 1024), (131072, 1024)],
+                             tiny=[(256, 768)], cpu=[(4096, 768)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "dhidden", "dweight"), default=lambda part, dtype, size: _tiles(part, size, dtype),
+    tuning=Tuning(parts=("fwd", "dhidden", "dweight", "ce", "strategy"), default=_default,
                   candidates={"fwd": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128, 256], BLOCK_H=[64], num_warps=[4, 8],
                                           num_stages=[3]),
                               "dhidden": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
                                               num_warps=[8], num_stages=[2, 3]),
                               "dweight": grid(BLOCK_M=[32, 64], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
-                                              num_warps=[8], num_stages=[2, 3])},
-                  shapes=(TuneShape(768, None, (4915, 768, 30522)), TuneShape(1024, None, (4915, 1024, 30522), rank=1)),
-                  setup=_tune_setup, variant=_variant),
+                                              num_warps=[8], num_stages=[2, 3]),
+                              "ce": grid(BLOCK_V=[1024, 2048, 4096, 8192], num_warps=[4, 8, 16]),
+                              "strategy": grid(strategy=["chunked", "fused"])},
+                  shapes=(TuneShape(768, 4915, (4915, 768, 30522)), TuneShape(1024, 19660, (19660, 1024, 30522), rank=1)),
+                  setup=_tune_setup, variant=_variant, whole=("ce", "strategy")),
     variants=_variants,
     goals=(_mlm_goal("MLM loss extra memory vs full logits, H768", "<= 1%", "peak_extra_MB", "<=", 0.01,
-                     "(a) full logits", share=True),
-           _mlm_goal("MLM loss time vs gather + linear + CE, H768", ">= 1x", "fwd_bwd_ms", ">=", 1.0,
-                     "(b) gather+linear+CE")),
+                     "(a) full logits", share=True, where=dict(hidden=768)),
+           _mlm_goal("MLM loss time vs gather + linear + CE", ">= 1x", "fwd_bwd_ms", ">=", 1.0,
+                     "(b) gather+linear+CE"),
+           _mlm_goal("MLM loss time vs Liger fused linear CE", ">= 1x", "fwd_bwd_ms", ">=", 1.0,
+                     "(d) liger fused linear CE"),
+           _mlm_goal("MLM loss time vs Cut Cross-Entropy (no bias)", ">= 1x", "fwd_bwd_ms", ">=", 1.0,
+                     "(e) cut cross-entropy, no bias"),
+           Goal("MLM loss extra memory, BERT-large 256 x 512", "<= 1 GB", "mlm_loss", "peak_extra_MB", "<=", 1024,
+                where=dict(hidden=1024, tokens=131072), impl="(c) ours", fmt="{:.0f} MB")),
 )
