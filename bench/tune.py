@@ -197,7 +197,7 @@ def prune(problem: Problem, configs: list[dict], arch: int, jobs: int, warm: boo
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (inf if a has a non-finite value)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     if not torch.isfinite(a).all():
         return float("inf")
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

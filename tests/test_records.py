@@ -38,7 +38,7 @@ DOUBLE = Record(
     tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, size: _Launch(4),
                   candidates={"fwd": grid(num_warps=[2, 4]), "bwd": grid(num_warps=[2, 4])},
                   shapes=(TuneShape(16, None, (16,)),),
-                  setup=lambda shape, size, dtype, device: (_double, (x := randn(*shape, grad=True),), {"bwd": (x,)}),
+                  setup=lambda shape, size, dtype, device, part: (_double, (x := randn(*shape, grad=True),), {"bwd": (x,)}),
                   variant=None),
     variants=lambda: [],
     goals=(Goal("double vs eager", "faster", "double", "fwd_bwd_ms", ">", 1.0, peer="torch-eager"),),
