@@ -15,7 +15,8 @@ Runs, from a source checkout (PYTHONPATH=., no install, no network), these stage
            Hugging Face + torch.compile and the fused Hugging Face model (two thirds of the stage); then
            bert-bench --suite encode: forward-only encoding, eager, compiled and fused, batch 1/32/256
   kernels  bert-bench --suite kernels --quick: each kernel against torch eager, torch.compile and the peers
-           (varlen_attn, SDPA masked and nested, flash-attn when installed)
+           (varlen_attn, SDPA masked and nested, flash-attn when installed; Liger-Kernel's LayerNorm and fused
+           linear cross-entropy, Cut Cross-Entropy, from .gpu_deps), each row with its error to float64
   tune     python -m bench.tune: launch configs measured on this GPU for the problems the committed table
            (kernels/configs/) lacks, written with the committed entries to the archive's configs/ folder
 Each stage gets a share of the budget (smoke 20%, tests 20%, e2e 25%, kernels 20%, tune 15%, among the stages
@@ -30,9 +31,9 @@ files are in OUT_DIR/raw until then, and are removed after packing unless --keep
   --keep-raw        keep OUT_DIR/raw after packing
 
 Without a GPU it runs the same stages on the CPU: smoke in Triton's interpreter at small shapes, the GPU tests
-all skipped, the benchmarks on the torch path, tune skipped. A GPU machine without pytest can be given it as a
-folder of pure-Python packages next to this checkout (.gpu_deps, git-ignored, put on PYTHONPATH):
-  pip install --no-deps --target .gpu_deps pytest pluggy iniconfig packaging pygments
+all skipped, the benchmarks on the torch path, tune skipped. A GPU machine without network gets pytest and the
+kernel suite's peers as a folder of pure-Python packages next to this checkout (.gpu_deps, git-ignored, put on
+PYTHONPATH): run `bash bench/gpu_deps.sh` here first and send .gpu_deps along with the checkout.
 EOF
 }
 

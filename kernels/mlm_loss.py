@@ -206,7 +206,8 @@ def _mlm_loss_bwd_dweight_kernel(
 
 @triton.jit
 def _ce_rows_kernel(
-    Z,          # [C, V] one chunk's logits (compute dtype); overwritten with their gradient when WRITE_GRAD
+    Z,          # [C, stride_z] one chunk's logits in the first V columns of each row (compute dtype), overwritten
+                # with their gradient when WRITE_GRAD; the padding columns [V, stride_z) are read and written too
     Labels,     # [C] int64; a label outside [0, V) matches no logit
     Scale,      # [C] float32 the weight of each row's loss in what is differentiated (read when WRITE_GRAD)
     Loss,       # [C] float32 out: lse - z[label] (lse alone for a label outside [0, V))
@@ -214,39 +215,43 @@ def _ce_rows_kernel(
     stride_z, V,
     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One row per program, two passes over its logits: online max / sum of exponentials / first argmax, then
-    (WRITE_GRAD) dz = (exp(z - lse) - onehot(label)) * scale written over z."""
+    """One row per program, two passes over its logits: online max / sum of exponentials / label logit / first
+    argmax, then (WRITE_GRAD) dz = (exp(z - lse) - onehot(label)) * scale written over z. Memory is touched up to
+    the padded row end (stride_z, a multiple of 16) and the vocabulary bound applied to the values, so that
+    every access is a 16-byte vector; the padding gets dz = 0."""
     row = tl.program_id(0)
     base = Z + row.to(tl.int64) * stride_z
     label = tl.load(Labels + row)
-    has_label = (label >= 0) & (label < V)
     m = -float("inf")
     l = 0.0
+    target = 0.0
     best = -float("inf")
     best_idx = 0
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        z = tl.load(base + cols, mask=cols < stride_z, other=0.0).to(tl.float32)
+        z = tl.where(cols < V, z, float("-inf"))
         tile_max = tl.max(z, axis=0)
         m_new = tl.maximum(m, tile_max)
         l = l * tl.math.exp2((m - m_new) * LOG2E) + tl.sum(tl.math.exp2((z - m_new) * LOG2E), axis=0)
         m = m_new
+        target += tl.sum(tl.where(cols == label, z, 0.0), axis=0)
         # First index of the maximum, as torch.argmax: a later tile wins only if strictly larger.
         tile_idx = tl.min(tl.where(z == tile_max, cols, V), axis=0)
         best_idx = tl.where(tile_max > best, tile_idx, best_idx)
         best = tl.maximum(best, tile_max)
     lse = m + tl.math.log2(l) * LN2
-    target = tl.load(base + label, mask=has_label, other=0.0).to(tl.float32)
     tl.store(Loss + row, lse - target)
-    tl.store(Hit + row, (has_label & (best_idx == label)).to(tl.int8))
+    tl.store(Hit + row, (best_idx == label).to(tl.int8))
     if WRITE_GRAD:
         scale = tl.load(Scale + row)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            ok = cols < V
-            z = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+            in_row = cols < stride_z
+            z = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
+            z = tl.where(cols < V, z, float("-inf"))  # the padding: exp -> 0, so dz = 0 there
             dz = (tl.math.exp2((z - lse) * LOG2E) - tl.where(cols == label, 1.0, 0.0)) * scale
-            tl.store(base + cols, dz.to(Z.dtype.element_ty), mask=ok)
+            tl.store(base + cols, dz.to(Z.dtype.element_ty), mask=in_row)
 
 
 class _Tiles(NamedTuple):
