@@ -89,7 +89,8 @@ def test_problems_cover_bert_shapes_most_used_first():
     keys = {(p.kernel, p.key) for p in todo}
     for key in [("attention.fwd", "bfloat16/64/s128"), ("attention.dq", "float16/64/s512"),
                 ("layer_norm.bwd", "bfloat16/1024/all"), ("bias_gelu.fwd", "bfloat16/4096/all"),
-                ("mlm_loss.dhidden", "bfloat16/768/all")]:
+                ("mlm_loss.dhidden", "bfloat16/768/s8192"), ("mlm_loss.strategy", "bfloat16/1024/s32768"),
+                ("mlm_loss.ce", "float16/768/s8192")]:
         assert key in keys
     for p in todo:  # every candidate set only varies what the launcher lets a table tune
         assert set(tune.candidates(p.kernel)[0]) <= set(tune.default_launch(p.kernel, p.dtype, p.size)._fields)
@@ -115,3 +116,42 @@ def test_main_without_a_gpu_says_so(capsys):
         pytest.skip("has a GPU")
     assert tune.main(["--budget", "1"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_path, monkeypatch):
+    """mlm_loss.strategy is a choice, not a kernel config: no compile check prunes it, each candidate is timed on
+    the whole forward + backward (the chunked strategy computes its gradients in the forward), the winner's
+    gradients are checked against the default's, and the launcher's pick reads it from the table."""
+    from kernels.mlm_loss import _Strategy
+
+    problem = tune.Problem("mlm_loss.strategy", torch.float32, 16, 20, (20, 16, 50))
+    choices = [{"strategy": "chunked"}, {"strategy": "fused"}]
+    assert tune.prune(problem, choices, 90, jobs=1, warm=False) == (choices, {})  # nothing to compile
+    run = tune.setup(problem, CPU)
+    run.timed()
+    grads = run.outputs()
+    assert len(grads) == 3 and all(g is not None and g.abs().sum() > 0 for g in grads)
+    entry = tune.tune_problem(problem, CPU, fake_timer([3.0, 1.0]))
+    assert entry["config"] == {"strategy": "fused"} and entry["default_ms"] == 3.0 and entry["candidates"] == 2
+    tune.write_table(str(tmp_path), "sm_90", {problem.kernel: {"bfloat16/768/s8192": entry}}, {})
+    monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(tuned, "INTERPRET", False)
+    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")
+    tuned.clear_cache()
+    try:
+        def pick(rows, hidden=768):
+            return tuned.pick("mlm_loss.strategy", _Strategy("chunked"), torch.device("cuda"), torch.bfloat16,
+                              hidden, seqlen=rows).strategy
+        assert pick(4915) == "fused" and pick(19660) == "fused"  # the nearest row bucket
+        assert pick(4915, hidden=1024) == "chunked"               # no entry: the default
+    finally:
+        tuned.clear_cache()
+
+
+def test_the_chunked_row_kernel_is_timed_with_its_gradient_pass():
+    problem = tune.Problem("mlm_loss.ce", torch.float16, 16, 20, (20, 16, 50))
+    default = tune.default_launch(problem.kernel, problem.dtype, problem.size)
+    entry = tune.tune_problem(problem, CPU, fake_timer([2.0, 1.0, 3.0]),
+                              configs=[{"BLOCK_V": 64, "num_warps": 4}, {"BLOCK_V": 32, "num_warps": 2}])
+    assert entry["config"] == {"BLOCK_V": 32, "num_warps": 2} and entry["candidates"] == 3
+    assert default.BLOCK_V not in (32, 64)  # the default, a third candidate, was timed too
