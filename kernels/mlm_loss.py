@@ -440,11 +440,12 @@ class _Grads(NamedTuple):
 
 
 def _new_grads(hidden, weight, bias, need_hidden, need_weight, accumulate=False) -> _Grads:
-    """Gradient buffers, [0] where not wanted; `accumulate`: d weight in float32 (summed over chunks)."""
-    def tensor(wanted, shape, dtype):
-        return hidden.new_zeros(shape, dtype=dtype) if wanted else hidden.new_empty(0, dtype=dtype)
+    """Gradient buffers, [0] where not wanted; `accumulate`: d weight in float32 (summed over chunks). d hidden is
+    left uninitialised (each chunk writes its rows), the sums start at zero (no rows: zero gradients)."""
+    def tensor(wanted, shape, dtype, make=hidden.new_zeros):
+        return make(shape, dtype=dtype) if wanted else hidden.new_empty(0, dtype=dtype)
 
-    return _Grads(tensor(need_hidden, hidden.shape, hidden.dtype),
+    return _Grads(tensor(need_hidden, hidden.shape, hidden.dtype, hidden.new_empty),
                   tensor(need_weight, weight.shape, torch.float32 if accumulate else weight.dtype),
                   tensor(need_weight and bias is not None, weight.shape[:1], torch.float32))
 
@@ -469,8 +470,9 @@ def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=F
     for start, end in chunks:
         h = hidden[start:end]
         z = _logits(h, weight, bias)
-        _ce_rows_kernel[(end - start,)](
-            z, labels[start:end], scale[start:end] if write else loss, loss[start:end], hit[start:end], z.stride(0), v, WRITE_GRAD=write, BLOCK_V=t.BLOCK_V, num_warps=t.num_warps)
+        _ce_rows_kernel[(end - start,)](  # without WRITE_GRAD, Scale is never read: any float32 pointer
+            z, labels[start:end], scale[start:end] if write else loss, loss[start:end], hit[start:end], z.stride(0),
+            v, WRITE_GRAD=write, BLOCK_V=t.BLOCK_V, num_warps=t.num_warps)
         if not write:
             continue
         if need_hidden:
