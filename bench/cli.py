@@ -234,7 +234,7 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
         lines.append(f"encode: {', '.join(plan.encode[0]['variants'])} on {', '.join(shapes)}")
         runs += sum(len(s["variants"]) for s in plan.encode)
     per_run = (60 if full else 25) if cuda else (40 if full else 20)
-    minutes = (runs * per_run + (120 if plan.kernels and cuda else 30 if plan.kernels else 0)) / 60
+    minutes = (runs * per_run + (120 if plan.kernels else 0)) / 60
     more = "" if full else "; --full adds more shapes, torch.compile variants on a CPU, the padding sweep and steps"
     return "Plan: " + "; ".join(lines) + f". Roughly {minutes:.0f}-{2 * minutes:.0f} min here{more}.\n"
 
@@ -247,7 +247,8 @@ def _kernel_plan(cuda: bool) -> str:
     if cuda:
         return f"kernels: {', '.join(r.name for r in records())}, each against its peers"
     memory = [r.name for r in records() if r.bench_shapes.cpu is not None]
-    return f"kernels: the time and memory table of {', '.join(memory)} (timing the Triton kernels needs a GPU)"
+    return (f"kernels: the time and memory table of {', '.join(memory)} (ours and the Triton peers in Triton's "
+            "interpreter; timing the other kernels needs a GPU)")
 
 
 def _runs(variant: str, spec: dict, plan: Plan) -> bool:

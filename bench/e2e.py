@@ -7,7 +7,9 @@ positions only, so MFU is comparable across variants that skip different amounts
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
+import os
 import resource
 import time
 import traceback
@@ -161,14 +163,30 @@ def run_variant(variant: str, spec: dict) -> dict:
     return row
 
 
-def in_fresh_process(fn, *args):
-    """fn(*args) in a freshly spawned Python process (no allocator, compile-cache or peak-memory state shared).
-    Ctrl-C stops the child at once (rather than waiting for it to finish) and reaches the caller, which keeps what
-    finished before."""
+@contextlib.contextmanager
+def _added_environment(env: dict):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def in_fresh_process(fn, *args, env: dict | None = None):
+    """fn(*args) in a freshly spawned Python process (no allocator, compile-cache or peak-memory state shared),
+    with `env` added to its environment. Ctrl-C stops the child at once (rather than waiting for it to finish) and
+    reaches the caller, which keeps what finished before."""
     ctx = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
     try:
-        return pool.submit(fn, *args).result()
+        with _added_environment(env or {}):  # the child is spawned inside submit and inherits it then
+            future = pool.submit(fn, *args)
+        return future.result()
     except KeyboardInterrupt:
         for process in list((getattr(pool, "_processes", None) or {}).values()):
             process.terminate()

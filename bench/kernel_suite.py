@@ -133,7 +133,8 @@ def _case_rows(record, shape, index, case, peaks, device, full, fresh) -> list[d
             if fresh:
                 from .e2e import in_fresh_process
 
-                extra, t, error = in_fresh_process(_cpu_child, record.name, shape, index, name, full)
+                extra, t, error = in_fresh_process(_cpu_child, record.name, shape, index, name, full,
+                                                   env={"TRITON_INTERPRET": "1"})  # Triton on a CPU
                 row.update(fwd_bwd_ms=t * 1e3, peak_extra_MB=extra / 2**20)
                 if error is not None:
                     row["rel_err_fp64"] = error

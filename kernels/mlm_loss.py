@@ -413,7 +413,8 @@ class _CE(NamedTuple):
 
 
 def _ce_default(dtype: torch.dtype) -> _CE:
-    return _CE(1024, 4) if INTERPRET else _CE(4096, 8 if dtype == torch.float32 else 16)
+    """The interpreter pays per operation, not per element: there a whole BERT row (30,522) is one tile."""
+    return _CE(32768, 4) if INTERPRET else _CE(4096, 8 if dtype == torch.float32 else 16)
 
 
 def _chunk_bounds(n: int, vocab: int, itemsize: int, chunk_rows: int | None) -> list[tuple[int, int]]:
