@@ -402,9 +402,10 @@ _mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # -- strategy "chunked": logits by cuBLAS, one chunk of labelled rows at a time -------------------------------------
 
-# The logits of one chunk: 512 MiB keeps BERT-large at 256 x 512 tokens (~19,700 labelled rows, three chunks in
-# bfloat16) under 1 GB of extra memory with d weight's float32 accumulator, and BERT-base at 256 x 128 in one.
-CHUNK_BYTES = 512 * 2**20
+# The logits of one chunk: 320 MiB runs BERT-base at 256 x 128 tokens (~4,900 labelled rows, 300 MB of bfloat16
+# logits) in one chunk, and keeps BERT-large at 256 x 512 (~19,700 rows: four chunks of 300 MB) well under 1 GB
+# of extra memory with d weight's float32 sum (125 MB), a chunk's d weight product and the gathered rows.
+CHUNK_BYTES = 320 * 2**20
 
 
 class _CE(NamedTuple):

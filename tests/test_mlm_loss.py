@@ -370,3 +370,15 @@ def test_chunked_ops_pass_opcheck_and_compile(device):
         outs.append([loss, *torch.autograd.grad(loss, leaves)])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+def test_default_chunks_bound_the_logits():
+    """The default chunk: BERT-base pre-training's labelled rows (256 x 128 tokens, ~4,915) in one chunk of
+    bfloat16 logits, BERT-large's (256 x 512, ~19,660) in four equal ones; each chunk's logits within CHUNK_BYTES."""
+    from kernels.mlm_loss import CHUNK_BYTES, _chunk_bounds
+
+    assert _chunk_bounds(4915, 30522, 2, None) == [(0, 4915)]
+    large = _chunk_bounds(19660, 30522, 2, None)
+    assert large == [(i * 4915, (i + 1) * 4915) for i in range(4)]
+    assert all((end - start) * 30522 * 2 <= CHUNK_BYTES for start, end in large)
+    assert _chunk_bounds(10, 30522, 4, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)] and _chunk_bounds(0, 7, 4, None) == []
