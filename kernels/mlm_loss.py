@@ -863,7 +863,9 @@ RECORD = Record(
                               + grid(BLOCK_M=[64], BLOCK_V=[64], BLOCK_HO=[512], num_warps=[8], num_stages=[2]),
                               "ce": grid(BLOCK_V=[1024, 2048, 4096, 8192], num_warps=[4, 8, 16]),
                               "strategy": grid(strategy=["chunked", "fused"])},
-                  shapes=(TuneShape(768, 4915, (4915, 768, 30522)), TuneShape(1024, 19660, (19660, 1024, 30522), rank=1)),
+                  # keyed by the labelled rows: BERT-base at 256 x 128 tokens, BERT-large at 256 x 512
+                  shapes=(TuneShape(768, 4915, (4915, 768, 30522)),
+                          TuneShape(1024, 19660, (19660, 1024, 30522), rank=1)),
                   setup=_tune_setup, variant=_variant, whole=("ce", "strategy")),
     variants=_variants,
     goals=(_mlm_goal("MLM loss extra memory vs full logits, H768", "<= 1%", "peak_extra_MB", "<=", 0.01,
