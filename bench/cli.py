@@ -309,8 +309,7 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
         if device.type != "cuda" and record.bench_shapes.cpu is None:
             gpu_only.append(record.name)
             continue
-        rows += kernel_suite.rows(record, peaks, not args.full, device)
-        save()
+        kernel_suite.rows(record, peaks, not args.full, device, on_row=lambda row: (rows.append(row), save()))
     if gpu_only:
         print(f"Timing {', '.join(gpu_only)} needs a GPU; on this CPU only the memory tables run.\n")
     print("## Kernels\n")

@@ -113,17 +113,17 @@ def _rates(row: dict, case, peaks: dict) -> dict:
     return row
 
 
-def _case_rows(record, shape, index, case, peaks, device, full, fresh) -> list[dict]:
-    """One row per implementation of one problem; `fresh`: each in its own process (CPU memory)."""
+def _case_rows(record, shape, index, case, peaks, device, full, fresh):
+    """One row per implementation of one problem, yielded as each is measured; `fresh`: each in its own process
+    (CPU memory)."""
     impls = dict(case.impls)
     if device.type == "cuda" and "torch-eager" in impls:  # compiling on a CPU takes minutes and says nothing
         impls["torch-compile"] = torch.compile(impls["torch-eager"])
-    rows = []
     for name, fn in impls.items():
         row = {"kernel": case.kernel, "shape": case.shape, "impl": name,
                "dtype": str(_dtype(device)).replace("torch.", ""), **case.extra}
         if isinstance(fn, str):
-            rows.append(dict(row, status=f"skipped: {fn}"))
+            yield dict(row, status=f"skipped: {fn}")
             continue
         if WARM_ONLY:
             if "ours" in name:
@@ -143,15 +143,15 @@ def _case_rows(record, shape, index, case, peaks, device, full, fresh) -> list[d
             row["status"] = "ok"
         except Exception as e:  # one implementation failing costs its row only
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows
+        yield row
 
 
-def rows(record, peaks: dict, quick: bool, device: torch.device, shapes=None) -> list[dict]:
+def rows(record, peaks: dict, quick: bool, device: torch.device, shapes=None, on_row=None) -> list[dict]:
     """The rows of one kernel record at its quick or full shapes on a GPU, its CPU shapes on a CPU (none: the op
-    is timed on GPUs only), or at `shapes` (the tests' tiny ones)."""
+    is timed on GPUs only), or at `shapes` (the tests' tiny ones); on_row(row) as each row is measured (a run cut
+    short by its time budget keeps every finished row)."""
     cuda, known = device.type == "cuda", record.bench_shapes
     fresh = not cuda and known.cpu is not None
     if shapes is None:
@@ -159,5 +159,8 @@ def rows(record, peaks: dict, quick: bool, device: torch.device, shapes=None) ->
     out = []
     for shape in shapes or []:
         for index, case in enumerate(record.bench(shape, device, _dtype(device), not quick)):
-            out += _case_rows(record, shape, index, case, peaks, device, not quick, fresh)
+            for row in _case_rows(record, shape, index, case, peaks, device, not quick, fresh):
+                out.append(row)
+                if on_row is not None:
+                    on_row(row)
     return out

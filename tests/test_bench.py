@@ -234,7 +234,9 @@ def test_a_later_run_leaves_no_stale_files_of_an_earlier_one(tmp_path, monkeypat
     out.mkdir()
     for name in ("e2e.csv", "speedup.png", "padding.png"):
         (out / name).write_text("from an earlier run")
-    monkeypatch.setattr("bench.kernel_suite.rows", lambda record, peaks, quick, device: [{"kernel": record.name,
-                                                                                        "status": "ok"}])
+    def rows(record, peaks, quick, device, on_row):
+        on_row({"kernel": record.name, "status": "ok"})
+
+    monkeypatch.setattr("bench.kernel_suite.rows", rows)
     assert main(["--suite", "kernels", "--output-dir", str(out), "--device", "cpu"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["kernels.csv", "results.json"]

@@ -74,8 +74,9 @@ def test_a_new_record_reaches_smoke(with_double, capsys):
 def test_a_new_record_reaches_the_kernel_suite_targets_and_precompile(with_double):
     from bench import kernel_suite, precompile, targets
 
-    rows = kernel_suite.rows(DOUBLE, PEAKS, True, CPU, shapes=DOUBLE.bench_shapes.tiny)
-    assert [r["impl"] for r in rows] == ["torch-eager", "ours", "other"]
+    seen = []  # each row handed on as it is measured (bert-bench saves then: a cut run keeps what finished)
+    rows = kernel_suite.rows(DOUBLE, PEAKS, True, CPU, shapes=DOUBLE.bench_shapes.tiny, on_row=seen.append)
+    assert [r["impl"] for r in rows] == ["torch-eager", "ours", "other"] and seen == rows
     assert rows[2]["status"] == "skipped: not installed"
     assert all(r["status"] == "ok" and r["fwd_bwd_GBps"] > 0 for r in rows[:2])
     assert kernel_suite.rows(DOUBLE, PEAKS, True, CPU) == []  # no CPU shapes: timed on GPUs only
@@ -103,7 +104,7 @@ def test_bert_bench_lists_a_gpu_only_record_as_such(with_double, tmp_path, capsy
     from bench.cli import main
 
     monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
-    monkeypatch.setattr("bench.kernel_suite.rows", lambda record, peaks, quick, device: [])
+    monkeypatch.setattr("bench.kernel_suite.rows", lambda record, peaks, quick, device, on_row=None: [])
     assert main(["--suite", "kernels", "--output-dir", str(tmp_path), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "Timing attention, bias_gelu, layer_norm, double needs a GPU" in out
