@@ -8,9 +8,9 @@ unused ones, so that no host sync (the gather's count) stops the device.
 
 With M rows, V = vocabulary, H = hidden, a "logit-sized matmul" is 2 M V H FLOPs.
 
-Strategy "chunked": the rows in chunks of at most CHUNK_BYTES of logits. Per chunk, z = h @ W^T + b by cuBLAS in
-the compute dtype (rows padded to 16 elements), then one Triton program per row (_ce_rows_kernel): pass 1 the
-online max / sum of exponentials, the label's logit and the first argmax (loss = lse - z[label]); pass 2 writes
+Strategy "chunked": the rows in chunks of at most CHUNK_BYTES of logits. Per chunk, h @ W^T by cuBLAS in
+the compute dtype (rows padded to 16 elements), then one Triton program per row (_ce_rows_kernel), z being that
+product + b in float32: pass 1 the online max / sum of exponentials, the label's logit and the first argmax (loss = lse - z[label]); pass 2 writes
 dz = (softmax(z) - onehot(label)) * s over z, s being the row's weight in the differentiated sum (1/count for
 "mean", 1 for "sum", 0 for a row that counts for nothing). Then d h = dz @ W and d W += dz^T @ h by cuBLAS and
 d b += colsum(dz): 3 logit-sized matmuls in all, the gradients computed in the forward (the logits are at hand
@@ -225,20 +225,32 @@ def _mlm_loss_bwd_dweight_kernel(
 
 
 @triton.jit
+def _row_logits(base, B, cols, stride_z, V, HAS_BIAS: tl.constexpr):
+    """float32 logits of one row's columns `cols`: the product (+ bias), -inf past the vocabulary."""
+    in_row = cols < stride_z
+    z = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(B + cols, mask=in_row, other=0.0)
+    return tl.where(cols < V, z, float("-inf"))
+
+
+@triton.jit
 def _ce_rows_kernel(
-    Z,          # [C, stride_z] one chunk's logits in the first V columns of each row (compute dtype), overwritten
-                # with their gradient when WRITE_GRAD; the padding columns [V, stride_z) are read and written too
+    Z,          # [C, stride_z] one chunk's h @ W^T in the first V columns of each row (compute dtype), overwritten
+                # with the logits' gradient when WRITE_GRAD; the padding columns [V, stride_z) are read and written too
+    B,          # [stride_z] float32 the decoder bias, zero-padded (unused unless HAS_BIAS)
     Labels,     # [C] int64; a label outside [0, V) matches no logit
     Scale,      # [C] float32 the weight of each row's loss in what is differentiated (read when WRITE_GRAD)
     Loss,       # [C] float32 out: lse - z[label] (lse alone for a label outside [0, V))
     Hit,        # [C] int8 out: 1 where the first index of the row's largest logit is the label
     stride_z, V,
-    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One row per program, two passes over its logits: online max / sum of exponentials / label logit / first
-    argmax, then (WRITE_GRAD) dz = (exp(z - lse) - onehot(label)) * scale written over z. Memory is touched up to
-    the padded row end (stride_z, a multiple of 16) and the vocabulary bound applied to the values, so that
-    every access is a 16-byte vector; the padding gets dz = 0."""
+    """One row per program, two passes over its logits z = h @ W^T + b (the bias added here, in float32, so that
+    cuBLAS writes a plain product into the padded rows): online max / sum of exponentials / label logit / first
+    argmax, then (WRITE_GRAD) dz = (exp(z - lse) - onehot(label)) * scale written over the product. Memory is
+    touched up to the padded row end (stride_z, a multiple of 16) and the vocabulary bound applied to the values,
+    so that every access is a 16-byte vector; the padding gets dz = 0."""
     row = tl.program_id(0)
     base = Z + row.to(tl.int64) * stride_z
     label = tl.load(Labels + row)
@@ -249,8 +261,7 @@ def _ce_rows_kernel(
     best_idx = 0
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        z = tl.load(base + cols, mask=cols < stride_z, other=0.0).to(tl.float32)
-        z = tl.where(cols < V, z, float("-inf"))
+        z = _row_logits(base, B, cols, stride_z, V, HAS_BIAS)
         tile_max = tl.max(z, axis=0)
         m_new = tl.maximum(m, tile_max)
         l = l * tl.math.exp2((m - m_new) * LOG2E) + tl.sum(tl.math.exp2((z - m_new) * LOG2E), axis=0)
@@ -267,11 +278,9 @@ def _ce_rows_kernel(
         scale = tl.load(Scale + row)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            in_row = cols < stride_z
-            z = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
-            z = tl.where(cols < V, z, float("-inf"))  # the padding: exp -> 0, so dz = 0 there
+            z = _row_logits(base, B, cols, stride_z, V, HAS_BIAS)  # the padding: -inf, exp -> 0, so dz = 0 there
             dz = (tl.math.exp2((z - lse) * LOG2E) - tl.where(cols == label, 1.0, 0.0)) * scale
-            tl.store(base + cols, dz.to(Z.dtype.element_ty), mask=in_row)
+            tl.store(base + cols, dz.to(Z.dtype.element_ty), mask=cols < stride_z)
 
 
 class _Tiles(NamedTuple):
@@ -425,14 +434,16 @@ def _chunk_bounds(n: int, vocab: int, itemsize: int, chunk_rows: int | None) -> 
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """z = h @ weight^T + bias by cuBLAS, in rows padded to a multiple of 16 elements (30,522 -> 30,528), so that
-    every row starts 16-byte aligned and the row kernel moves it in 16-byte vectors."""
-    v = weight.shape[0]
-    z = h.new_empty(h.shape[0], triton.cdiv(v, 16) * 16)[:, :v]
-    if bias is None:
-        return torch.mm(h, weight.t(), out=z)
-    return torch.addmm(bias.to(h.dtype), h, weight.t(), out=z)
+def _padded(v: int) -> int:
+    return triton.cdiv(v, 16) * 16
+
+
+def _product(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h @ weight^T by cuBLAS, in rows padded to a multiple of 16 elements (30,522 -> 30,528), so that every row
+    starts 16-byte aligned and the row kernel moves it in 16-byte vectors (cuBLAS writes with that row stride;
+    the bias is the row kernel's, since a bias epilogue needs contiguous rows)."""
+    z = h.new_empty(h.shape[0], _padded(weight.shape[0]))[:, :weight.shape[0]]
+    return torch.mm(h, weight.t(), out=z)
 
 
 class _Grads(NamedTuple):
@@ -459,7 +470,7 @@ class _Pass(NamedTuple):
 
 
 def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=False, need_weight=False) -> _Pass:
-    """Per chunk of rows: z = hidden @ weight^T + bias by cuBLAS in the compute dtype, the row kernel over z, and,
+    """Per chunk of rows: hidden @ weight^T by cuBLAS in the compute dtype, the row kernel over it (+ bias), and,
     given the per-row weights `scale` of the differentiated sum, d hidden = dz @ weight, d weight += dz^T @ hidden,
     d bias += colsum(dz) (cuBLAS again, dz written over z)."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -469,12 +480,13 @@ def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=F
     write = scale is not None and (need_hidden or need_weight)
     grads = _new_grads(hidden, weight, bias, write and need_hidden, write and need_weight, len(chunks) > 1)
     t = tuned.pick("mlm_loss.ce", _ce_default(hidden.dtype), hidden.device, hidden.dtype, hidden.shape[1], seqlen=n)
+    padded_bias = None if bias is None else F.pad(bias.float(), (0, _padded(v) - v))
     for start, end in chunks:
         h = hidden[start:end]
-        z = _logits(h, weight, bias)
+        z = _product(h, weight)
         _ce_rows_kernel[(end - start,)](  # without WRITE_GRAD, Scale is never read: any float32 pointer
-            z, labels[start:end], scale[start:end] if write else loss, loss[start:end], hit[start:end], z.stride(0),
-            v, WRITE_GRAD=write, BLOCK_V=t.BLOCK_V, num_warps=t.num_warps)
+            z, padded_bias, labels[start:end], scale[start:end] if write else loss, loss[start:end], hit[start:end],
+            z.stride(0), v, HAS_BIAS=bias is not None, WRITE_GRAD=write, BLOCK_V=t.BLOCK_V, num_warps=t.num_warps)
         if not write:
             continue
         if need_hidden:
@@ -790,8 +802,9 @@ def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant | None:
         return None
     if part == "ce":
         return Variant(f"mlm_loss ce rows {dtype}", _ce_rows_kernel,
-                       dict(Z=dtype, Labels=torch.int64, Scale=torch.float32, Loss=torch.float32, Hit=torch.int8,
-                            stride_z="i32:16", V="i32", WRITE_GRAD=True, BLOCK_V=tiles.BLOCK_V),
+                       dict(Z=dtype, B=torch.float32, Labels=torch.int64, Scale=torch.float32, Loss=torch.float32,
+                            Hit=torch.int8, stride_z="i32:16", V="i32", HAS_BIAS=True, WRITE_GRAD=True,
+                            BLOCK_V=tiles.BLOCK_V),
                        tiles.num_warps, 1, dtype, "vectors")
     args = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64, stride_h_n="i32:16",
                 stride_w_v="i32:16", N="i32", V="i32", H="i32:16", HAS_BIAS=bias, DOT_PRECISION=dot_precision(dtype),
