@@ -3,8 +3,9 @@
 Reads what the stages left in RAW_DIR, each part optional (a stage cut short or not run leaves less):
 environment.json, stages.tsv (stage, status, seconds, allowed seconds), smoke.json, tests/*.log (pytest),
 e2e/, kernels/ and encode/results.json (bert-bench), tune.log and configs/*.json (bench.tune). Writes the
-targets table (bench/targets.py) with the measured value and met / not met, every smoke and test failure, the
-environment and the stages that were cut.
+targets table (bench/targets.py) with the measured value and met / not met, every kernel row beside its peers'
+(time, extra memory, error to float64), every smoke and test failure, the environment and the stages that were
+cut.
 """
 from __future__ import annotations
 
@@ -74,9 +75,15 @@ def render(raw: str) -> str:
     cut = [s["stage"] for s in stages if s["status"] == "cut"]
     if cut:
         lines += ["", f"Cut at their time limit (partial results kept): {', '.join(cut)}."]
-    verdicts = evaluate(_results(raw))
+    results = _results(raw)
+    verdicts = evaluate(results)
     lines += ["", "## Targets", "", markdown([v._asdict() | {"status": v.status} for v in verdicts],
                                             ["name", "goal", "value", "status"])]
+    kernels = results.get("kernels", [])
+    lines += ["", "## Kernels and their peers", "", "Each row's time, extra memory and error to the float64 "
+              "reference (where there is one), so a fast row can be seen to be right.", "",
+              markdown(kernels, ["kernel", "shape", "impl", "fwd_bwd_ms", "peak_extra_MB", "rel_err_fp64", "status"])
+              if kernels else "not run"]
     smoke = _json(os.path.join(raw, "smoke.json"), None)
     lines += ["", "## Smoke", ""]
     if smoke is None:

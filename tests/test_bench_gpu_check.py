@@ -130,6 +130,7 @@ def test_summary_of_a_partial_run(tmp_path):
     assert "- FAIL mlm_loss bfloat16: error 0.5, tolerance 0.01" in text
     assert "| attention fwd, d64 s512 bf16 | >= 350 TFLOP/s | 400 TFLOP/s | met |" in text
     assert "| BERT-base step s128 wiki bf16 throughput | >= 0.8M real tokens/s |  | not measured |" in text
+    assert "| mlm_loss | 32768 tok x H768 | (d) liger fused linear CE | 2.5 | 400 |  | ok |" in text
 
 
 def test_precompile_runs_pieces_in_workers_and_reports_failures():
