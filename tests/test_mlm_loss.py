@@ -154,17 +154,22 @@ def test_vocabulary_splits_merge_to_the_first_maximum(device, strategy):
     torch.testing.assert_close(hidden.grad, expected, rtol=1e-5, atol=1e-5)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the size in bytes of the largest tensor any ATen op creates while active."""
+class _Seen(TorchDispatchMode):
+    """Records, while active, the name of every op dispatched (our custom ops included), the shape of every tensor
+    an op creates, and the size in bytes of the largest."""
 
     def __init__(self):
         super().__init__()
+        self.ops: set[str] = set()
+        self.shapes: set[tuple] = set()
         self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.name())
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
 
@@ -175,11 +180,11 @@ def test_no_rows_by_vocab_tensor_is_allocated(device, strategy):
     n, v, h = 64, 2053, 8   # n * v is 8x the weight's size, so any [n, v] tensor would stand out
     hidden, weight, bias, labels = make(n, v, h, ignore_every=0)
     hidden, weight, bias = (t.to(device).requires_grad_() for t in (hidden, weight, bias))
-    with _LargestTensor() as seen:
+    with _Seen() as seen:
         kernels.masked_lm_loss(hidden, weight, bias, labels.to(device), strategy=strategy, chunk_rows=8).backward()
     weight_bytes, logits_bytes = v * h * 4, n * v * 4
     assert seen.largest <= max(weight_bytes, 8 * v * 4 if strategy == "chunked" else 0) < logits_bytes
-    with _LargestTensor() as seen:  # the same check catches the plain implementation
+    with _Seen() as seen:  # the same check catches the plain implementation
         F.cross_entropy(F.linear(hidden, weight, bias), labels.to(device)).backward()
     assert seen.largest >= logits_bytes
 
@@ -217,15 +222,9 @@ def test_bad_inputs(device, call, err, match):
 
 
 def _ops_called(fn) -> set[str]:
-    class Seen(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            names.add(func.name())
-            return func(*args, **(kwargs or {}))
-
-    names: set[str] = set()
-    with Seen():
+    with _Seen() as seen:
         fn()
-    return {n for n in names if n.startswith("bertfuse::")}
+    return {n for n in seen.ops if n.startswith("bertfuse::")}
 
 
 def test_auto_is_chunked_without_a_table_and_follows_the_table(device):
@@ -247,28 +246,17 @@ def test_auto_is_chunked_without_a_table_and_follows_the_table(device):
 
 
 def test_chunked_computes_no_gradient_when_none_is_wanted(device):
-    """The chunked forward computes the gradients, but only when autograd will want them: under no_grad, or for
-    inputs that do not require them, no weight-sized tensor is made, and d hidden only when hidden needs it."""
+    """The chunked forward computes the gradients, but only when autograd will want them: under no_grad, or for a
+    weight (and no bias) that does not require one, no weight-sized tensor is made."""
     n, v, h = 12, 50, 16
     hidden, weight, bias, labels = (t.to(device) for t in make(n, v, h))
-
-    class Shapes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    made.add(tuple(t.shape))
-            return out
-
-    made: set = set()
-    with torch.no_grad(), Shapes():
+    with torch.no_grad(), _Seen() as seen:
         kernels.masked_lm_loss(hidden.requires_grad_(), weight.requires_grad_(), bias, labels, strategy="chunked")
-    assert (v, h) not in made
-    made.clear()
+    assert (v, h) not in seen.shapes
     frozen = weight.detach()
-    with Shapes():
+    with _Seen() as seen:
         kernels.masked_lm_loss(hidden, frozen, None, labels, strategy="chunked")
-    assert (v, h) not in made
+    assert (v, h) not in seen.shapes
 
 
 @pytest.mark.gpu
