@@ -623,9 +623,10 @@ def pick_strategy(hidden: torch.Tensor, rows: int) -> str:
 
 
 class _Rows(NamedTuple):
-    """The rows the kernels compute, one concern: gathering (validate=True) or masking (validate=False)."""
-    hidden: torch.Tensor             # [N', H]
-    labels: torch.Tensor             # [N'] int64; -1 where a row counts for nothing (validate=False)
+    """The rows the kernels compute, one concern: gathering (validate=True) or masking (validate=False), in the
+    layouts the ops take."""
+    hidden: torch.Tensor             # [N', H], unit stride along H
+    labels: torch.Tensor             # [N'] int64, contiguous; -1 where a row counts for nothing (validate=False)
     used: torch.Tensor | None        # [N'] bool (validate=False), else None: every row counts
     count: int | torch.Tensor        # labelled rows, at least 1 (the mean's divisor)
     index: torch.Tensor | None       # [N'] positions in the caller's rows (validate=True)
@@ -635,7 +636,8 @@ def _rows(hidden, labels, vocab: int, ignore_index: int, validate: bool) -> _Row
     used = labels != ignore_index
     if not validate:  # a label outside [0, V) is treated as ignored, as documented
         used = used & (labels >= 0) & (labels < vocab)
-        return _Rows(hidden, labels.masked_fill(~used, -1).to(torch.int64), used, used.sum().clamp_min(1), None)
+        return _Rows(unit_stride(hidden), labels.masked_fill(~used, -1).to(torch.int64).contiguous(), used,
+                     used.sum().clamp_min(1), None)
     index = used.nonzero().squeeze(1)
     picked = labels[index]
     if picked.numel():
@@ -643,7 +645,7 @@ def _rows(hidden, labels, vocab: int, ignore_index: int, validate: bool) -> _Row
         if lo < 0 or hi >= vocab:
             raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
                              f"got values in [{lo}, {hi}]")
-    return _Rows(hidden[index], picked.to(torch.int64), None, max(index.numel(), 1), index)
+    return _Rows(hidden[index], picked.to(torch.int64).contiguous(), None, max(index.numel(), 1), index)
 
 
 def _check_strategy(strategy, chunk_rows) -> None:
@@ -655,27 +657,25 @@ def _check_strategy(strategy, chunk_rows) -> None:
 
 def _row_loss(r: _Rows, weight, bias, strategy: str, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss [N'] float32 with 0 where a row counts for nothing, hit [N'] bool), differentiable per row."""
-    args = unit_stride(r.hidden), unit_stride(weight), dense(bias), r.labels.contiguous()
     if strategy == "fused":
-        per_row, hit, _ = _mlm_loss_fwd(*args)
+        per_row, hit, _ = _mlm_loss_fwd(r.hidden, weight, bias, r.labels)
     else:
-        per_row, hit = _mlm_loss_chunked_rows(*args, chunk_rows)
+        per_row, hit = _mlm_loss_chunked_rows(r.hidden, weight, bias, r.labels, chunk_rows)
     return (per_row if r.used is None else per_row * r.used), hit
 
 
 def _reduced_loss(r: _Rows, weight, bias, reduction: str, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean or sum, hit [N']) by the chunked strategy, its gradients computed in the forward: the weight of each
     row in the differentiated sum (1/count or 1, 0 where a row counts for nothing) is known there."""
-    scale = torch.ones(r.hidden.shape[0], dtype=torch.float32, device=r.hidden.device)
-    if r.used is not None:
-        scale = scale * r.used
+    scale = (torch.ones(r.hidden.shape[0], dtype=torch.float32, device=r.hidden.device) if r.used is None
+             else r.used.float())
     if reduction == "mean":
         scale = scale / r.count
     grad = torch.is_grad_enabled()
     need_hidden = grad and r.hidden.requires_grad
     need_weight = grad and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    total, _, hit, *_ = _mlm_loss_chunked(unit_stride(r.hidden), unit_stride(weight), dense(bias),
-                                          r.labels.contiguous(), scale, chunk_rows, need_hidden, need_weight)
+    total, _, hit, *_ = _mlm_loss_chunked(r.hidden, weight, bias, r.labels, scale, chunk_rows, need_hidden,
+                                          need_weight)
     return total, hit
 
 
@@ -703,6 +703,7 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _check(hidden, weight, bias, labels, reduction)
     _check_strategy(strategy, chunk_rows)
     r = _rows(hidden, labels, weight.shape[0], ignore_index, validate)
+    weight, bias = unit_stride(weight), dense(bias)  # the layouts the kernels index
     if strategy == "auto":
         strategy = pick_strategy(r.hidden, r.hidden.shape[0])
     if strategy == "chunked" and reduction != "none":
