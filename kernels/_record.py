@@ -51,6 +51,15 @@ class Case(NamedTuple):
     outputs: list
 
 
+def optional_peer(package: str, load: Callable[[], Callable]) -> Callable | str:
+    """A peer implementation from another package, `load()` importing it, or, where that package is missing or
+    fails to import here, the reason (an impl given as a string is a skipped row saying why)."""
+    try:
+        return load()
+    except Exception as e:  # not installed, or broken here: its row says so, the suite goes on
+        return f"{package} unavailable ({type(e).__name__}: {e})"[:160]
+
+
 def randn(*shape, seed: int = 0, scale: float = 1.0, device="cpu", dtype=torch.float32, grad: bool = False):
     """Normal noise from a CPU generator (the same numbers on every device), scaled, optionally a leaf."""
     t = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device, dtype)

@@ -27,7 +27,7 @@ from torch import nn
 from . import tuned
 from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
 from ._record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals,
-                      randn)
+                      optional_peer, randn)
 
 __all__ = ["LayerNorm", "layer_norm", "fuse_layer_norms"]
 MAX_N = 16384
@@ -349,16 +349,13 @@ def _bench(shape, device, dtype, full):
         return nn.functional.layer_norm(x + r, (h,), w.to(x.dtype), b.to(x.dtype), 1e-12)
 
     plain = {"torch-eager": exact, "ours": lambda x, r, w, b: layer_norm(x, w, b, 1e-12, residual=r)}
-    plain["liger-layer_norm"] = _liger_peer()
+    plain["liger-layer_norm"] = optional_peer("liger-kernel", _liger)
     yield Bench("layer_norm+residual", f"{tokens}x{h}", plain, inputs, 3 * n, 5 * n, reference=exact)
 
 
-def _liger_peer():
-    """Liger-Kernel's LayerNorm on the sum x + r (it fuses no residual), or why it cannot run here."""
-    try:
-        from liger_kernel.transformers.functional import liger_layer_norm
-    except Exception as e:  # not installed, or fails to import here
-        return f"liger-kernel unavailable ({type(e).__name__}: {e})"[:160]
+def _liger():
+    """Liger-Kernel's LayerNorm on the sum x + r (it fuses no residual)."""
+    from liger_kernel.transformers.functional import liger_layer_norm
     return lambda x, r, w, b: liger_layer_norm(x + r, w, b, 1e-12)
 
 

@@ -56,7 +56,7 @@ import triton.language as tl
 from . import tuned
 from ._common import (INTERPRET, check_device, check_float, dense, dot_precision, interpreter_upcast, programs_wanted,
                       unit_stride)
-from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, randn
+from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, optional_peer, randn
 
 __all__ = ["masked_lm_loss"]
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
@@ -750,23 +750,17 @@ def _mlm_labels(tokens: int, vocab: int, device):
 
 def _peers(labels, rows) -> dict:
     """The fused linear cross-entropies a user could pick instead, on the same gathered rows: Liger-Kernel's and
-    Apple's Cut Cross-Entropy (which takes no bias: it runs without one); a missing one is the reason it is
-    skipped."""
-    peers = {}
-    try:
+    Apple's Cut Cross-Entropy (which takes no bias: it runs without one)."""
+    def liger():
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    except Exception as e:  # not installed, or fails to import here
-        peers["(d) liger fused linear CE"] = f"liger-kernel unavailable ({type(e).__name__}: {e})"[:160]
-    else:
-        peers["(d) liger fused linear CE"] = lambda x, w, b: liger_fused_linear_cross_entropy(x[rows], w, labels[rows],
-                                                                                             b)
-    try:
+        return lambda x, w, b: liger_fused_linear_cross_entropy(x[rows], w, labels[rows], b)
+
+    def cce():
         from cut_cross_entropy import linear_cross_entropy
-    except Exception as e:
-        peers["(e) cut cross-entropy, no bias"] = f"cut-cross-entropy unavailable ({type(e).__name__}: {e})"[:160]
-    else:
-        peers["(e) cut cross-entropy, no bias"] = lambda x, w, b: linear_cross_entropy(x[rows], w, labels[rows])
-    return peers
+        return lambda x, w, b: linear_cross_entropy(x[rows], w, labels[rows])
+
+    return {"(d) liger fused linear CE": optional_peer("liger-kernel", liger),
+            "(e) cut cross-entropy, no bias": optional_peer("cut-cross-entropy", cce)}
 
 
 def _bench(shape, device, dtype, full):
