@@ -164,17 +164,22 @@ def run_variant(variant: str, spec: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _added_environment(env: dict):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
+def environment(changes: dict):
+    """os.environ with `changes` (a value of None removes the variable) inside the block, restored after: what
+    processes spawned inside it inherit."""
+    def put(values):
+        for k, v in values.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    saved = {k: os.environ.get(k) for k in changes}
+    put(changes)
+    try:
+        yield
+    finally:
+        put(saved)
 
 
 def in_fresh_process(fn, *args, env: dict | None = None):
@@ -184,7 +189,7 @@ def in_fresh_process(fn, *args, env: dict | None = None):
     ctx = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
     try:
-        with _added_environment(env or {}):  # the child is spawned inside submit and inherits it then
+        with environment(env or {}):  # the child is spawned inside submit and inherits it then
             future = pool.submit(fn, *args)
         return future.result()
     except KeyboardInterrupt:

@@ -180,15 +180,13 @@ def _check_candidate(problem: Problem, config: dict, arch: int, warm: bool) -> s
 def prune(problem: Problem, configs: list[dict], arch: int, jobs: int, warm: bool) -> tuple[list[dict], dict]:
     """(configs that pass, {config as JSON: reason} for those that do not), checked in `jobs` spawned processes
     started without TRITON_INTERPRET (the compiler must be real)."""
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            reasons = list(pool.map(_check_candidate, itertools.repeat(problem), configs, itertools.repeat(arch),
-                                    itertools.repeat(warm)))
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+    from .e2e import environment
+
+    ctx = multiprocessing.get_context("spawn")
+    with environment({"TRITON_INTERPRET": None}), \
+            concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        reasons = list(pool.map(_check_candidate, itertools.repeat(problem), configs, itertools.repeat(arch),
+                                itertools.repeat(warm)))
     kept = [c for c, r in zip(configs, reasons) if r is None]
     return kept, {json.dumps(c, sort_keys=True): r for c, r in zip(configs, reasons) if r is not None}
 
