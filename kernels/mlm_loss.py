@@ -8,16 +8,16 @@ unused ones, so that no host sync (the gather's count) stops the device.
 
 With M rows, V = vocabulary, H = hidden, a "logit-sized matmul" is 2 M V H FLOPs.
 
-Strategy "chunked": the rows in chunks of at most CHUNK_BYTES of logits. Per chunk, h @ W^T by cuBLAS in
-the compute dtype (rows padded to 16 elements), then one Triton program per row (_ce_rows_kernel), z being that
-product + b in float32: pass 1 the online max / sum of exponentials, the label's logit and the first argmax
-(loss = lse - z[label]); pass 2 writes dz = (softmax(z) - onehot(label)) * s over the product, s being the row's weight in the differentiated sum (1/count for
-"mean", 1 for "sum", 0 for a row that counts for nothing). Then d h = dz @ W and d W += dz^T @ h by cuBLAS and
-d b += colsum(dz): 3 logit-sized matmuls in all, the gradients computed in the forward (the logits are at hand
-there; Liger-Kernel's fused linear cross-entropy does the same) and only scaled by the upstream scalar in the
-backward. reduction="none" has a per-row upstream gradient, known only in the backward: there the logits are
-recomputed (4 matmuls). Extra memory: one chunk of logits, the gradients from forward to backward, and with
-several chunks a float32 [V, H] sum of d W.
+Strategy "chunked": the rows in chunks of at most CHUNK_BYTES of logits. Per chunk, h @ W^T by cuBLAS in the compute
+dtype (rows padded to 16 elements), then one Triton program per row (_ce_rows_kernel), z being that product + b in
+float32: pass 1 the online max / sum of exponentials, the label's logit and the first argmax (loss =
+lse - z[label]); pass 2 writes dz = (softmax(z) - onehot(label)) * s over the product, s being the row's weight in
+the differentiated sum (1/count for "mean", 1 for "sum", 0 for a row that counts for nothing). Then d h = dz @ W and
+d W += dz^T @ h by cuBLAS and d b += colsum(dz): 3 logit-sized matmuls in all, the gradients computed in the forward
+(the logits are at hand there; Liger-Kernel's fused linear cross-entropy does the same) and only scaled by the
+upstream scalar in the backward. reduction="none" has a per-row upstream gradient, known only in the backward: there
+the logits are recomputed (4 matmuls). Extra memory: one chunk of logits, the gradients from forward to backward,
+and with several chunks a float32 [V, H] sum of d W.
 
 Strategy "fused" (the kernels below, up to _ce_rows_kernel): no logits in memory at all.
 
@@ -406,7 +406,6 @@ def _backward(ctx, dloss, _dhit, _dlse):
 
 
 _mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
-
 
 
 # -- strategy "chunked": logits by cuBLAS, one chunk of labelled rows at a time -------------------------------------

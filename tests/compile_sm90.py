@@ -4,9 +4,9 @@ without a GPU, and read ptxas's register report. Run as a script (not under TRIT
 registers per thread, bytes spilled to local memory) and exits non-zero if any variant fails to compile, needs
 more shared memory than a block gets, spills registers, runs a half-precision dot off Hopper's wgmma, or moves
 half-precision elements of a memory-bound kernel one at a time (the rules are in bench/compile_check.py, which
-the tuner uses to prune its candidates). Groups: each kernel record's name (the launchers' default variants of that op), and
-"table", the configs of the committed sm_90 launch-config table (kernels/configs/sm_90.json). `--shard I/N`
-compiles every N-th variant from the I-th (0-based), so that N processes share the work;
+the tuner uses to prune its candidates). Groups: each kernel record's name (the launchers' default variants of
+that op), and "table", the configs of the committed sm_90 launch-config table (kernels/configs/sm_90.json).
+`--shard I/N` compiles every N-th variant from the I-th (0-based), so that N processes share the work;
 tests/test_compile_sm90.py runs it that way."""
 from __future__ import annotations
 
