@@ -304,12 +304,17 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
         print(f"The kernel suite needs the kernels package, which does not import here: {e}\n")
         return
     rows = results["kernels"]
+
+    def keep(row):  # saved as each row is measured: a run cut short keeps every finished row
+        rows.append(row)
+        save()
+
     gpu_only = []
     for record in records():
         if device.type != "cuda" and record.bench_shapes.cpu is None:
             gpu_only.append(record.name)
             continue
-        kernel_suite.rows(record, peaks, not args.full, device, on_row=lambda row: (rows.append(row), save()))
+        kernel_suite.rows(record, peaks, not args.full, device, on_row=keep)
     if gpu_only:
         print(f"Timing {', '.join(gpu_only)} needs a GPU; on this CPU only the memory tables run.\n")
     print("## Kernels\n")
