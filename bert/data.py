@@ -9,13 +9,9 @@ random non-special token, 10% stay.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
-import random
 import re
-import shutil
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -35,9 +31,11 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
 
 
-def _text_sentences(text) -> list[str]:
-    """The sentences of one document's text, paragraph by paragraph."""
-    return [s for para in str(text).split("\n") for s in split_sentences(para)]
+def text_sentences(paragraphs) -> list[str]:
+    """The sentences of one document's paragraphs (a string is split at its line breaks)."""
+    if isinstance(paragraphs, str):
+        paragraphs = paragraphs.split("\n")
+    return [s for para in paragraphs for s in split_sentences(para)]
 
 
 def corpus_files(source: str) -> list[str]:
@@ -63,7 +61,7 @@ def read_text(path: str) -> str:
 
 def _text_file_documents(path: str) -> Iterator[list[str]]:
     """Plain text: documents are separated by blank lines. WikiText: each `= Title =` line starts a document,
-    `= = Section = =` lines are dropped, and blank lines only separate paragraphs."""
+    `= = Section = =` lines are dropped, and blank lines only separate paragraphs. Yields each document's lines."""
     lines = read_text(path).splitlines()
     wikitext = sum(1 for line in lines[:2000] if _TOP_HEADING.match(line)) >= 1
     doc: list[str] = []
@@ -79,110 +77,61 @@ def _text_file_documents(path: str) -> Iterator[list[str]]:
                 yield doc
                 doc = []
         else:
-            doc.extend(split_sentences(line))
+            doc.append(line)
     if doc:
         yield doc
 
 
-def iter_documents(source: str, text_field: str = "text", hf_split: str = "train") -> Iterator[list[str]]:
-    """Documents (lists of sentences) from local text files (a path, a directory or a glob), a .jsonl file with a
-    text field, or a Hugging Face dataset streamed by name: `hf:NAME` or `hf:NAME:CONFIG`."""
+def _jsonl_documents(path: str, text_field: str) -> Iterator[list[str]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode_line(raw, path, lineno)
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_field]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field") from e
+            if str(text).strip():
+                yield str(text).split("\n")
+
+
+def _decode_line(raw: bytes, path: str, lineno: int) -> str:
+    if b"\0" in raw:
+        raise ValueError(f"{path}: binary data (a NUL byte on line {lineno}), not a text file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+
+
+def iter_document_texts(source: str, text_field: str = "text", hf_split: str = "train") -> Iterator[list[str]]:
+    """Documents as lists of paragraphs (not yet split into sentences) from local text files (a path, a
+    directory or a glob), .jsonl files with a text field (one document per line, read line by line: a corpus
+    of any size), or a Hugging Face dataset streamed by name: `hf:NAME` or `hf:NAME:CONFIG`, e.g.
+    hf:wikimedia/wikipedia:20231101.en, whose rows (id, url, title, text) a local .jsonl may mirror."""
     if source.startswith("hf:"):
         import datasets
 
         name, _, config = source[3:].partition(":")
-        stream = datasets.load_dataset(name, config or None, split=hf_split, streaming=True)
-        for row in stream:
-            sentences = _text_sentences(row[text_field])
-            if sentences:
-                yield sentences
+        for row in datasets.load_dataset(name, config or None, split=hf_split, streaming=True):
+            if str(row[text_field]).strip():
+                yield str(row[text_field]).split("\n")
         return
     paths = corpus_files(source)
     if not paths:
         raise FileNotFoundError(f"no corpus files at {source}")
     for path in paths:
-        if path.endswith((".jsonl", ".json")):
-            for lineno, line in enumerate(read_text(path).splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field") from e
-                sentences = _text_sentences(text)
-                if sentences:
-                    yield sentences
-        else:
-            yield from _text_file_documents(path)
+        yield from (_jsonl_documents(path, text_field) if path.endswith((".jsonl", ".json"))
+                    else _text_file_documents(path))
 
 
-def _fingerprint(source: str, tokenizer, extra) -> str:
-    h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
-    h.update(tokenizer.to_str().encode())
-    if not source.startswith("hf:"):
-        for p in corpus_files(source):
-            st = os.stat(p)
-            h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
-    else:
-        h.update(source.encode())
-    return h.hexdigest()[:16]
-
-
-def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_proc: int = 1,
-                    max_documents: int | None = None):
-    """A datasets.Dataset with one row per document: {"sentences": list of token-id lists} (no specials).
-
-    Tokenised in batches (datasets.map, `num_proc` processes) and cached under `cache_dir`, keyed by the
-    corpus files and the tokenizer, so a second run loads from disk.
-    """
-    import datasets
-
-    key = _fingerprint(source, tokenizer, {"max_documents": max_documents, "v": 1})
-    path = os.path.join(cache_dir, f"tokenized-{key}") if cache_dir else None
-    if path and os.path.isdir(path):
-        try:
-            return datasets.load_from_disk(path)
-        except Exception as e:  # a cache from an older datasets or a damaged disk: rebuild, never fail on it
-            warnings.warn(f"the tokenised-corpus cache {path} cannot be read ({type(e).__name__}: {e}); "
-                          "rebuilding it")
-            shutil.rmtree(path, ignore_errors=True)
-    if next(iter_documents(source), None) is None:  # datasets cannot even infer a schema from nothing
-        raise ValueError(f"the corpus at {source} has no text")
-
-    def gen():
-        for i, doc in enumerate(iter_documents(source)):
-            if max_documents is not None and i >= max_documents:
-                break
-            yield {"text": doc}
-
-    docs = datasets.Dataset.from_generator(gen, cache_dir=cache_dir)
-    if len(docs) == 0:
-        raise ValueError(f"the corpus at {source} has no text")
-    serialized = tokenizer.to_str()
-
-    def encode(batch):
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_str(serialized)
-        tok.no_truncation()
-        tok.no_padding()
-        out = []
-        for sentences in batch["text"]:
-            encs = tok.encode_batch(sentences, add_special_tokens=False)
-            out.append([e.ids for e in encs if e.ids])
-        return {"sentences": out}
-
-    tokenized = docs.map(encode, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
-                         remove_columns=["text"], desc="tokenising")
-    tokenized = tokenized.filter(lambda row: len(row["sentences"]) > 0)
-    if path:  # written under a temporary name, then renamed: a killed run leaves no half-written cache
-        tmp = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tokenized.save_to_disk(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        tokenized = datasets.load_from_disk(path)
-    return tokenized
+def iter_documents(source: str, text_field: str = "text", hf_split: str = "train") -> Iterator[list[str]]:
+    """Documents as lists of sentences (iter_document_texts, split by `split_sentences`); empty ones skipped."""
+    for paragraphs in iter_document_texts(source, text_field, hf_split):
+        sentences = text_sentences(paragraphs)
+        if sentences:
+            yield sentences
 
 
 @dataclass
@@ -204,87 +153,6 @@ class SpecialIds:
         return cls(ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], ids["[PAD]"], tokenizer.get_vocab_size(), special)
 
 
-def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
-    """Trim the longer side, from a random end, until both fit (BERT's truncate_seq_pair)."""
-    while len(a) + len(b) > max_tokens:
-        longer = a if len(a) > len(b) else b
-        if rng.random() < 0.5:
-            del longer[0]
-        else:
-            longer.pop()
-
-
-class DocumentView:
-    """Tokenised documents (rows of {"sentences": [[ids]]}) read from a memory-mapped Arrow dataset one at a time,
-    so a corpus the size of Wikipedia never has to fit in memory as Python lists."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> list[list[int]]:
-        return self.dataset[int(i)]["sentences"]
-
-    def __iter__(self):
-        for row in self.dataset:
-            yield row["sentences"]
-
-
-def iter_instances(documents, max_seq_len: int, special: SpecialIds, seed: int, short_seq_prob: float = 0.1,
-                   nsp_random_prob: float = 0.5) -> Iterator[dict]:
-    """NSP instances from tokenised documents (documents -> sentences -> ids), deterministic in `seed`.
-
-    `documents` is any sequence of documents (a list, or a DocumentView over Arrow). Each instance: input_ids
-    ([CLS] A [SEP] B [SEP]), token_type_ids (0 for [CLS] A [SEP], 1 for B [SEP]) and next_sentence_label
-    (0: B follows A in the document, 1: B comes from another document).
-    """
-    if max_seq_len < 8:
-        raise ValueError(f"max_seq_len must be at least 8, got {max_seq_len}")
-    rng = random.Random(seed)
-    max_tokens = max_seq_len - 3
-
-    def draw_target():
-        return rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
-
-    def take(sentences, start, want):
-        """Whole sentences from `start` until `want` tokens are reached (at least one); returns (ids, count)."""
-        ids, n = [], 0
-        while start + n < len(sentences) and (n == 0 or len(ids) < want):
-            ids.extend(sentences[start + n])
-            n += 1
-        return ids, n
-
-    n_docs = len(documents)
-    for d, doc in enumerate(documents):
-        i = 0
-        while i < len(doc):
-            target = draw_target()
-            _, n_chunk = take(doc, i, target)
-            a_end = rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1
-            a = [t for s in doc[i:i + a_end] for t in s]
-            want_random = n_docs > 1 and rng.random() < nsp_random_prob
-            if not want_random and a_end < n_chunk:          # the rest of the chunk follows A
-                b, label, i = [t for s in doc[i + a_end:i + n_chunk] for t in s], 0, i + n_chunk
-            elif not want_random and i + a_end < len(doc):   # a one-sentence chunk: continue past it
-                b, used = take(doc, i + a_end, max(1, target - len(a)))
-                label, i = 0, i + a_end + used
-            elif n_docs > 1:                                 # B from another document; A's leftovers are kept
-                other = rng.randrange(n_docs - 1)
-                other += other >= d
-                other_doc = documents[other]
-                b, _ = take(other_doc, rng.randrange(len(other_doc)), max(1, target - len(a)))
-                label, i = 1, i + a_end
-            else:
-                break
-            if a and b:
-                _truncate_pair(a, b, max_tokens, rng)
-                ids = [special.cls, *a, special.sep, *b, special.sep]
-                types = [0] * (len(a) + 2) + [1] * (len(b) + 1)
-                yield {"input_ids": ids, "token_type_ids": types, "next_sentence_label": label}
-
-
 def check_instance(x: dict, vocab_size: int, where: str) -> torch.Tensor:
     """A pre-training instance's input_ids as a tensor, after checking what the model would otherwise meet as a
     wrong loss or an index error: at least one token, ids in [0, vocab_size), token_type_ids of the same length
@@ -303,15 +171,43 @@ def check_instance(x: dict, vocab_size: int, where: str) -> torch.Tensor:
     return ids
 
 
-class MLMCollator:
-    """Pads a list of instances to the longest (rounded up to a multiple of 8) and masks them for MLM; instances
-    are checked first (`check_instance`).
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
-    Each instance is masked with a generator of its own from a named stream of the run's seed (bert.seeds) and
-    the instance's key: training passes (epoch, index of the instance in the epoch), evaluation its index in the
-    held-out set. So an instance is masked the same way however the batch is split over ranks, packed or padded,
-    and whether or not training resumed in between, yet differently each epoch. `mask` is the one masking
-    algorithm, for padded and packed batches alike.
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64: a bijection whose outputs look independent and uniform."""
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _uniform(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> floats in [0, 1) (their top 53 bits)."""
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def key_array(keys, n: int) -> np.ndarray:
+    """Masking keys (ints, or tuples of ints of one length) as a uint64 array [n, key length]."""
+    array = np.asarray(list(keys) if not isinstance(keys, np.ndarray) else keys, dtype=np.int64)
+    array = array.reshape(len(array), -1) if array.size else np.zeros((0, 1), np.int64)
+    if len(array) != n:
+        raise ValueError(f"{n} instances but {len(array)} masking keys")
+    if (array < 0).any():
+        raise ValueError("masking keys must be non-negative integers")
+    return array.astype(np.uint64)
+
+
+class MLMCollator:
+    """Masks instances for MLM and, called on a list of instances, pads them to the longest (rounded up to a
+    multiple of 8); instances are checked first (`check_instance`).
+
+    Each instance is masked by random numbers of its own: a hash of the run's seed, a named stream (bert.seeds),
+    the instance's key and the token's position. Training keys an instance by (epoch, its place in the epoch),
+    evaluation by its index in the held-out set. So an instance is masked the same way however the batch is
+    split over ranks, packed or padded, and whether or not training resumed in between, yet differently each
+    epoch; and a whole micro-batch is masked in a few array operations (`mask_flat`), whatever its instances.
     """
 
     def __init__(self, special: SpecialIds, mlm_probability=0.15, mask_prob=0.8, random_prob=0.1,
@@ -321,66 +217,114 @@ class MLMCollator:
             raise ValueError("need 0 < mlm_probability < 1 and mask_prob + random_prob <= 1")
         self.special, self.p, self.mask_prob, self.random_prob = special, mlm_probability, mask_prob, random_prob
         self.whole_word, self.multiple, self.seed, self.exact = whole_word, pad_to_multiple_of, seed, exact
-        self.is_continuation = torch.zeros(special.vocab_size, dtype=torch.bool)
-        for i in continuation_ids:
-            self.is_continuation[i] = True
-        allowed = torch.ones(special.vocab_size, dtype=torch.bool)
-        allowed[list(special.special)] = False
-        self.replacement_ids = allowed.nonzero().squeeze(1)
+        self.is_continuation = np.zeros(special.vocab_size, dtype=bool)
+        self.is_continuation[list(continuation_ids)] = True
+        self.is_special = np.zeros(special.vocab_size, dtype=bool)
+        self.is_special[list(special.special)] = True
+        self.replacement_ids = np.flatnonzero(~self.is_special)
         self.special_ids = torch.as_tensor(special.special)
 
     def __call__(self, instances: list[dict], keys: Iterable | None = None,
                  stream: str = "masking") -> dict[str, torch.Tensor]:
-        keys = list(range(len(instances))) if keys is None else list(keys)
-        if len(keys) != len(instances):
-            raise ValueError(f"{len(instances)} instances but {len(keys)} masking keys")
-        rows = []
-        for i, (x, key) in enumerate(zip(instances, keys)):
-            ids = check_instance(x, self.special.vocab_size, f"instance {i} of the batch")
-            masked, labels = self.mask(ids, key, stream)
-            rows.append({"input_ids": masked, "token_type_ids": x["token_type_ids"], "labels": labels,
-                         "next_sentence_label": x["next_sentence_label"]})
+        keys = key_array(range(len(instances)) if keys is None else keys, len(instances))
+        ids = [check_instance(x, self.special.vocab_size, f"instance {i} of the batch").numpy()
+               for i, x in enumerate(instances)]
+        lengths = np.array([len(r) for r in ids], dtype=np.int64)
+        masked, labels = self.mask_flat(np.concatenate(ids) if ids else np.zeros(0, np.int64), lengths, keys, stream)
+        ends = np.cumsum(lengths)
+        rows = [{"input_ids": torch.from_numpy(masked[e - n:e]), "token_type_ids": x["token_type_ids"],
+                 "labels": torch.from_numpy(labels[e - n:e]), "next_sentence_label": x["next_sentence_label"]}
+                for x, n, e in zip(instances, lengths, ends)]
         return pad_batch(rows, self.special.pad, self.multiple)
 
-    def _groups(self, row: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """Per token, the unit it is chosen with (1, 2, ...; 0 for specials): with whole words, a word (a piece
-        and the ## pieces after it; a ## piece after a special token starts a unit of its own), else each token."""
+    def mask(self, row: torch.Tensor, key, stream: str = "masking") -> tuple[torch.Tensor, torch.Tensor]:
+        """(masked ids, labels) of one instance (`mask_flat` of a batch of one)."""
+        check_instance({"input_ids": row, "token_type_ids": torch.zeros_like(row), "next_sentence_label": 0},
+                       self.special.vocab_size, "the instance to mask")
+        masked, labels = self.mask_flat(row.numpy().astype(np.int64), np.array([len(row)]), key_array([key], 1),
+                                        stream)
+        return torch.from_numpy(masked), torch.from_numpy(labels)
+
+    def _groups(self, ids: np.ndarray, candidates: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
+        """Per token, the unit it is chosen with (1, 2, ... over the batch; 0 for specials): with whole words, a
+        word (a piece and the ## pieces after it; a ## piece after a special token or at an instance's start
+        (`first`) starts a unit of its own), else each token."""
+        ids, candidates = np.asarray(ids), np.asarray(candidates)
         starts = candidates
         if self.whole_word:
-            after_candidate = torch.cat([torch.zeros(1, dtype=torch.bool), candidates[:-1]])
-            starts = candidates & (~self.is_continuation[row] | ~after_candidate)
-        return torch.where(candidates, torch.cumsum(starts.long(), 0), 0)
+            after_candidate = np.concatenate([[False], candidates[:-1]])
+            if first is not None:
+                after_candidate &= ~first
+            starts = candidates & (~self.is_continuation[ids] | ~after_candidate)
+        return np.where(candidates, np.cumsum(starts), 0)
 
-    def mask(self, row: torch.Tensor, key, stream: str = "masking"):
-        """(masked ids, labels) of one instance. exact (the default, as the original BERT code and packed
-        batches need: their labelled tokens stay within a fixed bound): units in random order, each taken if it
-        still fits max(1, round(p x candidate tokens)) tokens. Otherwise each unit independently with
-        probability p. Then 80% of the chosen tokens become [MASK], 10% a random token, 10% stay."""
-        g = seeds.generator(self.seed, stream, *(key if isinstance(key, tuple) else (key,)))
-        candidates = ~torch.isin(row, self.special_ids)
-        group = self._groups(row, candidates)
-        units = int(group.max()) if len(row) else 0
-        if self.exact:
-            budget = max(1, round(self.p * int(candidates.sum()))) if units else 0
-            sizes, taken, total = torch.bincount(group, minlength=units + 1).tolist(), [], 0
-            for u in (torch.randperm(units, generator=g) + 1).tolist():
-                if total + sizes[u] <= budget:
-                    taken.append(u)
-                    total += sizes[u]
-            picked = torch.zeros(units + 1, dtype=torch.bool)
-            picked[taken] = True
+    def mask_flat(self, ids: np.ndarray, lengths: np.ndarray, keys: np.ndarray, stream: str = "masking"):
+        """(masked ids, labels; -100 where not chosen) of instances laid end to end in `ids` (int64), each
+        `lengths` long and masked by its row of `keys` (key_array). exact (the default, as the original BERT
+        code and packed batches need: their labelled tokens stay within a fixed bound): units in random order,
+        each taken if it still fits max(1, round(p x candidate tokens)) tokens. Otherwise each unit independently
+        with probability p. Then 80% of the chosen tokens become [MASK], 10% a random token, 10% stay."""
+        inst = np.repeat(np.arange(len(lengths)), lengths)
+        starts = np.cumsum(lengths) - lengths
+        position = np.arange(len(ids)) - starts[inst]
+        h = np.full(len(lengths), seeds.integer(self.seed, stream), dtype=np.uint64)
+        for column in keys.T:
+            h = _mix(h ^ _mix(column))
+        token_hash = h[inst] ^ _mix(position.astype(np.uint64) * np.uint64(4))
+        draws = [_mix(token_hash + np.uint64(c)) for c in range(3)]  # unit order, 80/10/10, replacement id
+        candidates = ~self.is_special[ids]
+        first = np.zeros(len(ids), dtype=bool)
+        first[starts[lengths > 0]] = True
+        group = self._groups(ids, candidates, first)
+        chosen = self._choose(group, candidates, inst, len(lengths), _uniform(draws[0]))
+        return self._replace(ids, chosen, _uniform(draws[1]), draws[2])
+
+    def _choose(self, group, candidates, inst, n_instances, u) -> np.ndarray:
+        """Which tokens are chosen: whole units (`group`), by the random number of each unit's first token."""
+        units = int(group.max()) if len(group) else 0
+        first_token = np.zeros(units + 1, dtype=np.int64)
+        first_token[group[::-1]] = np.arange(len(group))[::-1]  # the lowest index of each unit wins
+        unit_u, unit_inst = u[first_token[1:]], inst[first_token[1:]]
+        if not self.exact:
+            picked = unit_u < self.p
         else:
-            picked = torch.rand(units + 1, generator=g) < self.p
-        return self._replace(row, picked[group] & candidates, g)
+            sizes = np.bincount(group, minlength=units + 1)[1:]
+            n_candidates = np.bincount(inst[candidates], minlength=n_instances)
+            budget = np.where(n_candidates > 0, np.maximum(1, np.round(self.p * n_candidates)), 0).astype(np.int64)
+            picked = _greedy_fill(unit_inst, unit_u, sizes, budget)
+        return np.concatenate([[False], picked])[group] & candidates
 
-    def _replace(self, row: torch.Tensor, chosen: torch.Tensor, g: torch.Generator):
+    def _replace(self, ids, chosen, roll, replacement_hash):
         """80% of the chosen tokens become [MASK], 10% a random non-special token, 10% stay; labels -100 elsewhere."""
-        roll = torch.rand(row.shape, generator=g)
-        random_ids = self.replacement_ids[torch.randint(len(self.replacement_ids), row.shape, generator=g)]
-        out = torch.where(chosen & (roll < self.mask_prob), torch.full_like(row, self.special.mask), row)
+        replacement = self.replacement_ids[(replacement_hash % np.uint64(len(self.replacement_ids))).astype(np.int64)]
+        out = np.where(chosen & (roll < self.mask_prob), self.special.mask, ids)
         to_random = chosen & (roll >= self.mask_prob) & (roll < self.mask_prob + self.random_prob)
-        out = torch.where(to_random, random_ids, out)
-        return out, torch.where(chosen, row, torch.full_like(row, -100))
+        return np.where(to_random, replacement, out), np.where(chosen, ids, -100)
+
+
+def _greedy_fill(unit_inst, unit_u, sizes, budget) -> np.ndarray:
+    """Per instance, its units in increasing `unit_u`, each taken if it still fits the instance's budget: the
+    sequential greedy in rounds over the whole batch. A round takes, per instance, the longest run of its open
+    units that fits, and closes every unit larger than what is left (it never fits later), so each round
+    decides at least one unit of every instance with open units, and in practice three rounds or four do."""
+    order = np.lexsort((unit_u, unit_inst))
+    inst, size = unit_inst[order], sizes[order]
+    left = budget.copy()
+    open_, taken = np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool)
+    first = np.searchsorted(inst, inst)  # each unit's instance's first sorted unit
+    while True:
+        open_ &= size <= left[inst]
+        if not open_.any():
+            break
+        running = np.cumsum(np.where(open_, size, 0))
+        before = running[first] - np.where(open_[first], size[first], 0)  # the sum before the instance's units
+        fits = open_ & (running - before <= left[inst])
+        taken |= fits
+        open_ &= ~fits
+        left -= np.bincount(inst[fits], weights=size[fits], minlength=len(left)).astype(np.int64)
+    picked = np.zeros(len(order), dtype=bool)
+    picked[order] = taken
+    return picked
 
 
 class BucketBatchSampler:
@@ -396,14 +340,21 @@ class BucketBatchSampler:
             raise ValueError(f"{len(self.lengths)} instances cannot fill one global batch of {global_batch}")
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        rng = seeds.rng(self.seed, "order", epoch)
-        order = rng.permutation(len(self.lengths))
-        span = self.global_batch * self.pool
-        batches = []
-        for start in range(0, len(order), span):
-            chunk = order[start:start + span]
-            chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
-            batches += [chunk[i:i + self.global_batch].tolist() for i in range(0, len(chunk), self.global_batch)
-                        if len(chunk) - i >= self.global_batch]
-        return [batches[i] for i in rng.permutation(len(batches))]
+        rows = bucket_rows(self.lengths, self.global_batch, seeds.rng(self.seed, "order", epoch), self.pool)
+        return rows.reshape(-1, self.global_batch).tolist()
 
+
+def bucket_rows(lengths: np.ndarray, batch: int, rng: np.random.Generator, pool: int = 50) -> np.ndarray:
+    """Instances in batches of similar length, as int64 [batches x batch, 1] (one instance a row): shuffled, cut
+    into pools of `pool` batches, each pool sorted by length and cut into batches (an incomplete one dropped),
+    the batches shuffled."""
+    order = rng.permutation(len(lengths))
+    span = batch * pool
+    batches = []
+    for start in range(0, len(order), span):
+        chunk = order[start:start + span]
+        chunk = chunk[np.argsort(np.asarray(lengths)[chunk], kind="stable")]
+        batches += [chunk[i:i + batch] for i in range(0, len(chunk) - batch + 1, batch)]
+    if not batches:
+        return np.zeros((0, 1), dtype=np.int64)
+    return np.concatenate([batches[i] for i in rng.permutation(len(batches))]).reshape(-1, 1).astype(np.int64)

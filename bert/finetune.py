@@ -193,7 +193,7 @@ def run(args) -> dict:
     """Fine-tune and/or evaluate; returns the metrics. Used by the CLI and by tests. The output directory is
     locked for the run; an evaluation-only run writes its metrics and predictions there, never a model."""
     validate_args(args)
-    device, d = setup_device()
+    device, d = setup_device(args.dist_timeout)
     if args.train and args.batch_size < d.world * args.grad_accum:  # (setup_device is cheap: still before any work)
         ranks = f" x {d.world} ranks" if d.world > 1 else ""
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --grad-accum {args.grad_accum}{ranks}: "

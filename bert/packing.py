@@ -41,55 +41,80 @@ import numpy as np
 import torch
 
 from . import seeds
-from .data import MLMCollator, check_instance
+from .data import MLMCollator, check_instance, key_array
 
 
-def pack(lengths, budget: int, max_seqs: int, window: int = 1024) -> list[list[int]]:
-    """Indices of `lengths` grouped into packs of at most `budget` tokens and `max_seqs` sequences: best-fit
-    decreasing within consecutive windows of `window` instances. Every index appears exactly once."""
-    lengths = [int(n) for n in lengths]
-    for name, value in (("budget", budget), ("max_seqs", max_seqs), ("window", window)):
+def pack(lengths, budget: int, max_seqs: int) -> np.ndarray:
+    """Instances (their `lengths`) packed into rows of at most `budget` tokens and `max_seqs` instances:
+    int64 [rows, max_seqs], each row's instance indices then -1. Every index appears exactly once.
+
+    Shortest-pack-first histogram packing (Krell et al. 2021): lengths are processed longest first as counts,
+    not items. Each count goes, as many at once as fit, into the group of identical open rows with the least
+    room that still takes it (best fit), or opens new rows. The work grows with budget x distinct row layouts,
+    not with the instances, so a whole epoch packs in one pass; instances of one length fill their places in the
+    order given (shuffle it first for rows that differ from epoch to epoch)."""
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    for name, value in (("budget", budget), ("max_seqs", max_seqs)):
         if int(value) < 1:
             raise ValueError(f"pack: {name} must be at least 1, got {value}")
-    negative = [i for i, n in enumerate(lengths) if n < 0]
-    if negative:
-        raise ValueError(f"pack: instance {negative[0]} has a negative length {lengths[negative[0]]}")
-    too_long = [i for i, n in enumerate(lengths) if n > budget]
-    if too_long:
-        raise ValueError(f"instance {too_long[0]} has {lengths[too_long[0]]} tokens, more than the budget {budget}")
-    packs: list[list[int]] = []
-    for start in range(0, len(lengths), window):
-        ids = sorted(range(start, min(start + window, len(lengths))), key=lambda i: (-lengths[i], i))
-        room, members = [], []
-        for i in ids:
-            fits = [p for p in range(len(room)) if room[p] >= lengths[i] and len(members[p]) < max_seqs]
-            if fits:
-                p = min(fits, key=lambda p: (room[p], p))
-                room[p] -= lengths[i]
-                members[p].append(i)
-            else:
-                room.append(budget - lengths[i])
-                members.append([i])
-        packs += members
-    return packs
+    for bad, message in ((lengths < 0, "a negative length"), (lengths > budget, f"more than the budget {budget}")):
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"pack: instance {i} has {message} ({lengths[i]} tokens)")
+    groups = _pack_counts(np.bincount(lengths, minlength=budget + 1), budget, max_seqs)
+    queue = np.argsort(lengths, kind="stable")  # per length, in the order given
+    taken = np.searchsorted(lengths[queue], np.arange(budget + 1))  # the next unused instance of each length
+    rows = np.full((sum(c for _, c in groups), max_seqs), -1, dtype=np.int64)
+    r = 0
+    for layout, count in groups:
+        for j, n in enumerate(layout):
+            rows[r:r + count, j] = queue[taken[n]:taken[n] + count]
+            taken[n] += count
+        r += count
+    return rows
 
 
-def epoch_packs(lengths, row_len: int, rows_per_batch: int, per_row: int, seed: int, epoch: int,
-                window: int = 1024) -> list[list[list[int]]]:
-    """An epoch's micro-batches, each `rows_per_batch` rows of instance indices: the instances in a shuffled
-    order (deterministic in seed and epoch: the run's "order" stream, bert.seeds) packed into rows window by window
-    (`pack`), the rows shuffled again so that long and short ones mix, and cut into micro-batches (a last
-    incomplete one is dropped)."""
-    rng = seeds.rng(seed, "order", epoch)
+def _pack_counts(counts: np.ndarray, budget: int, max_seqs: int) -> list[tuple[tuple[int, ...], int]]:
+    """(row layout: the lengths it holds, how many such rows) for `counts` instances of each length."""
+    open_rows: list[list] = [[] for _ in range(budget + 1)]  # by room left: [layout, count] that can take more
+    done: list[tuple[tuple[int, ...], int]] = []
+
+    def put(layout, count, room):
+        (done if room == 0 or len(layout) == max_seqs else open_rows[room]).append((layout, count))
+
+    for n in range(budget, -1, -1):
+        left = int(counts[n])
+        while left:
+            room = next((r for r in range(n, budget + 1) if open_rows[r]), None)
+            if room is None:  # nothing takes it: new rows, each holding as many as fit (what one by one does)
+                per = min(max_seqs, budget // n) if n else max_seqs
+                if left >= per:
+                    put((n,) * per, left // per, budget - per * n)
+                if left % per:
+                    put((n,) * (left % per), 1, budget - (left % per) * n)
+                break
+            layout, count = open_rows[room].pop()
+            k = min(count, left)
+            if count > k:
+                open_rows[room].append((layout, count - k))
+            put(layout + (n,), k, room - n)
+            left -= k
+    return done + [g for room in open_rows for g in room]
+
+
+def epoch_rows(lengths, row_len: int, per_row: int, rng: np.random.Generator) -> np.ndarray:
+    """Rows (`pack`) of instances in a shuffled order, the rows shuffled again so that long and short ones mix:
+    what a shard of an epoch trains on, deterministic in `rng`."""
     order = rng.permutation(len(lengths))
-    rows = pack(np.asarray(lengths)[order], row_len, per_row, window)
-    rows = [[int(order[i]) for i in rows[j]] for j in rng.permutation(len(rows))]
-    return [rows[i:i + rows_per_batch] for i in range(0, len(rows) - rows_per_batch + 1, rows_per_batch)]
+    rows = pack(np.asarray(lengths)[order], row_len, per_row)
+    rows = np.where(rows >= 0, order[np.maximum(rows, 0)], -1)
+    return rows[rng.permutation(len(rows))]
 
 
-def efficiency(lengths, packs: list[list[int]], budget: int) -> float:
-    """Real tokens over the tokens the packs' budgets hold."""
-    return sum(int(lengths[i]) for p in packs for i in p) / max(len(packs) * budget, 1)
+def efficiency(lengths, rows: np.ndarray, budget: int) -> float:
+    """Real tokens over the tokens the rows' budgets hold."""
+    lengths = np.asarray(lengths)
+    return float(lengths[rows[rows >= 0]].sum()) / max(len(rows) * budget, 1)
 
 
 class PackedShapes(NamedTuple):
@@ -158,8 +183,28 @@ class PackedBatch(Mapping):
         return self.input_ids.numel()
 
 
+class FlatInstances(NamedTuple):
+    """Instances laid end to end, as a micro-batch is collated from: the dicts of a list (`from_dicts`) or the
+    spans of the tokenised corpus (bert.instances.gather)."""
+    ids: np.ndarray          # int64 [tokens]
+    types: np.ndarray        # int64 [tokens]
+    lengths: np.ndarray      # int64 [instances]
+    nsp: np.ndarray          # int64 [instances]
+
+    @classmethod
+    def from_dicts(cls, instances: list[dict], names) -> "FlatInstances":
+        """`names(i)` says where instance i is, in an error (every instance is checked: check_instance)."""
+        ids = [check_instance(x, np.iinfo(np.int64).max, names(i)).numpy() for i, x in enumerate(instances)]
+        empty = np.zeros(0, np.int64)
+        return cls(np.concatenate(ids) if ids else empty,
+                   np.concatenate([np.asarray(x["token_type_ids"], np.int64) for x in instances]) if ids else empty,
+                   np.array([len(i) for i in ids], dtype=np.int64),
+                   np.array([x["next_sentence_label"] for x in instances], dtype=np.int64))
+
+
 class PackingCollator:
-    """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring)."""
+    """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring), every step over the
+    whole micro-batch at once."""
 
     def __init__(self, masker: MLMCollator, shapes: PackedShapes):
         if not getattr(masker, "exact", True):
@@ -167,53 +212,86 @@ class PackingCollator:
                              "tokens must stay within a fixed bound")
         self.masker, self.shapes = masker, shapes
 
-    def _empty(self) -> PackedBatch:
-        T, S, R, L, _ = self.shapes
-        return PackedBatch(input_ids=torch.full((T,), self.masker.special.pad, dtype=torch.long),
-                           token_type_ids=torch.zeros(T, dtype=torch.long), position_ids=torch.zeros(T, dtype=torch.long),
-                           cu_seqlens=torch.zeros(S + 1, dtype=torch.int32), mlm_positions=torch.zeros(R, dtype=torch.long),
-                           mlm_labels=torch.full((R,), -100), next_sentence_label=torch.full((S,), -100, dtype=torch.long),
-                           max_seqlen=L, row_aligned=True)
-
-    def _check(self, rows) -> None:
-        L, per_row = self.shapes.max_seqlen, self.shapes.per_row
-        if len(rows) > self.shapes.rows:
-            raise ValueError(f"{len(rows)} rows do not fit a micro-batch of {self.shapes.rows}")
-        for row in rows:
-            if len(row) > per_row or sum(len(x["input_ids"]) for x in row) > L:
-                raise ValueError(f"a row of {len(row)} instances, {sum(len(x['input_ids']) for x in row)} tokens, "
-                                 f"does not fit {per_row} instances of {L} tokens")
-
     def __call__(self, rows: list[list[dict]], keys, stream: str = "masking") -> PackedBatch:
         """rows: lists of instances; keys: one masking key per instance, in order. Every instance is checked
         (bert.data.check_instance), so the batch passes the model's packed validation."""
-        self._check(rows)
-        keys = list(keys)
-        if len(keys) != sum(len(row) for row in rows):
-            raise ValueError(f"{sum(len(row) for row in rows)} instances but {len(keys)} masking keys")
-        out, L = self._empty(), self.shapes.max_seqlen
-        keys, s, labelled = iter(keys), 0, 0
-        for r, row in enumerate(rows):
-            start = r * L
-            for j, x in enumerate(row):
-                ids = check_instance(x, self.masker.special.vocab_size, f"instance {j} of row {r}")
-                n = len(ids)
-                masked, labels = self.masker.mask(ids, next(keys), stream)
-                chosen = (labels != -100).nonzero().squeeze(1)
-                over = chosen[self.shapes.labels - labelled:]  # past R: undone (rare; see the module docstring)
-                masked, chosen = masked.index_copy(0, over, ids[over]), chosen[:self.shapes.labels - labelled]
-                out["input_ids"][start:start + n] = masked
-                out["token_type_ids"][start:start + n] = torch.as_tensor(x["token_type_ids"])
-                out["position_ids"][start:start + n] = torch.arange(n)
-                out["mlm_positions"][labelled:labelled + len(chosen)] = start + chosen
-                out["mlm_labels"][labelled:labelled + len(chosen)] = labels[chosen]
-                out["next_sentence_label"][s] = x["next_sentence_label"]
-                start, labelled, s = start + n, labelled + len(chosen), s + 1
-                out["cu_seqlens"][s:] = start
-            if start < (r + 1) * L:  # the row's filler tail: a sequence of its own, so the next row starts aligned
-                s += 1
-                out["cu_seqlens"][s:] = (r + 1) * L
+        per_row = np.array([len(row) for row in rows], dtype=np.int64)
+        where = np.repeat(np.arange(len(rows)), per_row)
+        flat = FlatInstances.from_dicts([x for row in rows for x in row],
+                                        lambda i: f"instance {i - int(per_row[:where[i]].sum())} of row {where[i]}")
+        return self.collate(flat, per_row, key_array(keys, len(flat.lengths)), stream)
+
+    def _check(self, lengths: np.ndarray, per_row: np.ndarray, row_tokens: np.ndarray) -> None:
+        L, n, vocab = self.shapes.max_seqlen, self.shapes.per_row, self.masker.special.vocab_size
+        if len(per_row) > self.shapes.rows:
+            raise ValueError(f"{len(per_row)} rows do not fit a micro-batch of {self.shapes.rows}")
+        bad = np.flatnonzero((per_row > n) | (row_tokens > L))
+        if len(bad):
+            r = int(bad[0])
+            raise ValueError(f"a row of {per_row[r]} instances, {row_tokens[r]} tokens, does not fit {n} instances "
+                             f"of {L} tokens")
+
+    def collate(self, flat: FlatInstances, per_row: np.ndarray, keys: np.ndarray,
+                stream: str = "masking") -> PackedBatch:
+        """The micro-batch of instances `flat`, per_row[r] of them in row r, masked by `keys` (key_array)."""
+        T, S, R, L, _ = self.shapes
+        row = np.repeat(np.arange(len(per_row)), per_row)
+        row_tokens = np.bincount(row, weights=flat.lengths, minlength=len(per_row)).astype(np.int64)
+        self._check(flat.lengths, per_row, row_tokens)
+        _check_values(flat, self.masker.special.vocab_size, row, per_row)
+        ends = np.cumsum(flat.lengths)
+        start = row * L + (ends - flat.lengths) - (np.cumsum(row_tokens) - row_tokens)[row]  # in the batch
+        inst = np.repeat(np.arange(len(flat.lengths)), flat.lengths)
+        position = np.arange(len(flat.ids)) - (ends - flat.lengths)[inst]
+        at = start[inst] + position
+        masked, labels = self.masker.mask_flat(flat.ids, flat.lengths, keys, stream)
+        chosen = np.flatnonzero(labels != -100)
+        masked[chosen[R:]] = flat.ids[chosen[R:]]  # past R: undone (rare; see the module docstring)
+        chosen = chosen[:R]
+        out = _empty(self.shapes, self.masker.special.pad)
+        for name, values in (("input_ids", masked), ("token_type_ids", flat.types), ("position_ids", position)):
+            out[name][at] = torch.from_numpy(values)
+        out.mlm_positions[:len(chosen)] = torch.from_numpy(at[chosen])
+        out.mlm_labels[:len(chosen)] = torch.from_numpy(labels[chosen])
+        _sequences(out, start + flat.lengths, flat.nsp, row_tokens, L)
         return out
+
+
+def _check_values(flat: FlatInstances, vocab: int, row: np.ndarray, per_row: np.ndarray) -> None:
+    """What check_instance checks, over the whole batch at once (instances from the corpus skip the per-dict
+    checks): at least one token, ids in [0, vocab), types 0/1, labels 0/1."""
+    inst = np.repeat(np.arange(len(flat.lengths)), flat.lengths)
+    bad_ids = np.bincount(inst[(flat.ids < 0) | (flat.ids >= vocab)], minlength=len(flat.lengths)) > 0
+    bad_types = np.bincount(inst[(flat.types < 0) | (flat.types > 1)], minlength=len(flat.lengths)) > 0
+    for bad, message in ((flat.lengths == 0, "has no tokens"), (bad_ids, f"has ids outside [0, {vocab})"),
+                         (bad_types, "has token_type_ids that are not 0/1 for each token"),
+                         ((flat.nsp != 0) & (flat.nsp != 1), "has a next_sentence_label that is not 0 or 1")):
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            first = int(per_row[:row[i]].sum())
+            raise ValueError(f"instance {i - first} of row {row[i]} {message}")
+
+
+def _empty(shapes: PackedShapes, pad: int) -> PackedBatch:
+    T, S, R, L, _ = shapes
+    return PackedBatch(input_ids=torch.full((T,), pad, dtype=torch.long), token_type_ids=torch.zeros(T, dtype=torch.long),
+                       position_ids=torch.zeros(T, dtype=torch.long), cu_seqlens=torch.zeros(S + 1, dtype=torch.int32),
+                       mlm_positions=torch.zeros(R, dtype=torch.long), mlm_labels=torch.full((R,), -100),
+                       next_sentence_label=torch.full((S,), -100, dtype=torch.long), max_seqlen=L, row_aligned=True)
+
+
+def _sequences(out: PackedBatch, ends: np.ndarray, nsp: np.ndarray, row_tokens: np.ndarray, L: int) -> None:
+    """cu_seqlens and the NSP labels: each instance a sequence, then each used row's filler tail (a sequence of its
+    own, so the next row starts aligned); the unused slots empty sequences at the end."""
+    rows = np.arange(len(row_tokens))
+    filler = rows[row_tokens < L]
+    all_ends = np.concatenate([ends, (filler + 1) * L])
+    labels = np.concatenate([nsp, np.full(len(filler), -100)])
+    order = np.argsort(all_ends, kind="stable")
+    n = len(all_ends)
+    out.cu_seqlens[1:n + 1] = torch.from_numpy(all_ends[order].astype(np.int32))
+    out.cu_seqlens[n + 1:] = int(all_ends.max()) if n else 0
+    out.next_sentence_label[:n] = torch.from_numpy(labels[order])
 
 
 def one_per_row(masker: MLMCollator, instances: list[dict], keys, stream: str = "masking",
@@ -223,6 +301,13 @@ def one_per_row(masker: MLMCollator, instances: list[dict], keys, stream: str = 
     since exact masking chooses at most p x length + 1/2 tokens of an instance."""
     if not instances:
         raise ValueError("one_per_row: no instances")
-    longest = max(len(x["input_ids"]) for x in instances)
-    shapes = PackedShapes.for_rows(len(instances), -(-longest // multiple) * multiple, 1, masker.p)
-    return PackingCollator(masker, shapes)([[x] for x in instances], keys, stream)
+    flat = FlatInstances.from_dicts(instances, lambda i: f"instance {i} of row {i}")
+    return one_per_row_flat(masker, flat, key_array(keys, len(instances)), stream, multiple)
+
+
+def one_per_row_flat(masker: MLMCollator, flat: FlatInstances, keys: np.ndarray, stream: str = "masking",
+                     multiple: int = 8) -> PackedBatch:
+    """`one_per_row` of instances laid end to end."""
+    longest = int(flat.lengths.max())
+    shapes = PackedShapes.for_rows(len(flat.lengths), -(-longest // multiple) * multiple, 1, masker.p)
+    return PackingCollator(masker, shapes).collate(flat, np.ones(len(flat.lengths), dtype=np.int64), keys, stream)

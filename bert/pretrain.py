@@ -16,7 +16,7 @@ import itertools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -25,13 +25,16 @@ import torch.distributed as dist
 
 from . import seeds
 from .config import BertConfig
-from .data import BucketBatchSampler, DocumentView, MLMCollator, SpecialIds, iter_documents, iter_instances, \
-    tokenize_corpus
+from .corpus import TokenisedCorpus, tokenize_corpus
+from .data import MLMCollator, SpecialIds, iter_documents
+from .instances import SPAN, iter_spans, materialize
 from .model import BertForPreTraining
-from .packing import PackedBatch, PackedShapes, PackingCollator, epoch_packs, one_per_row, pack
+from .packing import PackedBatch, PackedShapes, PackingCollator, one_per_row, pack
+from .pipeline import EpochStream, Layout, Planner
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device, slice_bounds
+from .workers import default_num_workers
+from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device
 
 PRESETS = ("tiny", "mini", "base", "large")
 
@@ -61,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation "
                                                                      "(default 0.05)")
     p.add_argument("--eval-batches", type=int, default=20, help="batches per evaluation (default 20)")
-    p.add_argument("--num-proc", type=int, default=1, help="processes for tokenisation (default 1)")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers for collation (default 0)")
+    p.add_argument("--num-proc", type=int, default=1,
+                   help="processes that tokenise the corpus (rank 0, once; cached) and plan each epoch's shards "
+                        "ahead of training (every rank); 1: in this process (default 1)")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader workers collating micro-batches (default: this rank's share of the CPUs "
+                        "less one, at most 8; 0 collates in the training process)")
     p.add_argument("--cache-dir", default=None, help="where the tokenised corpus is cached "
                                                      "(default OUTPUT_DIR/cache)")
     p.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
@@ -153,96 +160,31 @@ def run_settings(args) -> dict:
 
 
 # ---- data ----------------------------------------------------------------------------------------
-class StepData(torch.utils.data.Dataset):
-    """Item i: this rank's micro-batches of global step i of the epoch, each one instance per row (the packed
-    layout of a padded batch, bert.packing.one_per_row). Each instance is masked by its key (epoch, index in the
-    epoch), so the same way under any number of ranks or accumulation steps, after a resume, and as a packed run
-    masks it."""
-
-    def __init__(self, instances, batches, masker: MLMCollator, d: Dist, accum: int, epoch: int):
-        self.instances, self.batches, self.masker = instances, batches, masker
-        self.d, self.accum, self.epoch = d, accum, epoch
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __getitem__(self, i):
-        out, global_batch = [], self.batches[i]
-        size, parts = len(global_batch), self.d.world * self.accum
-        for a in range(self.accum):
-            start, end = slice_bounds(size, parts, self.d.rank * self.accum + a)
-            mine = [int(j) for j in global_batch[start:end]]
-            out.append(one_per_row(self.masker, [self.instances[j] for j in mine], [(self.epoch, j) for j in mine]))
-        return out
-
-
-class PackedStepData(torch.utils.data.Dataset):
-    """Item i: this rank's packed micro-batches of global step i. A global step is world x accum consecutive
-    micro-batches of the epoch (rank r takes r*accum ... r*accum + accum - 1), and each instance's masking is keyed
-    by (epoch, index in the epoch), so the packs and their masks are the same under any number of ranks or
-    accumulation steps with the same product, and after a resume."""
-
-    def __init__(self, instances, packs, collator, d: Dist, accum: int, epoch: int):
-        self.instances, self.packs, self.collator = instances, packs, collator
-        self.d, self.accum, self.epoch = d, accum, epoch
-
-    def __len__(self):
-        return len(self.packs) // (self.d.world * self.accum)
-
-    def __getitem__(self, i):
-        first = (i * self.d.world + self.d.rank) * self.accum
-        return [self._collate(self.packs[p]) for p in range(first, first + self.accum)]
-
-    def _collate(self, rows: list[list[int]]) -> dict:
-        keys = [(self.epoch, j) for row in rows for j in row]
-        return self.collator([[self.instances[j] for j in row] for row in rows], keys=keys)
-
-
 @dataclass
-class Corpus:
-    """Tokenised documents held in Arrow (memory-mapped) and, per epoch, the NSP instances drawn from them,
-    written once to the cache by rank 0 and read by every rank: nothing corpus-sized lives in Python lists."""
-    train_docs: DocumentView
-    eval_docs: DocumentView
+class PretrainData:
+    """The tokenised corpus (memory-mapped, bert.corpus) and its documents split into training and held-out ids
+    (the run's "split" stream): all the pipeline (bert.pipeline) plans from."""
+    corpus: TokenisedCorpus
+    train_ids: np.ndarray
+    eval_ids: np.ndarray
     special: SpecialIds
     max_seq_len: int
     seed: int
-    cache_dir: str
-    d: Dist
-    _cache: dict = field(default_factory=dict)
-
-    def instances(self, epoch: int):
-        """NSP pairs are drawn anew each epoch (deterministically), so each epoch sees fresh pairings."""
-        if epoch not in self._cache:
-            import datasets
-
-            self._cache.clear()
-            seed = seeds.integer(self.seed, "nsp", epoch)
-            key = f"{self.train_docs.dataset._fingerprint}-{self.max_seq_len}-{seed}-{self.special.cls}"
-
-            def rows():
-                for x in iter_instances(self.train_docs, self.max_seq_len, self.special, seed=seed):
-                    yield dict(x, length=len(x["input_ids"]))
-
-            self._cache[epoch] = self.d.main_first(lambda: datasets.Dataset.from_generator(
-                rows, cache_dir=self.cache_dir, fingerprint=f"nsp-{key}"))
-        return self._cache[epoch]
 
 
-def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> Corpus:
+def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> PretrainData:
+    """Tokenised by rank 0 (with --num-proc processes) into the cache, then memory-mapped by every rank."""
     cache = args.cache_dir or os.path.join(args.output_dir, "cache")
-
     docs = d.main_first(lambda: tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
                                                 max_documents=args.max_documents))
-    order = torch.randperm(len(docs), generator=seeds.generator(args.seed, "split")).tolist()
+    order = seeds.rng(args.seed, "split").permutation(len(docs))
     n_eval = int(len(docs) * args.eval_fraction) if len(docs) > 1 else 0
     if args.eval_every and args.eval_fraction > 0 and len(docs) > 1:
         n_eval = max(1, n_eval)
-    eval_docs, train_docs = docs.select(order[:n_eval]), docs.select(order[n_eval:])
-    if len(train_docs) < 2:
-        raise ValueError(f"the corpus at {args.data} has {len(train_docs)} training document(s); "
+    if len(docs) - n_eval < 2:
+        raise ValueError(f"the corpus at {args.data} has {len(docs) - n_eval} training document(s); "
                          "next-sentence prediction needs at least 2")
-    return Corpus(DocumentView(train_docs), DocumentView(eval_docs), special, args.max_seq_len, args.seed, cache, d)
+    return PretrainData(docs, order[n_eval:], order[:n_eval], special, args.max_seq_len, args.seed)
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -271,13 +213,13 @@ def build_config(args, vocab_size: int) -> BertConfig:
     return cfg
 
 
-def eval_batches(corpus: Corpus, masker: MLMCollator, packing, batch_size: int, batches: int):
+def eval_batches(data: PretrainData, masker: MLMCollator, packing, batch_size: int, batches: int):
     """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) as the run trains on them: one
     per row in batches of `batch_size`, or packed micro-batches of the run's fixed shapes (`packing`). Each instance
     is masked by its index ("eval_masking"): the same at every evaluation, and the same either way."""
-    instances = list(itertools.islice(iter_instances(corpus.eval_docs, corpus.max_seq_len, corpus.special,
-                                                     seed=seeds.integer(corpus.seed, "eval_nsp")),
-                                      batches * batch_size))
+    spans = itertools.islice(iter_spans(data.corpus, data.eval_ids, data.max_seq_len,
+                                        seeds.integer(data.seed, "eval_nsp")), batches * batch_size)
+    instances = materialize(data.corpus, np.array(list(spans), dtype=SPAN), data.special.cls, data.special.sep)
     if packing is None:
         for start in range(0, len(instances), batch_size):
             rows = instances[start:start + batch_size]
@@ -286,7 +228,7 @@ def eval_batches(corpus: Corpus, masker: MLMCollator, packing, batch_size: int, 
     shapes = packing.shapes
     rows = pack([len(x["input_ids"]) for x in instances], shapes.max_seqlen, shapes.per_row)
     for first in range(0, len(rows), shapes.rows):
-        group = rows[first:first + shapes.rows]
+        group = [row[row >= 0].tolist() for row in rows[first:first + shapes.rows]]
         yield packing([[instances[j] for j in row] for row in group], keys=[j for row in group for j in row],
                       stream="eval_masking")
 
@@ -310,26 +252,27 @@ def evaluate(model, batches, device) -> dict:
 
 
 class PretrainJob(Job):
-    """MLM + NSP on NSP instances drawn per epoch, packed into fixed-budget micro-batches (`packing`, a
+    """MLM + NSP on NSP instances drawn per epoch and shard, packed into fixed-budget micro-batches (`packing`, a
     PackingCollator) or length-bucketed into global batches laid out one instance per row; either way a
-    micro-batch is a bert.packing.PackedBatch (see bert.trainer.Job)."""
+    micro-batch is a bert.packing.PackedBatch, streamed by bert.pipeline (see bert.trainer.Job)."""
     name = "pre-training"
 
-    def __init__(self, model, corpus: Corpus, masker: MLMCollator, tokenizer, device, *, batch_size: int,
-                 grad_accum: int, eval_batches: int, packing: PackingCollator | None = None):
-        self.model, self.corpus, self.masker, self.tokenizer = model, corpus, masker, tokenizer
-        self.device, self.packing = device, packing
+    def __init__(self, model, data: PretrainData, masker: MLMCollator, tokenizer, device, *, batch_size: int,
+                 grad_accum: int, eval_batches: int, packing: PackingCollator | None = None, num_proc: int = 1):
+        self.model, self.data, self.masker, self.tokenizer = model, data, masker, tokenizer
+        self.device, self.packing, self.num_proc = device, packing, num_proc
         self.batch_size, self.grad_accum, self.eval_batches = batch_size, grad_accum, eval_batches
+        self._planner: Planner | None = None
+
+    def planner(self, d: Dist, accum: int) -> Planner:
+        if self._planner is None:
+            layout = Layout(self.data.max_seq_len, d.world * accum, self.packing.shapes if self.packing else None,
+                            self.batch_size)
+            self._planner = Planner(self.data.corpus, self.data.train_ids, layout, self.data.seed)
+        return self._planner
 
     def epoch_steps(self, epoch, steps_before, d, accum):
-        instances = self.corpus.instances(epoch)
-        if self.packing is not None:
-            shapes = self.packing.shapes
-            packs = epoch_packs(instances["length"], shapes.max_seqlen, shapes.rows, shapes.per_row,
-                                self.corpus.seed, epoch)
-            return PackedStepData(instances, packs, self.packing, d, accum, epoch)
-        sampler = BucketBatchSampler(np.asarray(instances["length"]), self.batch_size, seed=self.corpus.seed)
-        return StepData(instances, sampler.epoch_batches(epoch), self.masker, d, accum, epoch)
+        return EpochStream(self.planner(d, accum), self.masker, epoch, d.rank, accum, self.num_proc)
 
     @property
     def static_shapes(self) -> bool:
@@ -356,17 +299,17 @@ class PretrainJob(Job):
                 "nsp_acc": sums["nsp_hits"] / nsp}
 
     def no_full_step(self):
-        if self.packing is None:
-            return super().no_full_step()
-        shapes, n = self.packing.shapes, len(self.corpus.instances(0))
-        return (f"the corpus's {n} instances do not fill one step of {shapes.rows} row(s) of {shapes.max_seqlen} "
-                f"tokens per micro-batch x {self.grad_accum} accumulation step(s) x the ranks; lower "
-                "--tokens-per-batch (or --batch-size), or give more data")
+        layout = self._planner.layout
+        unit = (f"{layout.rows_per_micro} row(s) of {layout.max_seq_len} tokens" if layout.shapes else
+                f"{layout.batch_size} sequences")
+        return (f"the corpus's {len(self.data.train_ids)} training documents do not fill one step of {unit} per "
+                f"micro-batch x {self.grad_accum} accumulation step(s) x the ranks; lower --tokens-per-batch (or "
+                "--batch-size), or give more data")
 
     def evaluate(self, model):
-        if not self.corpus.eval_docs:
+        if not len(self.data.eval_ids):
             return {}
-        return evaluate(model, eval_batches(self.corpus, self.masker, self.packing, self.batch_size,
+        return evaluate(model, eval_batches(self.data, self.masker, self.packing, self.batch_size,
                                             self.eval_batches), self.device)
 
 
@@ -381,7 +324,8 @@ def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | 
 
 
 def settings(args) -> Settings:
-    return Settings.from_arguments(args, args.steps, run_settings(args), num_workers=args.num_workers, adam_eps=1e-6,
+    workers = default_num_workers() if args.num_workers is None else args.num_workers
+    return Settings.from_arguments(args, args.steps, run_settings(args), num_workers=workers, adam_eps=1e-6,
                                    compile=args.compile, cuda_graphs=args.cuda_graphs)
 
 
@@ -393,7 +337,7 @@ class TrainResult(NamedTuple):
 def train(args) -> TrainResult:
     """Run pre-training with parsed CLI arguments. Used by the CLI and by tests."""
     validate_args(args)
-    device, d = setup_device()
+    device, d = setup_device(args.dist_timeout)
     check_batch(args, d)
     with output_dir_lock(args.output_dir, d):
         return _train(args, device, d)
@@ -409,13 +353,13 @@ def _train(args, device, d: Dist) -> TrainResult:
     cfg = build_config(args, tokenizer.get_vocab_size())
     if d.main:  # where --resume finds it; PretrainJob.save also puts it next to every saved config.json
         save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
-    corpus = load_corpus(args, tokenizer, special, d)
+    data = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,
                            continuation_ids=continuation, seed=args.seed)
-    job = PretrainJob(BertForPreTraining(cfg), corpus, collator, tokenizer, device, batch_size=args.batch_size,
+    job = PretrainJob(BertForPreTraining(cfg), data, collator, tokenizer, device, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, eval_batches=args.eval_batches,
-                      packing=packing_collator(args, collator, d))
+                      packing=packing_collator(args, collator, d), num_proc=args.num_proc)
     trainer = Trainer(job, settings(args), device, d)
     return TrainResult(trainer.fit(), trainer.model)
 

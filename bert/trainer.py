@@ -23,6 +23,7 @@ back from the device inside a step: step statistics are summed on the device and
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import fcntl
 import json
@@ -73,8 +74,13 @@ class Dist:
         return t
 
 
-def setup_device() -> tuple[torch.device, Dist]:
-    """The device (this rank's GPU, or the CPU) and the process group under torchrun (NCCL on GPU, gloo on CPU)."""
+DIST_TIMEOUT_MINUTES = 120.0
+
+
+def setup_device(timeout_minutes: float = DIST_TIMEOUT_MINUTES) -> tuple[torch.device, Dist]:
+    """The device (this rank's GPU, or the CPU) and the process group under torchrun (NCCL on GPU, gloo on CPU).
+    Collectives wait up to `timeout_minutes` for the slowest rank (`--dist-timeout`): long enough for rank 0 to
+    tokenise a large corpus while the others wait, where NCCL's default of 10 minutes is not."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
         else torch.device("cpu")
     if device.type == "cuda":
@@ -83,7 +89,8 @@ def setup_device() -> tuple[torch.device, Dist]:
     if world <= 1:
         return device, Dist()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     return device, Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -95,7 +102,9 @@ class Job:
 
     def epoch_steps(self, epoch: int, steps_before: int, d: Dist, accum: int):
         """A sequence (len, getitem) whose item i is the list of this rank's `accum` micro-batches (dicts of CPU
-        tensors) of global step i of `epoch`; steps_before = global steps of the earlier epochs."""
+        tensors) of global step i of `epoch`; steps_before = global steps of the earlier epochs. Or a stream whose
+        length is known only at its end: an object with loader(first, num_workers, pin_memory), an iterable of
+        those lists from step `first` of the epoch on (bert.pipeline.EpochStream)."""
         raise NotImplementedError
 
     def counts(self, batch: dict) -> dict[str, float]:
@@ -216,13 +225,16 @@ class Settings:
         g.add_argument("--allow-config-changes", action="store_true",
                        help="with --resume: continue although settings differ from the saved run's (listed)")
         g.add_argument("--no-progress", action="store_true", help="no progress bar")
+        g.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_MINUTES, metavar="MINUTES",
+                       help="under torchrun: how long a rank waits for the others at a collective, e.g. while rank 0 "
+                            "tokenises the corpus for all (default %(default)s; NCCL's own is 10 minutes)")
 
     @staticmethod
     def check_arguments(args) -> None:
         """The checks of those options, each error naming its flag (before any work)."""
         from .cli import check_numbers
 
-        check_numbers(args, positive=("lr", "grad_accum", "log_every", "keep_checkpoints"),
+        check_numbers(args, positive=("lr", "grad_accum", "log_every", "keep_checkpoints", "dist_timeout"),
                       non_negative=("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every",
                                     "max_nonfinite_steps"))
         if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
@@ -385,6 +397,15 @@ class _Window:
         self.tokens = self.seqs = self.slots = 0.0
         self.first_step = first_step
         self.start = time.perf_counter()
+        self.data_wait = self.data_start = 0.0  # waiting for batches; the wait for an epoch's first, apart
+        self.waits = 0
+
+    def waited(self, seconds: float, started: bool) -> None:
+        """A step waited `seconds` for its batch: the pipeline's start-up if the loader had not `started`."""
+        if started:
+            self.data_wait, self.waits = self.data_wait + seconds, self.waits + 1
+        else:
+            self.data_start += seconds
 
     def add(self, values: dict[str, torch.Tensor]) -> None:
         for k, v in values.items():
@@ -564,8 +585,19 @@ class Trainer:
         window = _Window(self.state["step"] + 1)
         self.nonfinite_run = 0
         while self.state["step"] < self.s.steps and not last.get("stopped"):
-            steps, loader = self._loader()
-            for micro_batches in loader:
+            first, items, started = self.state["batch_in_epoch"], iter(self._loader()), False
+            while True:
+                t0 = time.perf_counter()
+                micro_batches = next(items, None)
+                if micro_batches is None:  # the epoch is over
+                    if first == 0 and self.state["batch_in_epoch"] == 0:
+                        raise ValueError(self.job.no_full_step())
+                    self.state["steps_before_epoch"] = self.state["step"]
+                    self.state["epoch"] += 1
+                    self.state["batch_in_epoch"] = 0
+                    break
+                window.waited(time.perf_counter() - t0, started)
+                started = True
                 lr = self._step(micro_batches, window)
                 stopping = self._stopping(stop)
                 row = self._end_of_step(window, lr, stopping, log, writer, progress)
@@ -573,10 +605,6 @@ class Trainer:
                     last, window = row, _Window(self.state["step"] + 1)
                 if stopping or self.state["step"] >= self.s.steps:
                     break
-            else:
-                self.state["steps_before_epoch"] += len(steps)
-                self.state["epoch"] += 1
-                self.state["batch_in_epoch"] = 0
         return last
 
     def _sinks(self):
@@ -596,14 +624,15 @@ class Trainer:
         return writer, progress
 
     def _loader(self):
+        """This epoch's steps from the current one on: pinned when training on a GPU (copied without blocking)."""
         steps = self.job.epoch_steps(self.state["epoch"], self.state["steps_before_epoch"], self.d, self.s.grad_accum)
-        if len(steps) == 0:
-            raise ValueError(self.job.no_full_step())
-        subset = torch.utils.data.Subset(steps, range(self.state["batch_in_epoch"], len(steps)))
+        pin, first = self.device.type == "cuda", self.state["batch_in_epoch"]
+        if hasattr(steps, "loader"):
+            return steps.loader(first, self.s.num_workers, pin)
+        subset = torch.utils.data.Subset(steps, range(first, len(steps)))
         # Its own generator: the loader never draws from the global RNG, which dropout uses.
-        return steps, torch.utils.data.DataLoader(subset, batch_size=None, num_workers=self.s.num_workers,
-                                                  generator=torch.Generator(), collate_fn=_as_built,
-                                                  pin_memory=self.device.type == "cuda")
+        return torch.utils.data.DataLoader(subset, batch_size=None, num_workers=self.s.num_workers,
+                                           generator=torch.Generator(), collate_fn=_as_built, pin_memory=pin)
 
     def _denominators(self, micro_batches) -> tuple[dict, dict]:
         """(this rank's item counts per loss term, the global counts the sums are divided by). One process: plain
@@ -693,7 +722,7 @@ class Trainer:
                "tokens_per_s": tokens / elapsed, "seqs_per_s": seqs / elapsed,
                "packing_efficiency": tokens / max(slots, 1.0),
                "grad_norm": sum(h[2] for h in v.health) / max(len(v.health), 1),
-               "nonfinite_steps": sum(h[0] > 0 for h in v.health)}
+               "nonfinite_steps": sum(h[0] > 0 for h in v.health), **self._data_wait(window, elapsed, progress)}
         failure = self._check_health(v.health, window.first_step)
         if stopping:
             row["stopped"] = True
@@ -714,6 +743,21 @@ class Trainer:
         if stopping and self.d.main:
             say(progress, f"stopped by signal at step {step}; checkpoint saved")
         return row
+
+    def _data_wait(self, window: _Window, elapsed: float, progress) -> dict:
+        """data_wait_ms: the mean time a step of the window waited for its batch (on rank 0); data_start_s: the
+        wait for an epoch's first batch, when the window has one. Once per run, a warning when the waits are
+        more than 5% of the time: the input pipeline, not the device, then sets the pace."""
+        fields = {"data_wait_ms": 1000 * window.data_wait / max(window.waits, 1)}
+        if window.data_start:
+            fields["data_start_s"] = window.data_start
+        share = window.data_wait / max(elapsed - window.data_start, 1e-9)
+        if share > 0.05 and self.d.main and not getattr(self, "_starving_said", False):
+            self._starving_said = True
+            say(progress, f"warning: steps waited {share:.0%} of their time for data (data_wait_ms "
+                          f"{fields['data_wait_ms']:.1f}); raise --num-workers (now {self.s.num_workers}) or "
+                          "--num-proc")
+        return fields
 
     def _check_health(self, health: list[list[float]], first_step: int) -> str | None:
         """Count the window's non-finite steps in a row (carried over windows); the error message once there are

@@ -1,11 +1,13 @@
 """Pre-training data: documents, NSP instances, dynamic 80/10/10 masking, length bucketing."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from bert.data import (BucketBatchSampler, MLMCollator, SpecialIds, iter_documents, iter_instances,
-                       split_sentences, tokenize_corpus)
+from bert.corpus import tokenize_corpus
+from bert.data import BucketBatchSampler, MLMCollator, SpecialIds, iter_documents, split_sentences
+from bert.instances import iter_instances
 from bert.tokenizer import train_tokenizer
 from bert.trainer import micro_batch
 from corpus_utils import topic_documents, write_corpus
@@ -16,7 +18,7 @@ def create_instances(documents, max_seq_len, special, seed):
     """All NSP instances of `documents` as a list."""
     return list(iter_instances(documents, max_seq_len, special, seed))
 
-SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=40_000, special=(0, 1, 2, 3, 4))  # id_documents: < 32,000
+SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=50_000, special=(0, 1, 2, 3, 4))  # id_documents: < 42,000
 
 
 def id_documents(n_docs=30, sentences=20, length=10):
@@ -64,11 +66,16 @@ def test_tokenize_corpus_is_cached(tmp_path):
     path = write_corpus(tmp_path / "c.txt", n_docs=6, sentences=4)
     tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
     first = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
-    assert len(first) == 6 and all(len(doc) == 4 for doc in first["sentences"])
+    assert len(first) == 6 and all(len(first.document(d)) == 4 for d in range(6))
+    expected = [[tok.encode(s, add_special_tokens=False).ids for s in doc] for doc in iter_documents(path)]
+    assert [first.document(d) for d in range(6)] == expected  # the same ids as encoding sentence by sentence
     cached = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokenized-")]
     assert len(cached) == 1
     again = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
-    assert again["sentences"] == first["sentences"]
+    assert isinstance(again.tokens, np.memmap) and np.array_equal(again.tokens, first.tokens)
+    assert np.array_equal(again.sentences, first.sentences) and np.array_equal(again.documents, first.documents)
+    parallel = tokenize_corpus(path, tok, num_proc=2)  # no cache: the same arrays from two processes
+    assert np.array_equal(parallel.tokens, first.tokens) and np.array_equal(parallel.sentences, first.sentences)
 
 
 def test_nsp_instances():
@@ -206,15 +213,15 @@ def test_an_unreadable_cache_is_rebuilt(tmp_path):
     """A run killed while writing the cache leaves at most a temporary directory; a damaged cache is rebuilt."""
     path = write_corpus(tmp_path / "c.txt", n_docs=6, sentences=4)
     tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
-    first = list(tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))["sentences"])  # read before damaging
+    first = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache")).tokens.tolist()  # read before damaging
     (cached,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokenized-")]
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
     for f in cached.iterdir():  # as if killed mid-write: files cut short
         f.write_bytes(f.read_bytes()[:10])
     with pytest.warns(UserWarning, match="cannot be read"):
         again = tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))
-    assert list(again["sentences"]) == first
-    assert list(tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache"))["sentences"]) == first
+    assert again.tokens.tolist() == first
+    assert tokenize_corpus(path, tok, cache_dir=str(tmp_path / "cache")).tokens.tolist() == first
 
 
 def test_exact_count_by_default_and_bernoulli_as_an_option():
@@ -235,4 +242,5 @@ def test_a_continuation_piece_after_a_special_token_is_a_unit_of_its_own():
     special = SpecialIds(2, 3, 4, 0, 1000, (0, 1, 2, 3, 4))
     collator = MLMCollator(special, whole_word=True, continuation_ids=range(500, 700))
     row = torch.tensor([2, 10, 501, 3, 502, 503, 11, 3])
-    assert collator._groups(row, ~torch.isin(row, torch.tensor(special.special))).tolist() == [0, 1, 1, 0, 2, 2, 3, 0]
+    assert collator._groups(row.numpy(), ~torch.isin(row, torch.tensor(special.special)).numpy()).tolist() == \
+        [0, 1, 1, 0, 2, 2, 3, 0]

@@ -1,6 +1,7 @@
 """bert.packing: best-fit packing into fixed token budgets, and packed micro-batches of fixed shapes."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,16 +14,30 @@ SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1
 def test_every_instance_once_within_budget_and_sequence_limit():
     rng = random.Random(0)
     lengths = [rng.choice([rng.randint(5, 40), 128]) for _ in range(3000)]
-    packs = pack(lengths, budget=512, max_seqs=32, window=256)
-    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in p) <= 512 and len(p) <= 32 for p in packs)
-    assert pack(lengths, 512, 32, 256) == packs  # deterministic
-    assert all(len(p) <= 3 for p in pack(lengths, 512, 3, 256))
-    # Best fit beats padding each instance to the longest of a batch of 4 by far on such lengths.
+    rows = pack(lengths, budget=512, max_seqs=32)
+    assert rows.shape[1] == 32 and sorted(rows[rows >= 0].tolist()) == list(range(len(lengths)))
+    for row in rows:
+        members = row[row >= 0]
+        assert len(members) >= 1 and (row[len(members):] == -1).all()  # instances first, then -1
+        assert sum(lengths[i] for i in members) <= 512
+    assert np.array_equal(pack(lengths, 512, 32), rows)  # deterministic
+    assert pack(lengths, 512, 3).shape[1] == 3
+    # Histogram best fit beats padding each instance to the longest of a batch of 4 by far on such lengths.
     padded = sum(lengths) / (len(lengths) * 128)
-    assert efficiency(lengths, packs, 512) > 0.95 > padded
+    assert efficiency(lengths, rows, 512) > 0.95 > padded
     with pytest.raises(ValueError, match="more than the budget"):
         pack([10, 600], budget=512, max_seqs=4)
+
+
+def test_packing_is_best_fit_on_a_case_worked_by_hand():
+    """Longest first, each into the open row with the least room that still takes it: 6 and 5 open rows (room 4
+    and 5); the two 4s go to rooms 4 and 5 (the least room first: the 6's row fills to 10); the 1s then fill the
+    5's row (room 1) and open nothing new: two rows, [6, 4] and [5, 4, 1], and a 1 left for a third."""
+    lengths = [6, 5, 4, 4, 1, 1]
+    rows = pack(lengths, budget=10, max_seqs=3)
+    assert sorted(sorted(lengths[i] for i in row if i >= 0) for row in rows) == [[1], [1, 4, 5], [4, 6]]
+    assert pack([], budget=10, max_seqs=3).shape == (0, 3)
+    assert sorted(pack([0, 10], budget=10, max_seqs=2)[:, 0].tolist()) == [0, 1]  # an empty instance: a place
 
 
 def instance(n, rng, nsp):
@@ -83,19 +98,17 @@ def test_labels_past_the_bound_are_undone_as_bert_caps_them():
     assert torch.equal(b["input_ids"][unlabelled], original[unlabelled])
 
 
-def test_epoch_packs_are_deterministic_rows_of_every_instance():
-    from bert.packing import epoch_packs
+def test_epoch_rows_are_deterministic_rows_of_every_instance():
+    from bert.packing import epoch_rows
 
     rng = random.Random(2)
-    lengths = [rng.choice([rng.randint(5, 60), 128]) for _ in range(500)]
-    batches = epoch_packs(lengths, 128, rows_per_batch=8, per_row=3, seed=1, epoch=0)
-    assert batches == epoch_packs(lengths, 128, 8, 3, seed=1, epoch=0)
-    assert batches != epoch_packs(lengths, 128, 8, 3, seed=1, epoch=1)
-    rows = [row for b in batches for row in b]
-    assert all(len(b) == 8 for b in batches)
-    assert all(sum(lengths[i] for i in row) <= 128 and 1 <= len(row) <= 3 for row in rows)
-    seen = [i for row in rows for i in row]
-    assert len(seen) == len(set(seen)) and len(seen) > 0.95 * len(lengths)  # only a last partial batch is left
+    lengths = np.array([rng.choice([rng.randint(5, 60), 128]) for _ in range(500)])
+    rows = epoch_rows(lengths, 128, 3, np.random.default_rng(1))
+    assert np.array_equal(rows, epoch_rows(lengths, 128, 3, np.random.default_rng(1)))
+    assert not np.array_equal(rows, epoch_rows(lengths, 128, 3, np.random.default_rng(2)))
+    assert sorted(rows[rows >= 0].tolist()) == list(range(500))
+    assert all(lengths[row[row >= 0]].sum() <= 128 and 1 <= (row >= 0).sum() <= 3 for row in rows)
+    assert efficiency(lengths, rows, 128) > 0.9
 
 
 def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
@@ -329,7 +342,7 @@ def test_collator_and_pack_check_their_inputs():
         MLMCollator(SPECIAL)([{**good, "next_sentence_label": 5}])
     with pytest.raises(ValueError, match="pack: max_seqs must be at least 1, got 0"):
         pack([3, 4], budget=10, max_seqs=0)
-    with pytest.raises(ValueError, match="pack: instance 1 has a negative length -4"):
+    with pytest.raises(ValueError, match=r"pack: instance 1 has a negative length \(-4 tokens\)"):
         pack([3, -4], budget=10, max_seqs=2)
 
 

@@ -254,7 +254,7 @@ def test_packed_run_compiles_and_logs_its_packing_efficiency(tmp_path, corpus):
 
 
 def test_a_token_budget_larger_than_the_data_names_the_token_budget(tmp_path, corpus):
-    with pytest.raises(ValueError, match=r"instances do not fill one step of 4096 row\(s\) of 64 tokens .* lower "
+    with pytest.raises(ValueError, match=r"training documents do not fill one step of 4096 row\(s\) of 64 tokens .* lower "
                                          r"--tokens-per-batch"):
         train(args_for(tmp_path, corpus, "--tokens-per-batch", str(4096 * 64)))
 

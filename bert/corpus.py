@@ -1,0 +1,270 @@
+"""The tokenised corpus: every sentence's token ids end to end in one flat array on disk, memory-mapped.
+
+Wikipedia is ~3.3 billion tokens; as Python lists of lists it would not fit in memory, and as Arrow rows of lists
+every read builds Python objects. Here a corpus is three arrays (and a meta.json), written once and then
+memory-mapped by every process that reads it, so opening it costs nothing whatever its size:
+
+    tokens      [n_tokens]         uint16 (a vocabulary of at most 65,536) or int32: the token ids, no specials
+    sentences   [n_sentences + 1]  int64: sentence i is tokens[sentences[i]:sentences[i + 1]]
+    documents   [n_documents + 1]  int64: document d is sentences documents[d] ... documents[d + 1] - 1
+
+`tokenize_corpus` builds it: documents are read as text in this process (bert.data.iter_document_texts), split
+into sentences and encoded by `num_proc` worker processes (bert.workers.ordered_map), and appended to the arrays
+in order, so memory stays bounded by the tasks in flight. One tokenizer call per batch of documents, each document
+one pre-tokenised input whose "words" are its sentences: the encoding's word ids then give the sentence of every
+token, at the cost of one Encoding per document instead of one per sentence. The result is cached under
+`cache_dir`, keyed by the corpus files and the tokenizer, written to a temporary name and renamed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .data import corpus_files, iter_document_texts, text_sentences
+from .workers import ordered_map
+
+FORMAT = 2
+_ARRAYS = ("tokens", "sentences", "documents")
+TASK_BYTES = 1 << 21   # text per tokenising task: large enough to amortise a call, small enough to stay bounded
+
+
+@dataclass
+class TokenisedCorpus:
+    """The three arrays (memory-mapped when loaded from disk) and where they live (None: in memory)."""
+    tokens: np.ndarray
+    sentences: np.ndarray
+    documents: np.ndarray
+    path: str | None = None
+
+    @classmethod
+    def load(cls, path: str) -> "TokenisedCorpus":
+        """A corpus directory, memory-mapped; a ValueError naming the damage when it is incomplete."""
+        meta = _read_meta(path)
+        arrays = {}
+        for name in _ARRAYS:
+            dtype, count = np.dtype(meta[name]["dtype"]), int(meta[name]["count"])
+            file = os.path.join(path, f"{name}.bin")
+            if os.path.getsize(file) != count * dtype.itemsize:
+                raise ValueError(f"{file}: {os.path.getsize(file)} bytes, expected {count * dtype.itemsize}")
+            arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+        corpus = cls(**arrays, path=path)
+        corpus.check()
+        return corpus
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[Iterable[Iterable[int]]]) -> "TokenisedCorpus":
+        """An in-memory corpus from documents of sentences of token ids (tests, small examples)."""
+        writer = _Arrays()
+        for doc in documents:
+            writer.add([np.asarray(list(s), dtype=np.int64) for s in doc])
+        return writer.finish()
+
+    def __reduce__(self):
+        """Pickled by path when it has one (to another process: it maps the files itself, copying nothing)."""
+        if self.path:
+            return (TokenisedCorpus.load, (self.path,))
+        return (TokenisedCorpus, (self.tokens, self.sentences, self.documents))
+
+    def check(self) -> None:
+        """The offsets are consistent: what every reader relies on instead of re-checking per read."""
+        s, d = self.sentences, self.documents
+        if len(s) < 1 or len(d) < 1 or s[0] != 0 or d[0] != 0 or s[-1] != len(self.tokens) or d[-1] != len(s) - 1:
+            raise ValueError(f"{self.path or 'corpus'}: inconsistent offsets")
+
+    def __len__(self) -> int:
+        return len(self.documents) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def sentence_bounds(self, doc: int) -> np.ndarray:
+        """Token offsets of document `doc`'s sentences: [start of sentence 0, ..., end of the last]."""
+        return self.sentences[self.documents[doc]:self.documents[doc + 1] + 1]
+
+    def document_tokens(self, docs=None) -> np.ndarray:
+        """Tokens per document (of `docs`, default all), int64."""
+        docs = np.arange(len(self)) if docs is None else np.asarray(docs)
+        return self.sentences[self.documents[docs + 1]] - self.sentences[self.documents[docs]]
+
+    def document(self, doc: int) -> list[list[int]]:
+        """Document `doc` as lists of token ids per sentence (for inspection and tests)."""
+        bounds = self.sentence_bounds(doc).tolist()
+        return [self.tokens[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+
+
+class _Arrays:
+    """Accumulates documents into the three arrays, in memory or appended to files in `path`."""
+
+    def __init__(self, path: str | None = None, token_dtype=np.int32):
+        self.path, self.token_dtype = path, np.dtype(token_dtype)
+        self.counts = {"tokens": 0, "sentences": 1, "documents": 1}
+        self.n_tokens = self.n_sentences = 0
+        self.parts: dict[str, list] = {n: [] for n in _ARRAYS}
+        self.files = {n: open(os.path.join(path, f"{n}.bin"), "wb") for n in _ARRAYS} if path else None
+        self._write("sentences", np.zeros(1, np.int64))
+        self._write("documents", np.zeros(1, np.int64))
+
+    def _write(self, name: str, array: np.ndarray) -> None:
+        if self.files:
+            self.files[name].write(np.ascontiguousarray(array).tobytes())
+        else:
+            self.parts[name].append(array)
+
+    def add_encoded(self, ids: np.ndarray, sentence_lengths: np.ndarray, sentences_per_doc: np.ndarray) -> None:
+        """A batch of documents: their ids end to end, each sentence's length, each document's sentence count
+        (every count positive)."""
+        self._write("tokens", ids.astype(self.token_dtype, copy=False))
+        self._write("sentences", self.n_tokens + np.cumsum(sentence_lengths, dtype=np.int64))
+        self._write("documents", self.n_sentences + np.cumsum(sentences_per_doc, dtype=np.int64))
+        self.n_tokens += int(sentence_lengths.sum())
+        self.n_sentences += int(sentences_per_doc.sum())
+        self.counts["tokens"] += len(ids)
+        self.counts["sentences"] += len(sentence_lengths)
+        self.counts["documents"] += len(sentences_per_doc)
+
+    def add(self, sentences: list[np.ndarray]) -> None:
+        sentences = [s for s in sentences if len(s)]
+        if sentences:
+            self.add_encoded(np.concatenate(sentences), np.array([len(s) for s in sentences]),
+                             np.array([len(sentences)]))
+
+    def finish(self, meta: dict | None = None) -> TokenisedCorpus:
+        if not self.files:
+            return TokenisedCorpus(*(np.concatenate(self.parts[n]) if self.parts[n] else np.zeros(0, np.int64)
+                                     for n in _ARRAYS))
+        for f in self.files.values():
+            f.close()
+        dtypes = {"tokens": self.token_dtype.str, "sentences": "<i8", "documents": "<i8"}
+        meta = {**(meta or {}), "format": FORMAT,
+                **{n: {"dtype": dtypes[n], "count": self.counts[n]} for n in _ARRAYS}}
+        with open(os.path.join(self.path, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+        return TokenisedCorpus.load(self.path)
+
+
+def _read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: no readable meta.json ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')}, this version reads {FORMAT}")
+    return meta
+
+
+# ---- tokenising ------------------------------------------------------------------------------------
+_TOKENIZER = None
+
+
+def _init_encoder(serialized: str, parallel: bool) -> None:
+    """In each tokenising process: the tokenizer, single-threaded when several processes share the cores."""
+    global _TOKENIZER
+    if not parallel:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    _TOKENIZER = Tokenizer.from_str(serialized)
+    _TOKENIZER.no_truncation()
+    _TOKENIZER.no_padding()
+
+
+def encode_documents(texts: list[list[str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Documents (lists of paragraphs) -> (ids end to end, length of each non-empty sentence, non-empty sentences
+    per non-empty document). Documents without a token are dropped."""
+    docs = [text_sentences(paragraphs) for paragraphs in texts]
+    docs = [d for d in docs if d]
+    encodings = _TOKENIZER.encode_batch(docs, is_pretokenized=True, add_special_tokens=False) if docs else []
+    ids, lengths, per_doc = [], [], []
+    for doc, enc in zip(docs, encodings):
+        if not enc.ids:
+            continue
+        words = np.array(enc.word_ids, dtype=np.int64)
+        counts = np.bincount(words, minlength=len(doc))
+        counts = counts[counts > 0]  # a sentence of nothing but characters the tokenizer drops
+        ids.append(np.array(enc.ids, dtype=np.int64))
+        lengths.append(counts)
+        per_doc.append(len(counts))
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(ids), np.concatenate(lengths), np.array(per_doc, dtype=np.int64)
+
+
+def _text_batches(texts: Iterator[list[str]], max_documents: int | None) -> Iterator[list[list[str]]]:
+    batch, size = [], 0
+    for i, paragraphs in enumerate(texts):
+        if max_documents is not None and i >= max_documents:
+            break
+        batch.append(paragraphs)
+        size += sum(map(len, paragraphs))
+        if size >= TASK_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def fingerprint(source: str, tokenizer, extra) -> str:
+    """What a cached corpus is keyed by: the local files' names, sizes and times (or the hub name), the
+    tokenizer, and `extra`."""
+    h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
+    h.update(tokenizer.to_str().encode())
+    if not source.startswith("hf:"):
+        for p in corpus_files(source):
+            st = os.stat(p)
+            h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
+    else:
+        h.update(source.encode())
+    return h.hexdigest()[:16]
+
+
+def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_proc: int = 1,
+                    max_documents: int | None = None, text_field: str = "text") -> TokenisedCorpus:
+    """The tokenised corpus of `source` (bert.data.iter_document_texts): from the cache under `cache_dir` when it
+    is there and readable, else built by `num_proc` processes and cached (without `cache_dir`, in a temporary
+    directory that lives as long as the process's files do)."""
+    key = fingerprint(source, tokenizer, {"max_documents": max_documents, "field": text_field, "v": FORMAT})
+    path = os.path.join(cache_dir, f"tokenized-{key}") if cache_dir else None
+    if path and os.path.isdir(path):
+        try:
+            return TokenisedCorpus.load(path)
+        except (ValueError, OSError) as e:  # a cache from an older version or a damaged disk: rebuild it
+            warnings.warn(f"the tokenised-corpus cache {path} cannot be read ({e}); rebuilding it")
+            shutil.rmtree(path, ignore_errors=True)
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}" if path else tempfile.mkdtemp(prefix="bert-corpus-")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        corpus = _build(source, tokenizer, tmp, num_proc, max_documents, text_field)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not path:
+        return corpus
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)  # a killed run leaves at most the temporary directory, never a half-written cache
+    return TokenisedCorpus.load(path)
+
+
+def _build(source, tokenizer, path, num_proc, max_documents, text_field) -> TokenisedCorpus:
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= 1 << 16 else np.int32
+    writer = _Arrays(path, dtype)
+    batches = _text_batches(iter_document_texts(source, text_field), max_documents)
+    for ids, lengths, per_doc in ordered_map(encode_documents, batches, num_proc, _init_encoder,
+                                             (tokenizer.to_str(), num_proc <= 1)):
+        writer.add_encoded(ids, lengths, per_doc)
+    corpus = writer.finish({"source": source})
+    if len(corpus) == 0:
+        raise ValueError(f"the corpus at {source} has no text")
+    return corpus

@@ -1,0 +1,119 @@
+"""NSP instances as spans of the flat tokenised corpus (bert.corpus), drawn document by document.
+
+An instance, as in BERT, is [CLS] A [SEP] B [SEP]: a target length of max_seq_len - 3 tokens (10% of the time a
+shorter random one), A the first sentences of a chunk of consecutive sentences reaching the target, B the rest
+of the chunk (the true continuation: label 0) or, half of the time, sentences of a random other document (label
+1; A's unused sentences are then drawn again), the longer side trimmed at a random end until both fit.
+
+A and B are each consecutive sentences of one document, and trimming a run of tokens at its ends leaves a run,
+so an instance is five numbers (`SPAN`): where A starts and how long it is, the same for B, and the label. Drawing
+them touches only sentence offsets, never a token; the tokens are gathered when a micro-batch is collated
+(bert.packing), so an epoch's instances cost 25 bytes each, not a Python list per token.
+"""
+from __future__ import annotations
+
+import random
+from bisect import bisect_left
+from collections.abc import Iterator
+
+import numpy as np
+
+from .corpus import TokenisedCorpus
+
+SPAN = np.dtype([("a_start", "<i8"), ("a_len", "<i4"), ("b_start", "<i8"), ("b_len", "<i4"), ("label", "i1")])
+
+
+def span_lengths(spans: np.ndarray) -> np.ndarray:
+    """Tokens of each instance, specials included: A + B + [CLS] and two [SEP]."""
+    return spans["a_len"].astype(np.int64) + spans["b_len"] + 3
+
+
+def iter_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, seed: int, first: int = 0,
+               last: int | None = None, short_seq_prob: float = 0.1, nsp_random_prob: float = 0.5) -> Iterator[tuple]:
+    """(a_start, a_len, b_start, b_len, label) of the instances of documents doc_ids[first:last], in order,
+    deterministic in `seed`; a random B comes from any other document of `doc_ids`."""
+    if max_seq_len < 8:
+        raise ValueError(f"max_seq_len must be at least 8, got {max_seq_len}")
+    rng, max_tokens, n_docs = random.Random(seed), max_seq_len - 3, len(doc_ids)
+    for d in range(first, n_docs if last is None else last):
+        bounds = corpus.sentence_bounds(int(doc_ids[d])).tolist()
+        i, n = 0, len(bounds) - 1
+        while i < n:
+            target = rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
+            n_chunk = _take(bounds, i, target)
+            a_end = rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1
+            a0, la = bounds[i], bounds[i + a_end] - bounds[i]
+            want_random = n_docs > 1 and rng.random() < nsp_random_prob
+            if not want_random and a_end < n_chunk:          # the rest of the chunk follows A
+                b0, lb, label, i = bounds[i + a_end], bounds[i + n_chunk] - bounds[i + a_end], 0, i + n_chunk
+            elif not want_random and i + a_end < n:          # a one-sentence chunk: continue past it
+                used = _take(bounds, i + a_end, max(1, target - la))
+                b0, lb, label = bounds[i + a_end], bounds[i + a_end + used] - bounds[i + a_end], 0
+                i += a_end + used
+            elif n_docs > 1:                                 # B from another document; A's leftovers are kept
+                other = rng.randrange(n_docs - 1)
+                other_bounds = corpus.sentence_bounds(int(doc_ids[other + (other >= d)])).tolist()
+                start = rng.randrange(len(other_bounds) - 1)
+                used = _take(other_bounds, start, max(1, target - la))
+                b0, lb, label, i = other_bounds[start], other_bounds[start + used] - other_bounds[start], 1, i + a_end
+            else:
+                break
+            if la and lb:
+                yield _truncate(a0, la, b0, lb, max_tokens, rng) + (label,)
+
+
+def _take(bounds: list[int], start: int, want: int) -> int:
+    """How many whole sentences from `start` reach `want` tokens (at least one, at most the document's rest)."""
+    n = len(bounds) - 1
+    return bisect_left(bounds, bounds[start] + want, start + 1, n) - start
+
+
+def _truncate(a0: int, la: int, b0: int, lb: int, max_tokens: int, rng: random.Random) -> tuple:
+    """Trim the longer side, one token at a time from a random end, until both fit (BERT's truncate_seq_pair)."""
+    while la + lb > max_tokens:
+        if la > lb:
+            la -= 1
+            a0 += rng.random() < 0.5
+        else:
+            lb -= 1
+            b0 += rng.random() < 0.5
+    return a0, la, b0, lb
+
+
+def draw_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, seed: int, first: int = 0,
+               last: int | None = None) -> np.ndarray:
+    """The instances of documents doc_ids[first:last] (iter_spans) as a SPAN array."""
+    return np.array(list(iter_spans(corpus, doc_ids, max_seq_len, seed, first, last)), dtype=SPAN)
+
+
+def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
+    """The instances' input ids and token type ids, end to end (int64 [sum of span_lengths]): [CLS] A [SEP] B [SEP],
+    types 0 up to the first [SEP] and 1 after it. One gather from the (memory-mapped) token array."""
+    la, lb = spans["a_len"].astype(np.int64), spans["b_len"].astype(np.int64)
+    lengths = la + lb + 3
+    ends = np.cumsum(lengths)
+    inst = np.repeat(np.arange(len(spans)), lengths)
+    p = np.arange(int(ends[-1]) if len(spans) else 0) - np.repeat(ends - lengths, lengths)  # position in instance
+    la_t, lb_t = la[inst], lb[inst]
+    in_a, in_b = (p >= 1) & (p <= la_t), (p >= la_t + 2) & (p < la_t + lb_t + 2)
+    src = np.where(in_a, spans["a_start"][inst] + p - 1, np.where(in_b, spans["b_start"][inst] + p - la_t - 2, 0))
+    ids = np.where(in_a | in_b, corpus.tokens[src].astype(np.int64), sep)
+    ids[p == 0] = cls
+    return ids, (p > la_t + 1).astype(np.int64)
+
+
+def materialize(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> list[dict]:
+    """Instances as dicts (input_ids, token_type_ids, next_sentence_label), as bert.packing's collators and
+    evaluation take them."""
+    ids, types = gather(corpus, spans, cls, sep)
+    ends = np.cumsum(span_lengths(spans)).tolist()
+    return [{"input_ids": ids[a:b].tolist(), "token_type_ids": types[a:b].tolist(), "next_sentence_label": int(x)}
+            for a, b, x in zip([0] + ends[:-1], ends, spans["label"].tolist())]
+
+
+def iter_instances(documents, max_seq_len: int, special, seed: int) -> Iterator[dict]:
+    """NSP instances of `documents` (a TokenisedCorpus, or documents of sentences of ids) as dicts, in order."""
+    corpus = documents if isinstance(documents, TokenisedCorpus) else TokenisedCorpus.from_documents(documents)
+    doc_ids = np.arange(len(corpus))
+    for span in iter_spans(corpus, doc_ids, max_seq_len, seed):
+        yield from materialize(corpus, np.array([span], dtype=SPAN), special.cls, special.sep)

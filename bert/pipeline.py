@@ -1,0 +1,203 @@
+"""The pre-training input pipeline: tokenised corpus -> shards -> NSP spans -> rows -> micro-batches on the device.
+
+Nothing here grows with the corpus but its three memory-mapped arrays (bert.corpus) and the training documents'
+ids, and nothing waits for a pass over the whole corpus:
+
+- **Shards.** The training documents (in the order of the run's "split" stream) are cut into shards of
+  consecutive documents of at least `shard_tokens` tokens: at least 64 global steps' worth, so that what a shard
+  leaves over (below) is little. An epoch visits the shards in an order of its own (the "order" stream, keyed
+  by the epoch).
+- **Planning** a shard (`plan_shard`, a pure function of the shard, the epoch and the seed) draws its NSP spans
+  (bert.instances; a random B may come from any training document; the "nsp" stream keyed by epoch and shard),
+  packs them into rows (bert.packing.pack, linear time) or, without packing, buckets them into padded batches by
+  length, shuffles (the "order" stream keyed by epoch and shard), and cuts the rows into global steps of
+  P = ranks x accumulation steps micro-batches. The rows that do not fill a last step are left out (on average
+  half a step per shard: at most 1/64 of the data at the default shard size). `--num-proc` processes plan
+  shards ahead of training, in order (bert.workers.ordered_map).
+- **Collation** of a step's micro-batches (`StepCollator`) runs in the DataLoader's workers: the sampler (this
+  process) hands each worker its rank's share of one step as spans, the worker gathers their tokens from the
+  memory-mapped array, masks the whole micro-batch at once (MLMCollator.mask_flat) and lays it out packed
+  (PackingCollator.collate) or one instance per row; pinned, then copied to the device without blocking.
+
+A step is micro-batches t P ... t P + P - 1 of its shard, rank r taking r A ... r A + A - 1, and an instance is
+masked by (epoch, shard, its index in the shard), so the batches of a step are the same under any ranks x
+accumulation steps with the same product, and a run resumed at any step continues exactly (the planner
+re-plans the shards before it: time, not state).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from . import seeds
+from .corpus import TokenisedCorpus
+from .data import MLMCollator, bucket_rows
+from .instances import draw_spans, gather, span_lengths
+from .packing import FlatInstances, PackedShapes, PackingCollator, epoch_rows, one_per_row_flat
+from .workers import ordered_map
+
+MIN_SHARD_TOKENS = 1 << 20
+STEPS_PER_SHARD = 64
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How an epoch's instances become steps. packed: `shapes` (rows of max_seqlen, `shapes.rows` a
+    micro-batch); else length-bucketed global batches of `batch_size` instances, one per row. `parts` = ranks x
+    accumulation steps micro-batches a step."""
+    max_seq_len: int
+    parts: int
+    shapes: PackedShapes | None = None
+    batch_size: int = 0
+
+    @property
+    def rows_per_micro(self) -> int:
+        return self.shapes.rows if self.shapes else self.batch_size // self.parts
+
+    @property
+    def step_tokens(self) -> int:
+        return self.parts * self.rows_per_micro * self.max_seq_len
+
+
+class ShardPlan(NamedTuple):
+    shard: int            # the shard's id: its place among the shards of the corpus
+    spans: np.ndarray     # SPAN [instances]
+    rows: np.ndarray      # int64 [steps x parts x rows_per_micro, instances per row]: span indices, -1 after
+    steps: int            # global steps the shard fills
+
+
+def shard_starts(doc_tokens: np.ndarray, shard_tokens: int) -> np.ndarray:
+    """Where each shard starts in the document list, and its end: shards of consecutive documents of at least
+    `shard_tokens` tokens (the last takes the rest)."""
+    ends = np.cumsum(doc_tokens)
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = np.searchsorted(ends, np.arange(shard_tokens, total - shard_tokens + 1, shard_tokens), side="left") + 1
+    return np.unique(np.concatenate([[0], cuts, [len(doc_tokens)]]))
+
+
+@dataclass
+class Planner:
+    """Plans the shards of the training documents `doc_ids` of `corpus` (see the module docstring)."""
+    corpus: TokenisedCorpus
+    doc_ids: np.ndarray
+    layout: Layout
+    seed: int
+
+    def __post_init__(self):
+        shard_tokens = max(MIN_SHARD_TOKENS, STEPS_PER_SHARD * self.layout.step_tokens)
+        self.starts = shard_starts(self.corpus.document_tokens(self.doc_ids), shard_tokens)
+
+    @property
+    def shards(self) -> int:
+        return len(self.starts) - 1
+
+    def order(self, epoch: int) -> np.ndarray:
+        return seeds.rng(self.seed, "order", epoch).permutation(self.shards)
+
+    def plan(self, epoch: int, shard: int) -> ShardPlan:
+        spans = draw_spans(self.corpus, self.doc_ids, self.layout.max_seq_len, seeds.integer(self.seed, "nsp", epoch, shard),
+                           int(self.starts[shard]), int(self.starts[shard + 1]))
+        rng = seeds.rng(self.seed, "order", epoch, shard + 1)  # (key epoch alone orders the shards)
+        lengths = span_lengths(spans)
+        if self.layout.shapes:
+            rows = epoch_rows(lengths, self.layout.max_seq_len, self.layout.shapes.per_row, rng)
+        else:
+            rows = bucket_rows(lengths, self.layout.batch_size, rng)
+        per_step = self.layout.parts * self.layout.rows_per_micro
+        steps = len(rows) // per_step
+        return ShardPlan(shard, spans, rows[:steps * per_step], steps)
+
+    def plans(self, epoch: int, processes: int = 1) -> Iterator[ShardPlan]:
+        """The epoch's shard plans in order, `processes` planning ahead (each handed this planner once, when it
+        starts, not with every shard)."""
+        tasks = ((epoch, int(s)) for s in self.order(epoch))
+        if processes <= 1:
+            return (self.plan(*task) for task in tasks)
+        return ordered_map(_plan_in_worker, tasks, processes, _set_planner, (self,))
+
+
+_PLANNER: Planner | None = None
+
+
+def _set_planner(planner: Planner) -> None:
+    global _PLANNER
+    _PLANNER = planner
+
+
+def _plan_in_worker(task) -> ShardPlan:
+    return _PLANNER.plan(*task)
+
+
+class MicroBatchWork(NamedTuple):
+    spans: np.ndarray     # SPAN [instances], row after row
+    per_row: np.ndarray   # int64 [rows]: instances in each row
+    keys: np.ndarray      # int64 [instances, 3]: masking keys (epoch, shard, index in the shard)
+
+
+def step_work(plan: ShardPlan, step: int, epoch: int, layout: Layout, rank: int, accum: int) -> list[MicroBatchWork]:
+    """Rank `rank`'s micro-batches of global step `step` of a shard: what a worker collates."""
+    out, rows_per = [], layout.rows_per_micro
+    for a in range(accum):
+        m = step * layout.parts + rank * accum + a
+        block = plan.rows[m * rows_per:(m + 1) * rows_per]
+        index = block[block >= 0]  # row after row
+        keys = np.stack([np.full(len(index), epoch), np.full(len(index), plan.shard), index], axis=1)
+        out.append(MicroBatchWork(plan.spans[index], (block >= 0).sum(axis=1), keys))
+    return out
+
+
+class StepSampler:
+    """What the DataLoader hands its workers, in order: each step's work for this rank (step_work), from the
+    `first`-th step of the epoch on (the steps before it are planned again, not collated)."""
+
+    def __init__(self, planner: Planner, epoch: int, rank: int, accum: int, first: int = 0, processes: int = 1):
+        self.planner, self.epoch, self.rank, self.accum = planner, epoch, rank, accum
+        self.first, self.processes = first, processes
+
+    def __iter__(self):
+        skip = self.first
+        for plan in self.planner.plans(self.epoch, self.processes):
+            for t in range(min(skip, plan.steps), plan.steps):
+                yield step_work(plan, t, self.epoch, self.planner.layout, self.rank, self.accum)
+            skip = max(0, skip - plan.steps)
+
+
+class StepCollator(torch.utils.data.Dataset):
+    """Collates a step's work (a list of MicroBatchWork) into bert.packing.PackedBatch micro-batches."""
+
+    def __init__(self, corpus: TokenisedCorpus, masker: MLMCollator, layout: Layout):
+        self.corpus, self.masker, self.layout = corpus, masker, layout
+        self.packer = PackingCollator(masker, layout.shapes) if layout.shapes else None
+
+    def __getitem__(self, work: list[MicroBatchWork]):
+        return [self.collate(w) for w in work]
+
+    def collate(self, w: MicroBatchWork):
+        special = self.masker.special
+        ids, types = gather(self.corpus, w.spans, special.cls, special.sep)
+        flat = FlatInstances(ids, types, span_lengths(w.spans), w.spans["label"].astype(np.int64))
+        if self.packer:
+            return self.packer.collate(flat, w.per_row, w.keys.astype(np.uint64))
+        return one_per_row_flat(self.masker, flat, w.keys.astype(np.uint64))
+
+
+class EpochStream:
+    """An epoch of pre-training steps for this rank, as the trainer reads it (`loader`)."""
+
+    def __init__(self, planner: Planner, masker: MLMCollator, epoch: int, rank: int, accum: int, processes: int = 1):
+        self.planner, self.masker, self.epoch, self.rank, self.accum = planner, masker, epoch, rank, accum
+        self.processes = processes
+
+    def loader(self, first: int, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+        sampler = StepSampler(self.planner, self.epoch, self.rank, self.accum, first, self.processes)
+        return torch.utils.data.DataLoader(StepCollator(self.planner.corpus, self.masker, self.planner.layout),
+                                           batch_size=None, sampler=sampler, num_workers=num_workers,
+                                           collate_fn=_as_is, pin_memory=pin_memory, generator=torch.Generator())
+
+
+def _as_is(item):
+    return item
