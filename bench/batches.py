@@ -70,8 +70,9 @@ class _PoolLabels:
         self.pool = pool
         self.special = type("Special", (), {"pad": 0, "vocab_size": vocab})  # what PackingCollator reads
 
-    def mask(self, ids: torch.Tensor, key: int, stream: str = "masking"):
-        return ids, self.pool.labels[key, :len(ids)]
+    def mask_flat(self, ids: np.ndarray, lengths: np.ndarray, keys: np.ndarray, stream: str = "masking"):
+        labels = [self.pool.labels[int(k), :int(n)].numpy() for k, n in zip(keys[:, 0], lengths)]
+        return ids.copy(), np.concatenate(labels) if labels else np.zeros(0, np.int64)
 
 
 def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15):
@@ -84,7 +85,7 @@ def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, 
     pool = make_batch(16 * batch, seq_len, vocab, padding, seed, mlm_p)
     lengths = pool.attention_mask.sum(1).tolist()
     rows = pack(lengths, seq_len, 3)
-    rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))[:batch]]
+    rows = [rows[i][rows[i] >= 0].tolist() for i in np.random.default_rng(seed).permutation(len(rows))[:batch]]
     instances = [[{"input_ids": pool.input_ids[i, :lengths[i]], "token_type_ids": pool.token_type_ids[i, :lengths[i]],
                    "next_sentence_label": int(pool.next_sentence_label[i])} for i in row] for row in rows]
     collate = PackingCollator(_PoolLabels(pool, vocab), PackedShapes.for_rows(batch, seq_len, 3, mlm_p))

@@ -71,12 +71,17 @@ class ShardPlan(NamedTuple):
 
 
 def shard_starts(doc_tokens: np.ndarray, shard_tokens: int) -> np.ndarray:
-    """Where each shard starts in the document list, and its end: shards of consecutive documents of at least
-    `shard_tokens` tokens (the last takes the rest)."""
+    """Where each shard starts in the document list, then its end: consecutive documents until a shard has at
+    least `shard_tokens` tokens; a smaller rest joins the last shard."""
     ends = np.cumsum(doc_tokens)
-    total = int(ends[-1]) if len(ends) else 0
-    cuts = np.searchsorted(ends, np.arange(shard_tokens, total - shard_tokens + 1, shard_tokens), side="left") + 1
-    return np.unique(np.concatenate([[0], cuts, [len(doc_tokens)]]))
+    starts, total = [0], int(ends[-1]) if len(ends) else 0
+    while True:
+        done = int(ends[starts[-1] - 1]) if starts[-1] else 0
+        cut = int(np.searchsorted(ends, done + shard_tokens)) + 1
+        if cut >= len(ends) or total - int(ends[cut - 1]) < shard_tokens:  # a rest too small joins this shard
+            break
+        starts.append(cut)
+    return np.array(starts + [len(ends)] if len(ends) else [0])
 
 
 @dataclass

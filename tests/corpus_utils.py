@@ -26,3 +26,19 @@ def topic_documents(n_docs=40, sentences=12, seed=0) -> list[str]:
 def write_corpus(path, **kw) -> str:
     path.write_text("\n\n".join(topic_documents(**kw)) + "\n", encoding="utf-8")
     return str(path)
+
+
+def write_wikipedia_jsonl(path, n_docs=12, sentences=6, seed=0) -> str:
+    """The topic documents as Wikipedia's rows on the Hugging Face hub (id, url, title, text; paragraphs separated
+    by newlines), one JSON object a line: what hf:wikimedia/wikipedia streams, made locally (no network here)."""
+    import json
+
+    lines = []
+    for i, text in enumerate(topic_documents(n_docs, sentences, seed)):
+        sentences_ = text.split(". ")
+        half = len(sentences_) // 2
+        body = ". ".join(sentences_[:half]) + ".\n" + ". ".join(sentences_[half:])
+        lines.append(json.dumps({"id": str(100 + i), "url": f"https://en.wikipedia.org/wiki?curid={100 + i}",
+                                 "title": f"Topic {i}", "text": body}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)

@@ -244,3 +244,47 @@ def test_a_continuation_piece_after_a_special_token_is_a_unit_of_its_own():
     row = torch.tensor([2, 10, 501, 3, 502, 503, 11, 3])
     assert collator._groups(row.numpy(), ~torch.isin(row, torch.tensor(special.special)).numpy()).tolist() == \
         [0, 1, 1, 0, 2, 2, 3, 0]
+
+
+def _sequential_greedy(unit_inst, unit_u, sizes, budget):
+    """The greedy _greedy_fill computes in rounds, one unit at a time."""
+    picked = np.zeros(len(sizes), dtype=bool)
+    left = budget.copy()
+    for u in np.lexsort((unit_u, unit_inst)):
+        if sizes[u] <= left[unit_inst[u]]:
+            picked[u] = True
+            left[unit_inst[u]] -= sizes[u]
+    return picked
+
+
+def test_the_batched_greedy_fill_is_the_sequential_one():
+    from bert.data import _greedy_fill
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n_inst = int(rng.integers(1, 6))
+        units = int(rng.integers(0, 40))
+        unit_inst = np.sort(rng.integers(0, n_inst, units))
+        sizes = rng.integers(1, 6, units)
+        budget = rng.integers(0, 12, n_inst)
+        u = rng.random(units)
+        assert np.array_equal(_greedy_fill(unit_inst, u, sizes, budget),
+                              _sequential_greedy(unit_inst, u, sizes, budget)), trial
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_a_batch_is_masked_as_each_instance_alone(whole_word):
+    """mask_flat over a whole micro-batch gives each instance what masking it alone (mask) gives: masking is
+    keyed per instance, never by its neighbours or its place in the batch."""
+    collator = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(21000, 21500), seed=7)
+    instances = create_instances(id_documents(n_docs=12), max_seq_len=64, special=SPECIAL, seed=0)[:30]
+    rows = [np.array(x["input_ids"]) for x in instances]
+    keys = np.array([[3, 100 + i] for i in range(len(rows))], dtype=np.uint64)
+    masked, labels = collator.mask_flat(np.concatenate(rows), np.array([len(r) for r in rows]), keys)
+    start = 0
+    for i, row in enumerate(rows):
+        alone = collator.mask(torch.from_numpy(row), (3, 100 + i))
+        assert masked[start:start + len(row)].tolist() == alone[0].tolist()
+        assert labels[start:start + len(row)].tolist() == alone[1].tolist()
+        start += len(row)
+    assert (labels != -100).sum() > 0

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -282,13 +283,15 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     give one loss."""
     from types import SimpleNamespace
 
+    from bert.corpus import TokenisedCorpus
     from bert.data import MLMCollator, SpecialIds
     from bert.packing import PackedBatch, PackedShapes, PackingCollator
     from bert.pretrain import eval_batches, evaluate
 
     special = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=300, special=(0, 1, 2, 3, 4))
     docs = [[[5 + (7 * d + s + j) % 290 for j in range(6 + s % 5)] for s in range(8)] for d in range(6)]
-    corpus = SimpleNamespace(eval_docs=docs, max_seq_len=32, special=special, seed=4)
+    corpus = SimpleNamespace(corpus=TokenisedCorpus.from_documents(docs), eval_ids=np.arange(6), max_seq_len=32,
+                             special=special, seed=4)
     collator = MLMCollator(special, seed=4)
     packing = PackingCollator(collator, PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15))
     padded, packed = list(eval_batches(corpus, collator, None, 6, 3)), list(eval_batches(corpus, collator, packing, 6, 3))

@@ -1,0 +1,130 @@
+"""bert.pipeline: shard-streamed epochs, the same under any ranks x accumulation steps, resumable, parallel."""
+import numpy as np
+import pytest
+import torch
+
+import bert.pipeline as pipeline
+from bert.corpus import TokenisedCorpus
+from bert.data import MLMCollator, SpecialIds
+from bert.instances import SPAN, draw_spans, materialize, span_lengths
+from bert.packing import PackedShapes
+from bert.pipeline import Layout, Planner, StepCollator, StepSampler, shard_starts, step_work
+
+SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=30_000, special=(0, 1, 2, 3, 4))
+
+
+def corpus(n_docs=60, seed=0) -> TokenisedCorpus:
+    """Documents of 5-30 sentences of 3-25 tokens; every token names its document and sentence."""
+    rng = np.random.default_rng(seed)
+    return TokenisedCorpus.from_documents(
+        [[[100 + (d * 37 + s) % 29_000] * int(rng.integers(3, 26)) for s in range(int(rng.integers(5, 31)))]
+         for d in range(n_docs)])
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    """Shards of a few thousand tokens, so that a test corpus has several."""
+    monkeypatch.setattr(pipeline, "MIN_SHARD_TOKENS", 3000)
+    monkeypatch.setattr(pipeline, "STEPS_PER_SHARD", 1)
+
+
+def planner(parts, packed=True, seed=5, c=None) -> Planner:
+    c = c or corpus()
+    shapes = PackedShapes.for_rows(4, 64, 3, 0.15) if packed else None
+    return Planner(c, np.random.default_rng(1).permutation(len(c)), Layout(64, parts, shapes, batch_size=8), seed)
+
+
+def batches(p: Planner, epoch, rank, accum, first=0, processes=1, workers=0):
+    masker = MLMCollator(SPECIAL, seed=3)
+    loader = torch.utils.data.DataLoader(StepCollator(p.corpus, masker, p.layout), batch_size=None,
+                                         sampler=StepSampler(p, epoch, rank, accum, first, processes),
+                                         num_workers=workers, collate_fn=lambda x: x)
+    return [[dict(b.items()) for b in step] for step in loader]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(len(x) == len(y) and all(
+        all(torch.equal(u[k], v[k]) if isinstance(u[k], torch.Tensor) else u[k] == v[k] for k in u)
+        for u, v in zip(x, y)) for x, y in zip(a, b))
+
+
+def test_shards_are_consecutive_documents_of_at_least_the_size():
+    tokens = np.array([5, 1, 7, 3, 3, 9, 2, 1])
+    starts = shard_starts(tokens, 8)
+    assert starts.tolist() == [0, 3, 8]  # 13 tokens; then 15 + the rest (3): too small for a shard of its own
+    assert shard_starts(tokens, 5).tolist() == [0, 1, 3, 5, 8]  # 5, 8, 6, then 9 + the rest (3, below 5)
+    assert shard_starts(tokens, 100).tolist() == [0, 8] and shard_starts(np.zeros(0, int), 8).tolist() == [0]
+
+
+def test_a_shard_plan_is_every_row_within_the_layout(small_shards):
+    p = planner(parts=2)
+    assert p.shards > 3
+    plan = p.plan(epoch=0, shard=1)
+    lengths = span_lengths(plan.spans)
+    assert plan.rows.shape == (plan.steps * 2 * 4, 3) and plan.steps >= 1
+    used = plan.rows[plan.rows >= 0]
+    assert len(used) == len(set(used.tolist()))  # an instance at most once
+    assert all(lengths[row[row >= 0]].sum() <= 64 for row in plan.rows)
+    left_out = len(plan.spans) - len(used)  # only what does not fill a last step
+    assert left_out <= 2 * 4 * 3 and lengths[used].sum() / (len(plan.rows) * 64) > 0.9
+    assert np.array_equal(p.plan(0, 1).rows, plan.rows) and not np.array_equal(p.plan(1, 1).rows, plan.rows)
+    assert sorted(p.order(0).tolist()) == list(range(p.shards)) and not np.array_equal(p.order(0), p.order(1))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_step_is_the_same_under_any_ranks_x_accumulation_steps(small_shards, packed):
+    """2 ranks x 1 accumulation step and 1 rank x 2 give each micro-batch of every step the same tokens, masks
+    and layout (the union over ranks of one is the other), epoch after epoch."""
+    p = planner(parts=2, packed=packed)
+    for epoch in (0, 1):
+        one = batches(p, epoch, rank=0, accum=2)
+        ranks = [batches(p, epoch, rank=r, accum=1) for r in (0, 1)]
+        assert len(one) > 3 and all(len(r) == len(one) for r in ranks)
+        assert same(one, [[ranks[0][t][0], ranks[1][t][0]] for t in range(len(one))])
+    assert not same(batches(p, 0, 0, 2), batches(p, 1, 0, 2))
+
+
+def test_resuming_at_any_step_continues_exactly_and_workers_change_nothing(small_shards):
+    p = planner(parts=1)
+    whole = batches(p, epoch=2, rank=0, accum=1)
+    for first in (1, 5, len(whole) - 1):
+        assert same(batches(p, 2, 0, 1, first=first), whole[first:])
+    assert same(batches(p, 2, 0, 1, processes=2, workers=2), whole)  # planned and collated elsewhere
+
+
+def test_collated_batches_hold_the_planned_instances(small_shards):
+    p = planner(parts=1)
+    plan = next(p.plans(0))
+    (work,) = step_work(plan, 0, 0, p.layout, rank=0, accum=1)
+    (b,) = StepCollator(p.corpus, MLMCollator(SPECIAL, seed=3), p.layout)[[work]]
+    instances = materialize(p.corpus, work.spans, SPECIAL.cls, SPECIAL.sep)
+    assert b.lengths == [len(x["input_ids"]) for x in instances]
+    starts = b.cu_seqlens.tolist()
+    real = [s for s, label in zip(starts, b.next_sentence_label.tolist()) if label != -100]
+    for s, x in zip(real, instances):
+        n = len(x["input_ids"])
+        labelled = {int(q) - s: int(v) for q, v in zip(b.mlm_positions, b.mlm_labels) if v != -100 and s <= q < s + n}
+        restored = b.input_ids[s:s + n].clone()
+        for q, v in labelled.items():
+            restored[q] = v
+        assert restored.tolist() == x["input_ids"] and b.token_type_ids[s:s + n].tolist() == x["token_type_ids"]
+    assert (work.keys[:, :2] == [0, plan.shard]).all()
+
+
+def test_spans_are_the_instances_and_trimming_stays_inside_their_sentences():
+    """A true continuation starts after A in A's document; a random B comes from another document (a token of
+    this corpus names its document: (t - 100) // 37)."""
+    c = corpus(20)
+    spans = draw_spans(c, np.arange(20), 48, seed=1)
+    assert spans.dtype == SPAN and (span_lengths(spans) <= 48).all() and (spans["a_len"] > 0).all()
+    assert (spans["b_len"] > 0).all() and 0.3 < spans["label"].mean() < 0.7
+    doc = (c.tokens.astype(np.int64) - 100) // 37
+    a_doc, b_doc = doc[spans["a_start"]], doc[spans["b_start"]]
+    true_next = spans["label"] == 0
+    assert (a_doc[true_next] == b_doc[true_next]).all() and (a_doc[~true_next] != b_doc[~true_next]).all()
+    assert (spans["b_start"][true_next] >= spans["a_start"][true_next] + spans["a_len"][true_next]).all()
+    ends = spans["a_start"] + spans["a_len"] - 1  # A never runs past its document
+    assert (doc[ends] == a_doc).all()
+    for x, span in zip(materialize(c, spans[:50], SPECIAL.cls, SPECIAL.sep), spans[:50]):
+        assert x["input_ids"][1:1 + span["a_len"]] == c.tokens[span["a_start"]:span["a_start"] + span["a_len"]].tolist()
+    assert np.array_equal(draw_spans(c, np.arange(20), 48, 1), spans)
