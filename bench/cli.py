@@ -44,10 +44,16 @@ def device_name(device: torch.device) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bert-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["all", "e2e", "kernels", "encode"], default="all",
+    p.add_argument("--suite", choices=["all", "e2e", "kernels", "encode", "data"], default="all",
                    help="what to run (default: all = e2e and kernels; the kernel suite needs a GPU, except the "
                         "MLM-loss table; encode: forward-only inference of Hugging Face models, eager, compiled "
-                        "and fused)")
+                        "and fused; data: the pre-training input pipeline, stage by stage, on the CPU)")
+    p.add_argument("--corpus", help="--suite data: the corpus (any bert-pretrain --data source; default: a "
+                                    "synthetic ~10 MB corpus generated in the output directory)")
+    p.add_argument("--scale", type=int, default=1,
+                   help="--suite data: the corpus replicated N times, documents shuffled (default 1)")
+    p.add_argument("--num-proc", type=int, default=None,
+                   help="--suite data: processes that tokenise and plan (default: the CPUs available)")
     p.add_argument("--families", nargs="+", choices=["bert", "roberta"],
                    help="end-to-end model families: roberta adds RobertaForMaskedLM, eager, compiled and fused, at "
                         "the first shape (default: bert; bert roberta with --full on a GPU)")
@@ -203,6 +209,7 @@ class Plan(NamedTuple):
     kernels: bool
     e2e: bool
     encode: list       # encode-suite specs (empty unless --suite encode)
+    data: bool = False  # the input-pipeline suite
 
 
 def make_plan(args, cuda: bool) -> Plan:
@@ -216,7 +223,8 @@ def make_plan(args, cuda: bool) -> Plan:
     encode_specs = list(encode.specs(cuda, args.full, args.seq_len[0] if args.seq_len else None,
                                      [args.batch] if args.batch else None, args.encode_models)) \
         if args.suite == "encode" else []
-    return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"), encode_specs)
+    return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"), encode_specs,
+                args.suite == "data")
 
 
 def describe(plan: Plan, cuda: bool, full: bool) -> str:
@@ -233,6 +241,9 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
         shapes = sorted({f"{s['model']} b{s['batch']}" for s in plan.encode})
         lines.append(f"encode: {', '.join(plan.encode[0]['variants'])} on {', '.join(shapes)}")
         runs += sum(len(s["variants"]) for s in plan.encode)
+    if plan.data:
+        lines.append("data: tokenise, instances, packing, collation and time to the first batch, each stage in a "
+                     "fresh process (minutes per 100 MB of text tokenised)")
     per_run = (60 if full else 25) if cuda else (40 if full else 20)
     minutes = (runs * per_run + (120 if plan.kernels else 0)) / 60
     more = "" if full else "; --full adds more shapes, torch.compile variants on a CPU, the padding sweep and steps"
@@ -322,6 +333,18 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
                           "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "rel_err_fp64", "status"]))
 
 
+def run_data(args, results: dict, save) -> None:
+    from bert.workers import available_cpus
+
+    from . import data
+
+    num_proc = args.num_proc or available_cpus()
+    print(f"## Input pipeline: {args.corpus or 'a synthetic corpus'} x{args.scale}, {num_proc} processes\n")
+    results["data"] += data.measure(args.corpus, args.scale, num_proc, args.output_dir, e2e.in_fresh_process)
+    save()
+    print("\n" + data.table(results["data"]) + "\n\n" + data.workers_needed(results["data"]))
+
+
 def run_metadata(device, argv) -> dict:
     cuda = device.type == "cuda"
     command = "bert-bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -356,7 +379,13 @@ def check_args(args) -> torch.device:
             sample_lengths(1, 8, args.padding, np.random.default_rng(0))
         except ValueError:
             raise ValueError(f"--padding {args.padding}: use 'wiki' or a padding fraction in [0, 0.5]") from None
-    check_numbers(args, positive=("batch", "steps"))
+    check_numbers(args, positive=("batch", "steps", "scale", "num_proc"))
+    data_only = [flag for flag, given in (("--corpus", args.corpus), ("--scale", args.scale != 1),
+                                          ("--num-proc", args.num_proc)) if given]
+    if data_only and args.suite != "data":
+        raise ValueError(f"{data_only[0]} applies to --suite data, not --suite {args.suite}")
+    if args.corpus and not args.corpus.startswith("hf:") and not os.path.exists(args.corpus):
+        raise FileNotFoundError(f"--corpus {args.corpus}: no such file or directory")
     for n in args.seq_len or []:
         if not 8 <= n <= MAX_SEQ_LEN:
             raise ValueError(f"--seq-len {n}: must be in [8, {MAX_SEQ_LEN}] (the models have {MAX_SEQ_LEN} positions)")
@@ -373,7 +402,9 @@ def check_args(args) -> torch.device:
     return device
 
 
-OUTPUTS = ("results.json", "e2e.csv", "kernels.csv", "encode.csv", "packing.csv", "speedup.png", "padding.png")
+OUTPUTS = ("results.json", "e2e.csv", "kernels.csv", "encode.csv", "packing.csv", "data.csv", "speedup.png",
+           "padding.png")
+TABLES = ("e2e", "kernels", "encode", "packing", "data")
 
 
 def remove_stale(out_dir: str, written: set) -> None:
@@ -388,13 +419,13 @@ def remove_stale(out_dir: str, written: set) -> None:
 def bench(args, argv) -> int:
     device = check_args(args)
     cuda = device.type == "cuda"
-    out_dir = args.output_dir or os.path.join("bert-bench-results", device_name(device))
+    out_dir = args.output_dir = args.output_dir or os.path.join("bert-bench-results", device_name(device))
     os.makedirs(out_dir, exist_ok=True)
     meta = run_metadata(device, argv)
     plan = make_plan(args, cuda)
     print(f"# bert-bench on {meta['device']} ({meta['date']})\n")
     print(describe(plan, cuda, args.full))
-    results, written = {"meta": meta, "e2e": [], "kernels": [], "encode": [], "packing": []}, set()
+    results, written = {"meta": meta, **{name: [] for name in TABLES}}, set()
 
     def save():
         """Written after every row, so a run cut short (a time limit, Ctrl-C) still leaves what it measured."""
@@ -404,7 +435,7 @@ def bench(args, argv) -> int:
 
         atomic_write(os.path.join(out_dir, "results.json"), write)
         written.add("results.json")
-        for name in ("e2e", "kernels", "encode", "packing"):
+        for name in TABLES:
             if write_csv(os.path.join(out_dir, f"{name}.csv"), results[name]):
                 written.add(f"{name}.csv")
 
@@ -417,7 +448,7 @@ def bench(args, argv) -> int:
         save()
         written |= set(plot(results["e2e"], out_dir))
         remove_stale(out_dir, written)
-        done = sum(len(results[k]) for k in ("e2e", "kernels", "encode", "packing"))
+        done = sum(len(results[k]) for k in TABLES)
         print(f"\nInterrupted: wrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)} with the {done} "
               "row(s) that finished", file=sys.stderr)
         return 130
@@ -442,6 +473,8 @@ def run_suites(args, plan: Plan, peaks: dict, device, results: dict, save) -> No
         run_kernels(args, peaks, device, results, save)
     if plan.encode:
         run_encode(plan, results, save)
+    if args.suite == "data":
+        run_data(args, results, save)
     if args.packing_corpus:
         from . import packing
 

@@ -33,6 +33,7 @@ evaluation read one kind of batch; only its shapes then change from batch to bat
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
@@ -77,26 +78,35 @@ def pack(lengths, budget: int, max_seqs: int) -> np.ndarray:
 def _pack_counts(counts: np.ndarray, budget: int, max_seqs: int) -> list[tuple[tuple[int, ...], int]]:
     """(row layout: the lengths it holds, how many such rows) for `counts` instances of each length."""
     open_rows: list[list] = [[] for _ in range(budget + 1)]  # by room left: [layout, count] that can take more
+    rooms: list[int] = []  # the rooms with open rows, sorted: the best fit is a bisection away
     done: list[tuple[tuple[int, ...], int]] = []
 
     def put(layout, count, room):
-        (done if room == 0 or len(layout) == max_seqs else open_rows[room]).append((layout, count))
+        if room == 0 or len(layout) == max_seqs:
+            done.append((layout, count))
+            return
+        if not open_rows[room]:
+            insort(rooms, room)
+        open_rows[room].append((layout, count))
 
     for n in range(budget, -1, -1):
         left = int(counts[n])
         while left:
-            room = next((r for r in range(n, budget + 1) if open_rows[r]), None)
-            if room is None:  # nothing takes it: new rows, each holding as many as fit (what one by one does)
+            at = bisect_left(rooms, n)
+            if at == len(rooms):  # nothing takes it: new rows, each holding as many as fit (as one by one does)
                 per = min(max_seqs, budget // n) if n else max_seqs
                 if left >= per:
                     put((n,) * per, left // per, budget - per * n)
                 if left % per:
                     put((n,) * (left % per), 1, budget - (left % per) * n)
                 break
+            room = rooms[at]
             layout, count = open_rows[room].pop()
+            if not open_rows[room]:
+                rooms.pop(at)
             k = min(count, left)
             if count > k:
-                open_rows[room].append((layout, count - k))
+                put(layout, count - k, room)
             put(layout + (n,), k, room - n)
             left -= k
     return done + [g for room in open_rows for g in room]

@@ -49,6 +49,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    timeout_minutes: float = 0.0   # of the process group's collectives (--dist-timeout)
 
     @property
     def main(self) -> bool:
@@ -59,7 +60,12 @@ class Dist:
         instead of racing rank 0 to write it."""
         if self.main:
             out = fn()
-        self.barrier()
+        try:
+            self.barrier()
+        except RuntimeError as e:  # the process group's timeout (DistBackendError), or rank 0 failed meanwhile
+            raise RankTimeout(f"rank {self.rank} waited for rank 0 and gave up ({_first_line(e)}); if rank 0 was "
+                              f"still at work (tokenising a large corpus), raise --dist-timeout (now "
+                              f"{self.timeout_minutes:g} minutes)") from None
         if not self.main:
             out = fn()
         return out
@@ -91,7 +97,8 @@ def setup_device(timeout_minutes: float = DIST_TIMEOUT_MINUTES) -> tuple[torch.d
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
-    return device, Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return device, Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
+                        timeout_minutes)
 
 
 # ---- what a job supplies -----------------------------------------------------------------------
@@ -308,6 +315,10 @@ class _StopFlag:
 
 class NonFiniteError(ExpectedError):
     """Training produced a loss or gradient norm that is not finite (more often in a row than allowed)."""
+
+
+class RankTimeout(ExpectedError):
+    """A rank waited longer than the process group's timeout for another."""
 
 
 class OutputDirBusy(ExpectedError):

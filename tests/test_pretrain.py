@@ -304,3 +304,73 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     scores = [evaluate(model, batches, torch.device("cpu")) for batches in (padded, packed)]
     assert scores[0]["eval_mlm_loss"] == pytest.approx(scores[1]["eval_mlm_loss"], rel=1e-5)
     assert scores[0]["eval_mlm_acc"] == scores[1]["eval_mlm_acc"] and model.training
+
+
+def _slow_rank0_worker(rank, world, port, argv, delay, out_file):
+    """A rank of a 2-rank gloo run whose rank 0 tokenises `delay` seconds slower than usual."""
+    import bert.pretrain as pretrain
+
+    tokenize = pretrain.tokenize_corpus
+
+    def slow(*args, **kwargs):
+        if rank == 0:
+            time.sleep(delay)
+        return tokenize(*args, **kwargs)
+
+    pretrain.tokenize_corpus = slow
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        train(build_parser().parse_args(argv))
+        outcome = "ok"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    with open(f"{out_file}.{rank}", "w") as f:
+        f.write(outcome)
+
+
+def test_a_slow_rank_0_is_waited_for_as_long_as_dist_timeout_says(tmp_path, corpus):
+    """Rank 0 tokenises while rank 1 waits at a barrier. Under --dist-timeout longer than that wait the run
+    trains; under a shorter one rank 1 stops with one line naming the flag (so the flag, not a library default,
+    decides how slow rank 0 may be)."""
+    base = ["--data", corpus, "--train-tokenizer", "200", "--config", "tiny", "--max-seq-len", "64",
+            "--batch-size", "8", "--steps", "2", "--eval-every", "0", "--no-progress", "--num-workers", "0"]
+    outcomes = {}
+    for name, minutes in (("patient", "0.5"), ("impatient", "0.03")):
+        argv = base + ["--output-dir", str(tmp_path / name), "--dist-timeout", minutes]
+        mp.spawn(_slow_rank0_worker, args=(2, _free_port(), argv, 5.0, str(tmp_path / name)), nprocs=2, join=True)
+        outcomes[name] = [(tmp_path / f"{name}.{r}").read_text() for r in (0, 1)]
+    assert outcomes["patient"] == ["ok", "ok"]
+    assert outcomes["impatient"][1].startswith("RankTimeout: rank 1 waited for rank 0 and gave up")
+    assert "raise --dist-timeout (now 0.03 minutes)" in outcomes["impatient"][1]
+    assert outcomes["impatient"][0] != "ok"  # rank 0 cannot train alone either
+
+
+def test_wikipedia_jsonl_trains_and_the_log_says_how_long_steps_waited_for_data(tmp_path, monkeypatch, capsys):
+    """A corpus in the schema of hf:wikimedia/wikipedia trains; every log row has data_wait_ms, the first one the
+    pipeline's start-up (data_start_s); a pipeline slower than the steps is warned about, once."""
+    from bert import pipeline
+    from corpus_utils import write_wikipedia_jsonl
+
+    wiki = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=40, sentences=12)
+    args = args_for(tmp_path, wiki, "--steps", "6", "--num-workers", "0", out="fast")
+    train(args)
+    rows = read_log(tmp_path / "fast" / "log.jsonl")
+    assert len(rows) == 6 and all(math.isfinite(r["mlm_loss"]) and r["data_wait_ms"] >= 0 for r in rows)
+    assert "data_start_s" in rows[0] and "data_start_s" not in rows[-1]
+    collate = pipeline.StepCollator.__getitem__
+
+    def slow(self, work):
+        time.sleep(0.3)
+        return collate(self, work)
+
+    monkeypatch.setattr(pipeline.StepCollator, "__getitem__", slow)
+    capsys.readouterr()
+    train(args_for(tmp_path, wiki, "--steps", "6", "--num-workers", "0", out="slow"))
+    rows = read_log(tmp_path / "slow" / "log.jsonl")
+    assert all(r["data_wait_ms"] >= 250 for r in rows[1:])
+    assert capsys.readouterr().out.count("for data (data_wait_ms") == 1

@@ -1,0 +1,46 @@
+"""bert-bench --suite data: every stage measured at a scale, its rows in results.json, errors named."""
+import json
+import os
+
+import pytest
+
+from bench import data
+from bench.cli import main
+from corpus_utils import write_wikipedia_jsonl
+
+
+def test_a_scaled_corpus_is_every_document_scale_times_shuffled(tmp_path):
+    from bert.data import iter_document_texts
+
+    source = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=7)
+    scaled = data.scaled_corpus(source, 3, str(tmp_path))
+    docs, tripled = list(iter_document_texts(source)), list(iter_document_texts(scaled))
+    assert sorted(map(tuple, tripled)) == sorted(map(tuple, docs * 3)) and tripled[:7] != docs
+    assert data.scaled_corpus(source, 1, str(tmp_path)) == source
+
+
+def test_data_suite_writes_one_row_per_stage_and_scale(tmp_path, capsys):
+    source = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=60, sentences=20)
+    out = tmp_path / "out"
+    assert main(["--suite", "data", "--corpus", source, "--scale", "2", "--num-proc", "2",
+                 "--output-dir", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["data"]
+    units = {"tokenise": "MB/s", "instances": "tokens/s", "packing": "instances/s", "collation": "tokens/s/worker",
+             "first_batch": "s"}
+    assert {r["stage"] for r in rows} == set(units)
+    for r in rows:
+        assert r["unit"] == units[r["stage"]] and r["scale"] == 2 and r["value"] > 0 and r["peak_rss_MB"] > 0
+    assert {r["seq_len"] for r in rows if r["stage"] == "collation"} == {128, 512}
+    assert (out / "data.csv").exists() and "worker(s) feed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--scale", "2"], "--scale applies to --suite data, not --suite all"),
+    (["--suite", "data", "--scale", "0"], "--scale must be positive, got 0"),
+    (["--suite", "data", "--corpus", "/no/such/corpus.txt"], "--corpus /no/such/corpus.txt: no such file"),
+])
+def test_data_suite_options_are_checked_with_one_line(tmp_path, capsys, flags, message):
+    assert main(flags + ["--output-dir", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "results.json")
