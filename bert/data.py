@@ -1,10 +1,10 @@
-"""Pre-training data: corpus -> documents of sentences -> token ids -> NSP instances -> masked batches.
+"""Pre-training data: corpus files -> documents of paragraphs -> sentences; the special ids; MLM masking.
 
-Instances follow BERT: a target length of max_seq_len (10% of the time a shorter random one), segment A from
-consecutive sentences, segment B the true continuation (50%) or sentences of a random other document (50%), the
-longer side trimmed at a random end, laid out as [CLS] A [SEP] B [SEP]. Masking happens in the collator, fresh
-each time an instance is drawn: 15% of real, non-special tokens are chosen; 80% of those become [MASK], 10% a
-random non-special token, 10% stay.
+Documents come from text files, JSONL (Wikipedia's schema on the hub: id, url, title, text) or a Hugging Face
+dataset streamed by name (`iter_document_texts`); sentences are split by rule (`split_sentences`). Tokenising
+is bert.corpus's, NSP instances bert.instances', packing bert.packing's, the epoch's stream bert.pipeline's.
+Masking happens at collation, fresh each time an instance is drawn: 15% of real, non-special tokens are chosen
+(exactly, or each independently); 80% of those become [MASK], 10% a random non-special token, 10% stay.
 """
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ length-bucketed batches out one instance per padded row instead: the same batch 
 trains on its own micro-batches of each global step, and the losses are normalised by the number of labelled
 tokens and sequences in the whole global step, so N ranks compute exactly what one process accumulating N
 micro-batches would. Checkpoints hold the model (save_pretrained), optimizer, scheduler, RNG states
-and data position; `--resume` continues so that later losses equal those of an uninterrupted run.
+and data position; `--resume` continues so that later losses equal those of an uninterrupted run. The data
+path, corpus -> memory-mapped tokens -> shards of NSP spans -> packed rows -> micro-batches collated by the
+DataLoader's workers, is bert.pipeline's: nothing waits for a pass over the whole corpus.
 """
 from __future__ import annotations
 

@@ -2,16 +2,17 @@
 
 A stream is a `numpy.random.SeedSequence` of the root seed with its own spawn key, so streams are independent of
 each other and of their keys: changing how many evaluation batches run, say, moves nothing in training. Keys
-are non-negative integers (an epoch, an instance's index in it), which is what makes a run the same under any
-number of ranks or accumulation steps and after a resume: an instance is masked by (epoch, index), wherever and
-whenever it is collated.
+are non-negative integers (an epoch, a shard of the training documents, an instance's index in it), which is
+what makes a run the same under any number of ranks or accumulation steps and after a resume: an instance is
+masked by (epoch, shard, index), wherever and whenever it is collated. Masking hashes its keys with the token's
+position (bert.data.MLMCollator.mask_flat), so a whole micro-batch is masked at once.
 
 | stream        | what it decides                                                   | keys            |
 |---------------|-------------------------------------------------------------------|-----------------|
 | split         | which documents are held out for evaluation                       | -               |
-| nsp           | the sentence pairs of an epoch (lengths, 50% random next segments)| epoch           |
-| order         | an epoch's order: packed rows, or length-bucketed batches          | epoch           |
-| masking       | which tokens an instance masks, and how (80% [MASK], 10% random)   | epoch, instance |
+| nsp           | a shard's sentence pairs in an epoch (lengths, 50% random B)      | epoch, shard    |
+| order         | the order of an epoch's shards; a shard's packed rows or batches   | epoch [, shard+1] |
+| masking       | which tokens an instance masks, and how (80% [MASK], 10% random)   | epoch, shard, instance |
 | eval_nsp      | the held-out instances                                            | -               |
 | eval_masking  | their masking (the same at every evaluation)                      | instance        |
 | shuffle       | fine-tuning's example order                                       | epoch           |

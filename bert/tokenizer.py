@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
@@ -112,15 +113,18 @@ def train_tokenizer(files_or_iterator: str | Iterable[str], vocab_size: int, out
             raise FileNotFoundError(f"no such text file: {files_or_iterator[0]}")
     files = isinstance(files_or_iterator, (list, tuple)) and files_or_iterator and all(
         isinstance(p, (str, os.PathLike)) and os.path.isfile(p) for p in files_or_iterator)
-    texts = None if files else list(files_or_iterator)  # read twice: the pieces below, then the training
-    pieces = _continuation_pieces(tok, _lines(files_or_iterator) if files else texts)
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                        limit_alphabet=limit_alphabet, special_tokens=SPECIAL_TOKENS + pieces,
-                                        continuing_subword_prefix="##", show_progress=show_progress)
-    if files:
+    with tempfile.TemporaryDirectory(prefix="bert-tokenizer-") as spool:
+        if not files:  # read twice (the pieces below, then the training): spooled to disk, not kept in memory
+            path = os.path.join(spool, "texts.txt")
+            with open(path, "w", encoding="utf-8") as f:
+                for text in files_or_iterator:
+                    f.write(text + "\n")
+            files_or_iterator = [path]
+        pieces = _continuation_pieces(tok, _lines(files_or_iterator))
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                            limit_alphabet=limit_alphabet, special_tokens=SPECIAL_TOKENS + pieces,
+                                            continuing_subword_prefix="##", show_progress=show_progress)
         tok.train([os.fspath(p) for p in files_or_iterator], trainer)
-    else:
-        tok.train_from_iterator(texts, trainer)
     if tok.get_vocab_size() <= len(SPECIAL_TOKENS) + len(pieces):
         raise ValueError("the training text produced no vocabulary (is it empty?)")
     # Rebuilt so that only BERT's own special tokens are matched whole in text.

@@ -6,7 +6,7 @@ import torch
 import bert.pipeline as pipeline
 from bert.corpus import TokenisedCorpus
 from bert.data import MLMCollator, SpecialIds
-from bert.instances import SPAN, draw_spans, materialize, span_lengths
+from bert.instances import materialize, span_lengths
 from bert.packing import PackedShapes
 from bert.pipeline import Layout, Planner, StepCollator, StepSampler, shard_starts, step_work
 
@@ -109,22 +109,3 @@ def test_collated_batches_hold_the_planned_instances(small_shards):
             restored[q] = v
         assert restored.tolist() == x["input_ids"] and b.token_type_ids[s:s + n].tolist() == x["token_type_ids"]
     assert (work.keys[:, :2] == [0, plan.shard]).all()
-
-
-def test_spans_are_the_instances_and_trimming_stays_inside_their_sentences():
-    """A true continuation starts after A in A's document; a random B comes from another document (a token of
-    this corpus names its document: (t - 100) // 37)."""
-    c = corpus(20)
-    spans = draw_spans(c, np.arange(20), 48, seed=1)
-    assert spans.dtype == SPAN and (span_lengths(spans) <= 48).all() and (spans["a_len"] > 0).all()
-    assert (spans["b_len"] > 0).all() and 0.3 < spans["label"].mean() < 0.7
-    doc = (c.tokens.astype(np.int64) - 100) // 37
-    a_doc, b_doc = doc[spans["a_start"]], doc[spans["b_start"]]
-    true_next = spans["label"] == 0
-    assert (a_doc[true_next] == b_doc[true_next]).all() and (a_doc[~true_next] != b_doc[~true_next]).all()
-    assert (spans["b_start"][true_next] >= spans["a_start"][true_next] + spans["a_len"][true_next]).all()
-    ends = spans["a_start"] + spans["a_len"] - 1  # A never runs past its document
-    assert (doc[ends] == a_doc).all()
-    for x, span in zip(materialize(c, spans[:50], SPECIAL.cls, SPECIAL.sep), spans[:50]):
-        assert x["input_ids"][1:1 + span["a_len"]] == c.tokens[span["a_start"]:span["a_start"] + span["a_len"]].tolist()
-    assert np.array_equal(draw_spans(c, np.arange(20), 48, 1), spans)

@@ -1,0 +1,36 @@
+"""bert.instances: NSP instances as spans of the flat corpus, drawn without touching a token."""
+import numpy as np
+
+from bert.instances import SPAN, draw_spans, gather, materialize, span_lengths
+from test_pipeline import SPECIAL, corpus
+
+
+def test_spans_are_the_instances_and_trimming_stays_inside_their_sentences():
+    """A true continuation starts after A in A's document; a random B comes from another document (a token of
+    this corpus names its document: (t - 100) // 37)."""
+    c = corpus(20)
+    spans = draw_spans(c, np.arange(20), 48, seed=1)
+    assert spans.dtype == SPAN and (span_lengths(spans) <= 48).all() and (spans["a_len"] > 0).all()
+    assert (spans["b_len"] > 0).all() and 0.3 < spans["label"].mean() < 0.7
+    doc = (c.tokens.astype(np.int64) - 100) // 37
+    a_doc, b_doc = doc[spans["a_start"]], doc[spans["b_start"]]
+    true_next = spans["label"] == 0
+    assert (a_doc[true_next] == b_doc[true_next]).all() and (a_doc[~true_next] != b_doc[~true_next]).all()
+    assert (spans["b_start"][true_next] >= spans["a_start"][true_next] + spans["a_len"][true_next]).all()
+    ends = spans["a_start"] + spans["a_len"] - 1  # A never runs past its document
+    assert (doc[ends] == a_doc).all()
+    for x, span in zip(materialize(c, spans[:50], SPECIAL.cls, SPECIAL.sep), spans[:50]):
+        assert x["input_ids"][1:1 + span["a_len"]] == c.tokens[span["a_start"]:span["a_start"] + span["a_len"]].tolist()
+    assert np.array_equal(draw_spans(c, np.arange(20), 48, 1), spans)
+
+
+def test_gather_lays_out_cls_a_sep_b_sep_with_segment_ids():
+    c = corpus(4)
+    spans = np.array([(3, 2, 10, 3, 1), (0, 1, 5, 1, 0)], dtype=SPAN)
+    ids, types = gather(c, spans, cls=2, sep=3)
+    t = c.tokens.tolist()
+    assert ids.tolist() == [2, t[3], t[4], 3, t[10], t[11], t[12], 3, 2, t[0], 3, t[5], 3]
+    assert types.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1]
+    assert span_lengths(spans).tolist() == [8, 5]
+    assert [x["next_sentence_label"] for x in materialize(c, spans, 2, 3)] == [1, 0]
+    assert gather(c, spans[:0], 2, 3)[0].shape == (0,)
