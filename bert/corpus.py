@@ -263,7 +263,9 @@ def _build(source, tokenizer, path, num_proc, max_documents, text_field) -> Toke
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 1 << 16 else np.int32
     writer = _Arrays(path, dtype)
     batches = _text_batches(iter_document_texts(source, text_field), max_documents)
-    for ids, lengths, per_doc in ordered_map(encode_documents, batches, num_proc, _init_encoder,
+    # One process: this one, the tokenizer using every core itself; several: one thread each.
+    processes = num_proc if num_proc > 1 else 0
+    for ids, lengths, per_doc in ordered_map(encode_documents, batches, processes, _init_encoder,
                                              (tokenizer.to_str(), num_proc <= 1)):
         writer.add_encoded(ids, lengths, per_doc)
     corpus = writer.finish({"source": source})

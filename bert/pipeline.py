@@ -12,8 +12,9 @@ ids, and nothing waits for a pass over the whole corpus:
   packs them into rows (bert.packing.pack, linear time) or, without packing, buckets them into padded batches by
   length, shuffles (the "order" stream keyed by epoch and shard), and cuts the rows into global steps of
   P = ranks x accumulation steps micro-batches. The rows that do not fill a last step are left out (on average
-  half a step per shard: at most 1/64 of the data at the default shard size). `--num-proc` processes plan
-  shards ahead of training, in order (bert.workers.ordered_map).
+  half a step per shard: at most 1/64 of the data at the default shard size). `--num-proc` background
+  processes (at least one) plan shards ahead of training, in order (bert.workers.ordered_map), so the training
+  process never stops to plan.
 - **Collation** of a step's micro-batches (`StepCollator`) runs in the DataLoader's workers: the sampler (this
   process) hands each worker its rank's share of one step as spans, the worker gathers their tokens from the
   memory-mapped array, masks the whole micro-batch at once (MLMCollator.mask_flat) and lays it out packed
@@ -116,11 +117,11 @@ class Planner:
         steps = len(rows) // per_step
         return ShardPlan(shard, spans, rows[:steps * per_step], steps)
 
-    def plans(self, epoch: int, processes: int = 1) -> Iterator[ShardPlan]:
-        """The epoch's shard plans in order, `processes` planning ahead (each handed this planner once, when it
-        starts, not with every shard)."""
+    def plans(self, epoch: int, processes: int = 0) -> Iterator[ShardPlan]:
+        """The epoch's shard plans in order: `processes` background processes planning ahead (each handed this
+        planner once, when it starts, not with every shard), or 0: planned here, when asked."""
         tasks = ((epoch, int(s)) for s in self.order(epoch))
-        if processes <= 1:
+        if processes <= 0:
             return (self.plan(*task) for task in tasks)
         return ordered_map(_plan_in_worker, tasks, processes, _set_planner, (self,))
 
@@ -160,6 +161,7 @@ class StepSampler:
     `first`-th step of the epoch on (the steps before it are planned again, not collated)."""
 
     def __init__(self, planner: Planner, epoch: int, rank: int, accum: int, first: int = 0, processes: int = 1):
+        """`processes`: background planning processes (0: plan in this process)."""
         self.planner, self.epoch, self.rank, self.accum = planner, epoch, rank, accum
         self.first, self.processes = first, processes
 

@@ -2,7 +2,7 @@
 
 `multiprocessing.Pool.imap` reads its whole input ahead of the workers, which for a corpus the size of Wikipedia
 means holding it all in memory. `ordered_map` keeps at most `ahead` tasks per process in flight, yields results
-in input order, and with one process runs in this one (no pool, nothing to pickle).
+in input order, and with 0 processes runs in this one (no pool, nothing to pickle).
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def default_num_workers() -> int:
 def ordered_map(fn: Callable, items: Iterable, processes: int = 1, initializer: Callable | None = None,
                 initargs: tuple = (), ahead: int = 2) -> Iterator:
     """fn(item) for each item, in order, computed by `processes` forked workers (each set up by
-    initializer(*initargs)), with at most `ahead` x processes items read ahead of the consumer."""
-    if processes <= 1:
+    initializer(*initargs)), with at most `ahead` x processes items read ahead of the consumer; `processes` 0:
+    in this process, when asked."""
+    if processes <= 0:
         if initializer is not None:
             initializer(*initargs)
         yield from map(fn, items)

@@ -34,7 +34,7 @@ def planner(parts, packed=True, seed=5, c=None) -> Planner:
     return Planner(c, np.random.default_rng(1).permutation(len(c)), Layout(64, parts, shapes, batch_size=8), seed)
 
 
-def batches(p: Planner, epoch, rank, accum, first=0, processes=1, workers=0):
+def batches(p: Planner, epoch, rank, accum, first=0, processes=0, workers=0):
     masker = MLMCollator(SPECIAL, seed=3)
     loader = torch.utils.data.DataLoader(StepCollator(p.corpus, masker, p.layout), batch_size=None,
                                          sampler=StepSampler(p, epoch, rank, accum, first, processes),
@@ -89,7 +89,8 @@ def test_resuming_at_any_step_continues_exactly_and_workers_change_nothing(small
     whole = batches(p, epoch=2, rank=0, accum=1)
     for first in (1, 5, len(whole) - 1):
         assert same(batches(p, 2, 0, 1, first=first), whole[first:])
-    assert same(batches(p, 2, 0, 1, processes=2, workers=2), whole)  # planned and collated elsewhere
+    assert same(batches(p, 2, 0, 1, processes=1, workers=2), whole)  # planned and collated elsewhere
+    assert same(batches(p, 2, 0, 1, first=3, processes=2), whole[3:])
 
 
 def test_collated_batches_hold_the_planned_instances(small_shards):

@@ -12,7 +12,9 @@ def test_results_come_in_input_order_from_several_processes():
     out = list(ordered_map(_square_and_pid, range(40), processes=2))
     assert [v for v, _ in out] == [x * x for x in range(40)]
     assert len({pid for _, pid in out}) >= 1 and all(pid != os.getpid() for _, pid in out)
-    assert [v for v, pid in ordered_map(_square_and_pid, range(5), processes=1)] == [0, 1, 4, 9, 16]
+    assert [v for v, _ in ordered_map(_square_and_pid, range(5), processes=1)] == [0, 1, 4, 9, 16]
+    here = list(ordered_map(_square_and_pid, range(5), processes=0))  # 0: in this process
+    assert [v for v, _ in here] == [0, 1, 4, 9, 16] and {pid for _, pid in here} == {os.getpid()}
 
 
 def test_the_input_is_read_at_most_a_few_tasks_ahead():
