@@ -50,8 +50,9 @@ def parse_args(argv=None):
                         "and fused; data: the pre-training input pipeline, stage by stage, on the CPU)")
     p.add_argument("--corpus", help="--suite data: the corpus (any bert-pretrain --data source; default: a "
                                     "synthetic ~10 MB corpus generated in the output directory)")
-    p.add_argument("--scale", type=int, default=1,
-                   help="--suite data: the corpus replicated N times, documents shuffled (default 1)")
+    p.add_argument("--scale", type=int, nargs="+", default=[1], metavar="N",
+                   help="--suite data: the corpus replicated N times, documents shuffled; several scales run one "
+                        "after another (default 1)")
     p.add_argument("--num-proc", type=int, default=None,
                    help="--suite data: processes that tokenise and plan (default: the CPUs available)")
     p.add_argument("--families", nargs="+", choices=["bert", "roberta"],
@@ -339,9 +340,11 @@ def run_data(args, results: dict, save) -> None:
     from . import data
 
     num_proc = args.num_proc or available_cpus()
-    print(f"## Input pipeline: {args.corpus or 'a synthetic corpus'} x{args.scale}, {num_proc} processes\n")
-    results["data"] += data.measure(args.corpus, args.scale, num_proc, args.output_dir, e2e.in_fresh_process)
-    save()
+    scales = ", ".join(f"x{n}" for n in args.scale)
+    print(f"## Input pipeline: {args.corpus or 'a synthetic corpus'} {scales}, {num_proc} processes\n")
+    for scale in args.scale:
+        results["data"] += data.measure(args.corpus, scale, num_proc, args.output_dir, e2e.in_fresh_process)
+        save()
     print("\n" + data.table(results["data"]) + "\n\n" + data.workers_needed(results["data"]))
 
 
@@ -379,8 +382,10 @@ def check_args(args) -> torch.device:
             sample_lengths(1, 8, args.padding, np.random.default_rng(0))
         except ValueError:
             raise ValueError(f"--padding {args.padding}: use 'wiki' or a padding fraction in [0, 0.5]") from None
-    check_numbers(args, positive=("batch", "steps", "scale", "num_proc"))
-    data_only = [flag for flag, given in (("--corpus", args.corpus), ("--scale", args.scale != 1),
+    check_numbers(args, positive=("batch", "steps", "num_proc"))
+    if min(args.scale) < 1:
+        raise ValueError(f"--scale must be positive, got {min(args.scale)}")
+    data_only = [flag for flag, given in (("--corpus", args.corpus), ("--scale", args.scale != [1]),
                                           ("--num-proc", args.num_proc)) if given]
     if data_only and args.suite != "data":
         raise ValueError(f"{data_only[0]} applies to --suite data, not --suite {args.suite}")

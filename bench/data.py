@@ -7,7 +7,8 @@ bert.pipeline), stage by stage, each stage in a fresh process so that its peak R
 | instances   | NSP spans of every document, one process (and the planner's whole epoch,       | tokens/s        |
 |             | spans and packing, with --num-proc processes)                                  |                 |
 | packing     | histogram packing of every instance into rows of the sequence length            | instances/s     |
-| collation   | one worker collating BERT-base micro-batches (256 x 128 or 64 x 512 tokens)     | tokens/s/worker |
+| collation   | one worker collating BERT-base micro-batches (256 x 128 or 64 x 512 tokens;     | tokens/s/worker |
+|             | fewer rows when the corpus is too small to fill them)                          |                 |
 | first_batch | a fresh process to its first batch: tokenizer, cached corpus, plan, workers     | s               |
 
 The corpus is --corpus (any bert-pretrain --data source; default: a synthetic English-like corpus of ~10 MB
@@ -158,6 +159,11 @@ def stage_packing(path: str, cache: str, scale: int) -> list[dict]:
     return rows
 
 
+def _rows(corpus, seq_len: int) -> int:
+    """BERT-base's rows a micro-batch, or fewer when the corpus is too small to fill a few micro-batches."""
+    return min(ROWS[seq_len], max(1, corpus.n_tokens // (4 * seq_len)))
+
+
 def stage_collation(path: str, cache: str, scale: int, steps: int = 20) -> list[dict]:
     from bert.data import MLMCollator, SpecialIds
     from bert.packing import PackedShapes
@@ -167,7 +173,8 @@ def stage_collation(path: str, cache: str, scale: int, steps: int = 20) -> list[
     special = SpecialIds.from_tokenizer(tok)
     rows = []
     for seq_len in SEQ_LENS:
-        layout = Layout(seq_len, 1, PackedShapes.for_rows(ROWS[seq_len], seq_len, 3, 0.15))
+        rows_per = _rows(corpus, seq_len)
+        layout = Layout(seq_len, 1, PackedShapes.for_rows(rows_per, seq_len, 3, 0.15))
         plan = next(Planner(corpus, np.arange(len(corpus)), layout, 0).plans(0))
         work = [step_work(plan, t, 0, layout, 0, 1) for t in range(min(steps, plan.steps))]
         collator = StepCollator(corpus, MLMCollator(special, seed=0), layout)
@@ -175,7 +182,7 @@ def stage_collation(path: str, cache: str, scale: int, steps: int = 20) -> list[
         t0 = time.perf_counter()
         tokens = sum(sum(b.lengths) for w in work for b in collator[w])
         seconds = time.perf_counter() - t0
-        rows.append(_row("collation", scale, tokens / seconds, "tokens/s/worker", seq_len=seq_len,
+        rows.append(_row("collation", scale, tokens / seconds, "tokens/s/worker", seq_len=seq_len, rows=rows_per,
                          micro_batches=len(work), seconds=seconds))
     return rows
 
@@ -190,7 +197,7 @@ def stage_first_batch(path: str, cache: str, scale: int, started: float) -> list
 
     tok, corpus = _corpus(path, cache)
     order = np.random.default_rng(0).permutation(len(corpus))
-    layout = Layout(128, 1, PackedShapes.for_rows(ROWS[128], 128, 3, 0.15))
+    layout = Layout(128, 1, PackedShapes.for_rows(_rows(corpus, 128), 128, 3, 0.15))
     stream = EpochStream(Planner(corpus, order[len(order) // 20:], layout, 0),
                          MLMCollator(SpecialIds.from_tokenizer(tok), seed=0), 0, 0, 1)
     workers = default_num_workers()

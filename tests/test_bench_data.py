@@ -22,15 +22,17 @@ def test_a_scaled_corpus_is_every_document_scale_times_shuffled(tmp_path):
 def test_data_suite_writes_one_row_per_stage_and_scale(tmp_path, capsys):
     source = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=60, sentences=20)
     out = tmp_path / "out"
-    assert main(["--suite", "data", "--corpus", source, "--scale", "2", "--num-proc", "2",
+    assert main(["--suite", "data", "--corpus", source, "--scale", "1", "2", "--num-proc", "2",
                  "--output-dir", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())["data"]
     units = {"tokenise": "MB/s", "instances": "tokens/s", "packing": "instances/s", "collation": "tokens/s/worker",
              "first_batch": "s"}
-    assert {r["stage"] for r in rows} == set(units)
+    assert {(r["stage"], r["scale"]) for r in rows} == {(stage, n) for stage in units for n in (1, 2)}
     for r in rows:
-        assert r["unit"] == units[r["stage"]] and r["scale"] == 2 and r["value"] > 0 and r["peak_rss_MB"] > 0
+        assert r["unit"] == units[r["stage"]] and r["value"] > 0 and r["peak_rss_MB"] > 0
     assert {r["seq_len"] for r in rows if r["stage"] == "collation"} == {128, 512}
+    tokens = {r["scale"]: r["tokens"] for r in rows if r["stage"] == "tokenise"}
+    assert tokens[2] == 2 * tokens[1]  # the same documents, twice
     assert (out / "data.csv").exists() and "worker(s) feed" in capsys.readouterr().out
 
 
