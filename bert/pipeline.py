@@ -27,6 +27,7 @@ re-plans the shards before it: time, not state).
 """
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -201,9 +202,13 @@ class EpochStream:
 
     def loader(self, first: int, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
         sampler = StepSampler(self.planner, self.epoch, self.rank, self.accum, first, self.processes)
+        # Forked workers, whatever the default start method (spawn inside a spawned process; forkserver from
+        # Python 3.14): they start at once, sharing the parent's imported modules and mapped corpus.
+        context = "fork" if num_workers and "fork" in multiprocessing.get_all_start_methods() else None
         return torch.utils.data.DataLoader(StepCollator(self.planner.corpus, self.masker, self.planner.layout),
                                            batch_size=None, sampler=sampler, num_workers=num_workers,
-                                           collate_fn=_as_is, pin_memory=pin_memory, generator=torch.Generator())
+                                           collate_fn=_as_is, pin_memory=pin_memory, generator=torch.Generator(),
+                                           multiprocessing_context=context)
 
 
 def _as_is(item):

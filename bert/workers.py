@@ -6,8 +6,10 @@ in input order, and with 0 processes runs in this one (no pool, nothing to pickl
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -31,12 +33,18 @@ def ordered_map(fn: Callable, items: Iterable, processes: int = 1, initializer: 
                 initargs: tuple = (), ahead: int = 2) -> Iterator:
     """fn(item) for each item, in order, computed by `processes` forked workers (each set up by
     initializer(*initargs)), with at most `ahead` x processes items read ahead of the consumer; `processes` 0:
-    in this process, when asked."""
+    in this process, when asked. Closing the returned generator (or dropping it, or the interpreter exiting)
+    stops the workers."""
     if processes <= 0:
         if initializer is not None:
             initializer(*initargs)
-        yield from map(fn, items)
-        return
+        return map(fn, items)
+    results = _pooled(fn, items, processes, initializer, initargs, ahead)
+    _OPEN.add(results)
+    return results
+
+
+def _pooled(fn, items, processes, initializer, initargs, ahead) -> Iterator:
     # fork: the workers inherit the imported modules (no second import of torch) and touch no CUDA.
     with multiprocessing.get_context("fork").Pool(processes, initializer, initargs) as pool:
         pending: deque = deque()
@@ -46,3 +54,14 @@ def ordered_map(fn: Callable, items: Iterable, processes: int = 1, initializer: 
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+# Pools still open at exit (a loader left mid-epoch) are closed while the interpreter is whole: a generator
+# finalised during its teardown finds multiprocessing's module globals gone and fails noisily.
+_OPEN: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for results in list(_OPEN):
+        results.close()
