@@ -245,6 +245,8 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
     if plan.data:
         lines.append("data: tokenise, instances, packing, collation and time to the first batch, each stage in a "
                      "fresh process (minutes per 100 MB of text tokenised)")
+    if not (runs or plan.kernels):  # the data suite alone: its time is the corpus's, said above
+        return "Plan: " + "; ".join(lines) + ".\n"
     per_run = (60 if full else 25) if cuda else (40 if full else 20)
     minutes = (runs * per_run + (120 if plan.kernels else 0)) / 60
     more = "" if full else "; --full adds more shapes, torch.compile variants on a CPU, the padding sweep and steps"

@@ -46,3 +46,20 @@ def test_data_suite_options_are_checked_with_one_line(tmp_path, capsys, flags, m
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "results.json")
+
+
+def test_workers_needed_reads_the_fastest_gpu_rate_of_any_results_file(tmp_path):
+    assert data.gpu_rate(str(tmp_path)) == (data.TARGET_GPU_TOKENS_PER_S, "the project's target (no GPU result yet)")
+    (tmp_path / "nvidia-h200" / "run").mkdir(parents=True)
+    rows = [{"device": "cuda", "status": "ok", "config": "base", "seq_len": 128, "tokens_per_s": 2.5e6,
+             "variant": "ours-packed-graphs"},
+            {"device": "cuda", "status": "ok", "config": "large", "seq_len": 128, "tokens_per_s": 9e6, "variant": "x"},
+            {"device": "cpu", "status": "ok", "config": "base", "seq_len": 128, "tokens_per_s": 9e6, "variant": "y"}]
+    (tmp_path / "nvidia-h200" / "run" / "results.json").write_text(json.dumps({"e2e": rows}))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "results.json").write_text("{not json")
+    rate, where = data.gpu_rate(str(tmp_path))
+    assert rate == 2.5e6 and "ours-packed-graphs" in where
+    collation = [{"stage": "collation", "seq_len": 128, "scale": 1, "value": 1.0e6}]
+    assert data.workers_needed(collation, str(tmp_path)) == \
+        "s128 x1: 3 worker(s) feed 2,500,000 real tokens/s (ours-packed-graphs in nvidia-h200/run/results.json)"
