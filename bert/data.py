@@ -204,8 +204,8 @@ class MLMCollator:
     multiple of 8); instances are checked first (`check_instance`).
 
     Each instance is masked by random numbers of its own: a hash of the run's seed, a named stream (bert.seeds),
-    the instance's key and the token's position. Training keys an instance by (epoch, its place in the epoch),
-    evaluation by its index in the held-out set. So an instance is masked the same way however the batch is
+    the instance's key and the token's position. Training keys an instance by (epoch, shard, its index in the
+    shard) (bert.pipeline), evaluation by its index in the held-out set. So an instance is masked the same way however the batch is
     split over ranks, packed or padded, and whether or not training resumed in between, yet differently each
     epoch; and a whole micro-batch is masked in a few array operations (`mask_flat`), whatever its instances.
     """

@@ -285,8 +285,9 @@ def _check_values(flat: FlatInstances, vocab: int, row: np.ndarray, per_row: np.
 
 def _empty(shapes: PackedShapes, pad: int) -> PackedBatch:
     T, S, R, L, _ = shapes
-    return PackedBatch(input_ids=torch.full((T,), pad, dtype=torch.long), token_type_ids=torch.zeros(T, dtype=torch.long),
-                       position_ids=torch.zeros(T, dtype=torch.long), cu_seqlens=torch.zeros(S + 1, dtype=torch.int32),
+    return PackedBatch(input_ids=torch.full((T,), pad, dtype=torch.long),
+                       token_type_ids=torch.zeros(T, dtype=torch.long), position_ids=torch.zeros(T, dtype=torch.long),
+                       cu_seqlens=torch.zeros(S + 1, dtype=torch.int32),
                        mlm_positions=torch.zeros(R, dtype=torch.long), mlm_labels=torch.full((R,), -100),
                        next_sentence_label=torch.full((S,), -100, dtype=torch.long), max_seqlen=L, row_aligned=True)
 

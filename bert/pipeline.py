@@ -106,9 +106,10 @@ class Planner:
         return seeds.rng(self.seed, "order", epoch).permutation(self.shards)
 
     def plan(self, epoch: int, shard: int) -> ShardPlan:
-        spans = draw_spans(self.corpus, self.doc_ids, self.layout.max_seq_len, seeds.integer(self.seed, "nsp", epoch, shard),
-                           int(self.starts[shard]), int(self.starts[shard + 1]))
-        rng = seeds.rng(self.seed, "order", epoch, shard + 1)  # (key epoch alone orders the shards)
+        seed = seeds.integer(self.seed, "nsp", epoch, shard)
+        spans = draw_spans(self.corpus, self.doc_ids, self.layout.max_seq_len, seed, int(self.starts[shard]),
+                           int(self.starts[shard + 1]))
+        rng = seeds.rng(self.seed, "order", epoch, shard)  # (the key epoch alone orders the shards)
         lengths = span_lengths(spans)
         if self.layout.shapes:
             rows = epoch_rows(lengths, self.layout.max_seq_len, self.layout.shapes.per_row, rng)

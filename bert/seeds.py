@@ -11,7 +11,7 @@ position (bert.data.MLMCollator.mask_flat), so a whole micro-batch is masked at 
 |---------------|-------------------------------------------------------------------|-----------------|
 | split         | which documents are held out for evaluation                       | -               |
 | nsp           | a shard's sentence pairs in an epoch (lengths, 50% random B)      | epoch, shard    |
-| order         | the order of an epoch's shards; a shard's packed rows or batches   | epoch [, shard+1] |
+| order         | the order of an epoch's shards; a shard's packed rows or batches   | epoch [, shard] |
 | masking       | which tokens an instance masks, and how (80% [MASK], 10% random)   | epoch, shard, instance |
 | eval_nsp      | the held-out instances                                            | -               |
 | eval_masking  | their masking (the same at every evaluation)                      | instance        |
