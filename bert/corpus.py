@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -166,11 +167,48 @@ def _read_meta(path: str) -> dict:
 
 # ---- tokenising ------------------------------------------------------------------------------------
 _TOKENIZER = None
+_WORDS: "WordCache | None" = None
+# What BERT's normaliser and pre-tokeniser treat as whitespace: each splits words and yields no token (checked
+# against the tokenizer over every code point; \x0b, \x0c, \x1c-\x1f and \x85 are control characters it deletes).
+_BERT_SPACE = re.compile("[\t\n\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
+CACHE_WORDS = 1 << 20
+
+
+class WordCache:
+    """BERT's encoding of text is the concatenation of its whitespace-separated words' encodings (the normaliser
+    works character by character, the pre-tokeniser splits at whitespace, WordPiece works word by word), and
+    running text repeats its words: each distinct word is encoded once, by the tokenizer, and looked up after.
+    Only for tokenizers where that holds (`applies`); at most CACHE_WORDS words are kept (then it starts over)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids = tokenizer, {"": ()}
+        self.encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+
+    @staticmethod
+    def applies(tokenizer) -> bool:
+        """A BERT normaliser and pre-tokeniser, and no added token containing whitespace."""
+        spec = json.loads(tokenizer.to_str())
+        kind = lambda part: (spec.get(part) or {}).get("type")  # noqa: E731
+        added = [t.get("content", "") for t in spec.get("added_tokens", [])]
+        return kind("normalizer") == "BertNormalizer" and kind("pre_tokenizer") == "BertPreTokenizer" and \
+            not any(_BERT_SPACE.search(t) for t in added)
+
+    def encode(self, sentences: list[str]) -> list[list[int]]:
+        """Each sentence's token ids, without special tokens."""
+        words = [_BERT_SPACE.split(s) for s in sentences]
+        unseen = list({w for ws in words for w in ws if w not in self.ids})
+        if unseen:
+            if len(self.ids) + len(unseen) > CACHE_WORDS:
+                self.ids = {"": ()}
+            for w, enc in zip(unseen, self.encode_batch(unseen, add_special_tokens=False)):
+                self.ids[w] = tuple(enc.ids)
+        ids = self.ids
+        return [[i for w in ws for i in ids[w]] for ws in words]
 
 
 def _init_encoder(serialized: str, parallel: bool) -> None:
     """In each tokenising process: the tokenizer, single-threaded when several processes share the cores."""
-    global _TOKENIZER
+    global _TOKENIZER, _WORDS
     if not parallel:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
@@ -178,27 +216,36 @@ def _init_encoder(serialized: str, parallel: bool) -> None:
     _TOKENIZER = Tokenizer.from_str(serialized)
     _TOKENIZER.no_truncation()
     _TOKENIZER.no_padding()
+    _WORDS = WordCache(_TOKENIZER) if WordCache.applies(_TOKENIZER) else None
+
+
+def _sentence_ids(docs: list[list[str]]) -> list[list[list[int]]]:
+    """Each document's sentences' ids: through the word cache, or one tokenizer call per batch (a document is
+    one pre-tokenised input whose words are its sentences; the word ids give each token's sentence)."""
+    if _WORDS is not None:
+        flat = _WORDS.encode([s for d in docs for s in d])
+        ends = np.cumsum([len(d) for d in docs]).tolist()
+        return [flat[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    out = []
+    for doc, enc in zip(docs, _TOKENIZER.encode_batch(docs, is_pretokenized=True, add_special_tokens=False)):
+        words, ids = np.array(enc.word_ids, dtype=np.int64), enc.ids
+        bounds = np.searchsorted(words, np.arange(len(doc) + 1)).tolist() if ids else [0] * (len(doc) + 1)
+        out.append([ids[a:b] for a, b in zip(bounds, bounds[1:])])
+    return out
 
 
 def encode_documents(texts: list[list[str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Documents (lists of paragraphs) -> (ids end to end, length of each non-empty sentence, non-empty sentences
-    per non-empty document). Documents without a token are dropped."""
-    docs = [text_sentences(paragraphs) for paragraphs in texts]
-    docs = [d for d in docs if d]
-    encodings = _TOKENIZER.encode_batch(docs, is_pretokenized=True, add_special_tokens=False) if docs else []
+    per non-empty document). Sentences and documents without a token are dropped."""
+    docs = [d for d in (text_sentences(paragraphs) for paragraphs in texts) if d]
     ids, lengths, per_doc = [], [], []
-    for doc, enc in zip(docs, encodings):
-        if not enc.ids:
-            continue
-        words = np.array(enc.word_ids, dtype=np.int64)
-        counts = np.bincount(words, minlength=len(doc))
-        counts = counts[counts > 0]  # a sentence of nothing but characters the tokenizer drops
-        ids.append(np.array(enc.ids, dtype=np.int64))
-        lengths.append(counts)
-        per_doc.append(len(counts))
-    if not ids:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(ids), np.concatenate(lengths), np.array(per_doc, dtype=np.int64)
+    for sentences in _sentence_ids(docs):
+        kept = [len(s) for s in sentences if s]
+        if kept:
+            ids.extend(i for s in sentences for i in s)
+            lengths.extend(kept)
+            per_doc.append(len(kept))
+    return (np.array(ids, dtype=np.int64), np.array(lengths, dtype=np.int64), np.array(per_doc, dtype=np.int64))
 
 
 def _text_batches(texts: Iterator[list[str]], max_documents: int | None) -> Iterator[list[list[str]]]:

@@ -58,3 +58,40 @@ def test_a_cache_with_inconsistent_arrays_is_refused_by_name(tmp_path):
     os.remove(path / "meta.json")
     with pytest.raises(ValueError, match="no readable meta.json"):
         TokenisedCorpus.load(str(path))
+
+
+ODD = list("abcXYZ é,.!?'\"-_[]()#$") + ["\x0b", "\x0c", "\x1c", "\x85", "\u00a0", "\u200b", "\u2028", "\u3000", "中",
+                                         "\u0301", "Σ", "ß", "[MASK]", "[CLS]", "\t", "\r", "\ufffd", "\x00", "İ", "ﬁ"]
+
+
+def test_the_word_cache_encodes_exactly_as_the_tokenizer_on_hostile_text():
+    """Whitespace of every kind (and control characters BERT deletes, which split nothing), accents, CJK, special
+    tokens written in the text: cached word by word equals the tokenizer on the whole sentence."""
+    import random
+
+    from bert.corpus import WordCache
+
+    tok = train_tokenizer(topic_documents(12, 6) + ["café naïve 中文 straße"], vocab_size=150)
+    assert WordCache.applies(tok)
+    cache, rng = WordCache(tok), random.Random(0)
+    sentences = ["".join(rng.choice(ODD) for _ in range(rng.randint(0, 40))) for _ in range(600)]
+    expected = [tok.encode(s, add_special_tokens=False).ids for s in sentences]
+    first = cache.encode(sentences)  # every word met for the first time
+    again = cache.encode(sentences)  # every word from the cache
+    assert first == expected and again == expected
+
+
+def test_a_tokenizer_the_word_cache_does_not_fit_is_encoded_directly(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bert.corpus import WordCache
+
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert not WordCache.applies(byte_level)  # its tokens carry their spaces: words are not independent
+    path = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=12)
+    tok = train_tokenizer(topic_documents(12, 6), vocab_size=150)
+    cached = tokenize_corpus(path, tok)
+    monkeypatch.setattr(WordCache, "applies", staticmethod(lambda tokenizer: False))
+    direct = tokenize_corpus(path, tok)
+    assert np.array_equal(cached.tokens, direct.tokens) and np.array_equal(cached.sentences, direct.sentences)
