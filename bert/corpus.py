@@ -171,7 +171,7 @@ _WORDS: "WordCache | None" = None
 # What BERT's normaliser and pre-tokeniser treat as whitespace: each splits words and yields no token (checked
 # against the tokenizer over every code point; \x0b, \x0c, \x1c-\x1f and \x85 are control characters it deletes).
 _BERT_SPACE = re.compile("[\t\n\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
-CACHE_WORDS = 1 << 20
+CACHE_WORDS = 1 << 19  # ~120 MB a process
 
 
 class WordCache:
