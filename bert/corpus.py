@@ -10,10 +10,10 @@ memory-mapped by every process that reads it, so opening it costs nothing whatev
 
 `tokenize_corpus` builds it: documents are read as text in this process (bert.data.iter_document_texts), split
 into sentences and encoded by `num_proc` worker processes (bert.workers.ordered_map), and appended to the arrays
-in order, so memory stays bounded by the tasks in flight. One tokenizer call per batch of documents, each document
-one pre-tokenised input whose "words" are its sentences: the encoding's word ids then give the sentence of every
-token, at the cost of one Encoding per document instead of one per sentence. The result is cached under
-`cache_dir`, keyed by the corpus files and the tokenizer, written to a temporary name and renamed.
+in order, so memory stays bounded by the tasks in flight. For BERT's tokenizers each distinct whitespace-separated
+word is encoded once and then looked up (`WordCache`: the tokenizer's own result, exactly, at twice its speed on
+running text); other tokenizers get one call per batch of documents. The result is cached under `cache_dir`,
+keyed by the corpus files and the tokenizer, written to a temporary name and renamed.
 """
 from __future__ import annotations
 
