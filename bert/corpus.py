@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -109,8 +108,7 @@ class _Arrays:
 
     def __init__(self, path: str | None = None, token_dtype=np.int32):
         self.path, self.token_dtype = path, np.dtype(token_dtype)
-        self.counts = {"tokens": 0, "sentences": 1, "documents": 1}
-        self.n_tokens = self.n_sentences = 0
+        self.counts = {"tokens": 0, "sentences": 1, "documents": 1}  # entries written to each array
         self.parts: dict[str, list] = {n: [] for n in _ARRAYS}
         self.files = {n: open(os.path.join(path, f"{n}.bin"), "wb") for n in _ARRAYS} if path else None
         self._write("sentences", np.zeros(1, np.int64))
@@ -126,10 +124,8 @@ class _Arrays:
         """A batch of documents: their ids end to end, each sentence's length, each document's sentence count
         (every count positive)."""
         self._write("tokens", ids.astype(self.token_dtype, copy=False))
-        self._write("sentences", self.n_tokens + np.cumsum(sentence_lengths, dtype=np.int64))
-        self._write("documents", self.n_sentences + np.cumsum(sentences_per_doc, dtype=np.int64))
-        self.n_tokens += int(sentence_lengths.sum())
-        self.n_sentences += int(sentences_per_doc.sum())
+        self._write("sentences", self.counts["tokens"] + np.cumsum(sentence_lengths, dtype=np.int64))
+        self._write("documents", self.counts["sentences"] - 1 + np.cumsum(sentences_per_doc, dtype=np.int64))
         self.counts["tokens"] += len(ids)
         self.counts["sentences"] += len(sentence_lengths)
         self.counts["documents"] += len(sentences_per_doc)
@@ -279,28 +275,27 @@ def fingerprint(source: str, tokenizer, extra) -> str:
 def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_proc: int = 1,
                     max_documents: int | None = None, text_field: str = "text") -> TokenisedCorpus:
     """The tokenised corpus of `source` (bert.data.iter_document_texts): from the cache under `cache_dir` when it
-    is there and readable, else built by `num_proc` processes and cached (without `cache_dir`, in a temporary
-    directory that lives as long as the process's files do)."""
+    is there and readable, else built by `num_proc` processes and cached (without `cache_dir`: built in memory,
+    nothing written)."""
+    if not cache_dir:
+        return _build(source, tokenizer, None, num_proc, max_documents, text_field)
     key = fingerprint(source, tokenizer, {"max_documents": max_documents, "field": text_field, "v": FORMAT})
-    path = os.path.join(cache_dir, f"tokenized-{key}") if cache_dir else None
-    if path and os.path.isdir(path):
+    path = os.path.join(cache_dir, f"tokenized-{key}")
+    if os.path.isdir(path):
         try:
             return TokenisedCorpus.load(path)
         except (ValueError, OSError) as e:  # a cache from an older version or a damaged disk: rebuild it
             warnings.warn(f"the tokenised-corpus cache {path} cannot be read ({e}); rebuilding it")
             shutil.rmtree(path, ignore_errors=True)
-    if cache_dir:
-        os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}" if path else tempfile.mkdtemp(prefix="bert-corpus-")
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        corpus = _build(source, tokenizer, tmp, num_proc, max_documents, text_field)
+        _build(source, tokenizer, tmp, num_proc, max_documents, text_field)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not path:
-        return corpus
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)  # a killed run leaves at most the temporary directory, never a half-written cache
     return TokenisedCorpus.load(path)
