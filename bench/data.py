@@ -110,7 +110,9 @@ def _corpus(path: str, cache: str, num_proc: int = 1):
 def stage_tokenise(path: str, cache: str, scale: int, num_proc: int) -> list[dict]:
     """The corpus tokenised by one single-threaded process (the per-process rate), then by `num_proc` processes
     into `cache` (which the later stages read)."""
-    text_bytes = sum(os.path.getsize(p) for p in _files(path))
+    from bert.data import corpus_files
+
+    text_bytes = sum(os.path.getsize(p) for p in corpus_files(path))
     rows = []
     for processes in sorted({1, num_proc}):
         target = cache if processes == num_proc else f"{cache}-one-process"
@@ -140,12 +142,6 @@ def _single_threaded(on: bool):
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
-
-
-def _files(path: str) -> list[str]:
-    from bert.data import corpus_files
-
-    return corpus_files(path)
 
 
 def stage_instances(path: str, cache: str, scale: int, num_proc: int) -> list[dict]:
@@ -233,10 +229,6 @@ def stage_first_batch(path: str, cache: str, scale: int, started: float) -> list
     return [_row("first_batch", scale, time.time() - started, "s", workers=workers)]
 
 
-def _in_process(stage, *args) -> list[dict]:
-    return stage(*args)
-
-
 def measure(source: str | None, scale: int, num_proc: int, out_dir: str, run_fresh) -> list[dict]:
     """Every stage's rows at `scale`; `run_fresh(fn, *args)` runs a stage in a fresh process."""
     work = os.path.join(out_dir, "data-work")
@@ -251,7 +243,7 @@ def measure(source: str | None, scale: int, num_proc: int, out_dir: str, run_fre
     for stage, args in ((stage_tokenise, (num_proc,)), (stage_instances, (num_proc,)), (stage_packing, ()),
                         (stage_collation, ()), (stage_first_batch, None)):
         args = (time.time(),) if args is None else args
-        for row in run_fresh(_in_process, stage, path, cache, scale, *args):
+        for row in run_fresh(stage, path, cache, scale, *args):
             rows.append(row)
             print(f"  {row['stage']:11s} x{scale}: {row['value']:,.2f} {row['unit']}"
                   f"{' s' + str(row['seq_len']) if 'seq_len' in row else ''}"

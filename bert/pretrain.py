@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                      "(default 0.05)")
     p.add_argument("--eval-batches", type=int, default=20, help="batches per evaluation (default 20)")
     p.add_argument("--num-proc", type=int, default=1,
-                   help="processes that tokenise the corpus (rank 0, once; cached) and plan each epoch's shards "
-                        "ahead of training (every rank); 1: in this process (default 1)")
+                   help="processes that tokenise the corpus (rank 0, once; cached; 1: in this process, its "
+                        "tokenizer using every core) and that plan each epoch's shards ahead of training in the "
+                        "background (every rank; at least one) (default 1)")
     p.add_argument("--num-workers", type=int, default=None,
                    help="DataLoader workers collating micro-batches (default: this rank's share of the CPUs "
                         "less one, at most 8; 0 collates in the training process)")
