@@ -188,6 +188,14 @@ def _uniform(h: np.ndarray) -> np.ndarray:
     return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
+def token_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For instances `lengths` long laid end to end: each token's instance and its position in that instance
+    (int64 [sum of lengths] each)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    inst = np.repeat(np.arange(len(lengths)), lengths)
+    return inst, np.arange(len(inst)) - (np.cumsum(lengths) - lengths)[inst]
+
+
 def key_array(keys, n: int) -> np.ndarray:
     """Masking keys (ints, or tuples of ints of one length) as a uint64 array [n, key length]."""
     array = np.asarray(list(keys) if not isinstance(keys, np.ndarray) else keys, dtype=np.int64)
@@ -264,18 +272,14 @@ class MLMCollator:
         code and packed batches need: their labelled tokens stay within a fixed bound): units in random order,
         each taken if it still fits max(1, round(p x candidate tokens)) tokens. Otherwise each unit independently
         with probability p. Then 80% of the chosen tokens become [MASK], 10% a random token, 10% stay."""
-        inst = np.repeat(np.arange(len(lengths)), lengths)
-        starts = np.cumsum(lengths) - lengths
-        position = np.arange(len(ids)) - starts[inst]
+        inst, position = token_index(lengths)
         h = np.full(len(lengths), seeds.integer(self.seed, stream), dtype=np.uint64)
         for column in keys.T:
             h = _mix(h ^ _mix(column))
         token_hash = h[inst] ^ _mix(position.astype(np.uint64) * np.uint64(4))
         draws = [_mix(token_hash + np.uint64(c)) for c in range(3)]  # unit order, 80/10/10, replacement id
         candidates = ~self.is_special[ids]
-        first = np.zeros(len(ids), dtype=bool)
-        first[starts[lengths > 0]] = True
-        group = self._groups(ids, candidates, first)
+        group = self._groups(ids, candidates, first=position == 0)
         chosen = self._choose(group, candidates, inst, len(lengths), _uniform(draws[0]))
         return self._replace(ids, chosen, _uniform(draws[1]), draws[2])
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .corpus import TokenisedCorpus
+from .data import token_index
 
 SPAN = np.dtype([("a_start", "<i8"), ("a_len", "<i4"), ("b_start", "<i8"), ("b_len", "<i4"), ("label", "i1")])
 
@@ -90,10 +91,7 @@ def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tu
     """The instances' input ids and token type ids, end to end (int64 [sum of span_lengths]): [CLS] A [SEP] B [SEP],
     types 0 up to the first [SEP] and 1 after it. One gather from the (memory-mapped) token array."""
     la, lb = spans["a_len"].astype(np.int64), spans["b_len"].astype(np.int64)
-    lengths = la + lb + 3
-    ends = np.cumsum(lengths)
-    inst = np.repeat(np.arange(len(spans)), lengths)
-    p = np.arange(int(ends[-1]) if len(spans) else 0) - np.repeat(ends - lengths, lengths)  # position in instance
+    inst, p = token_index(la + lb + 3)  # each token's instance, its position there
     la_t, lb_t = la[inst], lb[inst]
     in_a, in_b = (p >= 1) & (p <= la_t), (p >= la_t + 2) & (p < la_t + lb_t + 2)
     src = np.where(in_a, spans["a_start"][inst] + p - 1, np.where(in_b, spans["b_start"][inst] + p - la_t - 2, 0))

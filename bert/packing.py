@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .data import MLMCollator, check_instance, key_array
+from .data import MLMCollator, check_instance, key_array, token_index
 
 
 def pack(lengths, budget: int, max_seqs: int) -> np.ndarray:
@@ -249,11 +249,10 @@ class PackingCollator:
         row = np.repeat(np.arange(len(per_row)), per_row)
         row_tokens = np.bincount(row, weights=flat.lengths, minlength=len(per_row)).astype(np.int64)
         self._check(per_row, row_tokens)
-        _check_values(flat, self.masker.special.vocab_size, row, per_row)
+        inst, position = token_index(flat.lengths)
+        _check_values(flat, self.masker.special.vocab_size, inst, row, per_row)
         ends = np.cumsum(flat.lengths)
         start = row * L + (ends - flat.lengths) - (np.cumsum(row_tokens) - row_tokens)[row]  # in the batch
-        inst = np.repeat(np.arange(len(flat.lengths)), flat.lengths)
-        position = np.arange(len(flat.ids)) - (ends - flat.lengths)[inst]
         at = start[inst] + position
         masked, labels = self.masker.mask_flat(flat.ids, flat.lengths, keys, stream)
         chosen = np.flatnonzero(labels != -100)
@@ -268,10 +267,9 @@ class PackingCollator:
         return out
 
 
-def _check_values(flat: FlatInstances, vocab: int, row: np.ndarray, per_row: np.ndarray) -> None:
+def _check_values(flat: FlatInstances, vocab: int, inst: np.ndarray, row: np.ndarray, per_row: np.ndarray) -> None:
     """What check_instance checks, over the whole batch at once (instances from the corpus skip the per-dict
-    checks): at least one token, ids in [0, vocab), types 0/1, labels 0/1."""
-    inst = np.repeat(np.arange(len(flat.lengths)), flat.lengths)
+    checks): at least one token, ids in [0, vocab), types 0/1, labels 0/1. inst: each token's instance."""
     bad_ids = np.bincount(inst[(flat.ids < 0) | (flat.ids >= vocab)], minlength=len(flat.lengths)) > 0
     bad_types = np.bincount(inst[(flat.types < 0) | (flat.types > 1)], minlength=len(flat.lengths)) > 0
     for bad, message in ((flat.lengths == 0, "has no tokens"), (bad_ids, f"has ids outside [0, {vocab})"),
