@@ -143,7 +143,7 @@ def _plan_in_worker(task) -> ShardPlan:
 class MicroBatchWork(NamedTuple):
     spans: np.ndarray     # SPAN [instances], row after row
     per_row: np.ndarray   # int64 [rows]: instances in each row
-    keys: np.ndarray      # int64 [instances, 3]: masking keys (epoch, shard, index in the shard)
+    keys: np.ndarray      # int64 [instances, k]: masking keys, in training (epoch, shard, index in the shard)
 
 
 def step_work(plan: ShardPlan, step: int, epoch: int, layout: Layout, rank: int, accum: int) -> list[MicroBatchWork]:
@@ -176,10 +176,11 @@ class StepSampler:
 
 
 class StepCollator(torch.utils.data.Dataset):
-    """Collates a step's work (a list of MicroBatchWork) into bert.packing.PackedBatch micro-batches."""
+    """Collates a step's work (a list of MicroBatchWork) into bert.packing.PackedBatch micro-batches, masked by
+    the run's `stream` (bert.seeds; evaluation collates its held-out instances here too, by its own)."""
 
-    def __init__(self, corpus: TokenisedCorpus, masker: MLMCollator, layout: Layout):
-        self.corpus, self.masker, self.layout = corpus, masker, layout
+    def __init__(self, corpus: TokenisedCorpus, masker: MLMCollator, layout: Layout, stream: str = "masking"):
+        self.corpus, self.masker, self.layout, self.stream = corpus, masker, layout, stream
         self.packer = PackingCollator(masker, layout.shapes) if layout.shapes else None
 
     def __getitem__(self, work: list[MicroBatchWork]):
@@ -190,8 +191,8 @@ class StepCollator(torch.utils.data.Dataset):
         ids, types = gather(self.corpus, w.spans, special.cls, special.sep)
         flat = FlatInstances(ids, types, span_lengths(w.spans), w.spans["label"].astype(np.int64))
         if self.packer:
-            return self.packer.collate(flat, w.per_row, w.keys.astype(np.uint64))
-        return one_per_row_flat(self.masker, flat, w.keys.astype(np.uint64))
+            return self.packer.collate(flat, w.per_row, w.keys.astype(np.uint64), self.stream)
+        return one_per_row_flat(self.masker, flat, w.keys.astype(np.uint64), self.stream)
 
 
 class EpochStream:

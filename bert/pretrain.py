@@ -29,10 +29,10 @@ from . import seeds
 from .config import BertConfig
 from .corpus import TokenisedCorpus, tokenize_corpus
 from .data import MLMCollator, SpecialIds, iter_documents
-from .instances import SPAN, iter_spans, materialize
+from .instances import SPAN, iter_spans, span_lengths
 from .model import BertForPreTraining
-from .packing import PackedBatch, PackedShapes, PackingCollator, one_per_row, pack
-from .pipeline import EpochStream, Layout, Planner
+from .packing import PackedBatch, PackedShapes, PackingCollator, pack
+from .pipeline import EpochStream, Layout, MicroBatchWork, Planner, StepCollator
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from .workers import default_num_workers
@@ -217,23 +217,24 @@ def build_config(args, vocab_size: int) -> BertConfig:
 
 
 def eval_batches(data: PretrainData, masker: MLMCollator, packing, batch_size: int, batches: int):
-    """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) as the run trains on them: one
-    per row in batches of `batch_size`, or packed micro-batches of the run's fixed shapes (`packing`). Each instance
-    is masked by its index ("eval_masking"): the same at every evaluation, and the same either way."""
-    spans = itertools.islice(iter_spans(data.corpus, data.eval_ids, data.max_seq_len,
-                                        seeds.integer(data.seed, "eval_nsp")), batches * batch_size)
-    instances = materialize(data.corpus, np.array(list(spans), dtype=SPAN), data.special.cls, data.special.sep)
-    if packing is None:
-        for start in range(0, len(instances), batch_size):
-            rows = instances[start:start + batch_size]
-            yield one_per_row(masker, rows, range(start, start + len(rows)), "eval_masking")
-        return
-    shapes = packing.shapes
-    rows = pack([len(x["input_ids"]) for x in instances], shapes.max_seqlen, shapes.per_row)
-    for first in range(0, len(rows), shapes.rows):
-        group = [row[row >= 0].tolist() for row in rows[first:first + shapes.rows]]
-        yield packing([[instances[j] for j in row] for row in group], keys=[j for row in group for j in row],
-                      stream="eval_masking")
+    """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) as the run trains on them, collated
+    as training collates (bert.pipeline.StepCollator): one per row in batches of `batch_size`, or packed
+    micro-batches of the run's fixed shapes (`packing`). Each instance is masked by its index ("eval_masking"):
+    the same at every evaluation, and the same either way."""
+    spans = np.array(list(itertools.islice(iter_spans(data.corpus, data.eval_ids, data.max_seq_len,
+                                                      seeds.integer(data.seed, "eval_nsp")), batches * batch_size)),
+                     dtype=SPAN)
+    shapes = packing.shapes if packing is not None else None
+    collator = StepCollator(data.corpus, masker, Layout(data.max_seq_len, 1, shapes, batch_size), "eval_masking")
+    if shapes is None:
+        index = np.arange(len(spans))[:, None]  # a row per instance
+        groups = [index[start:start + batch_size] for start in range(0, len(spans), batch_size)]
+    else:
+        rows = pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row)
+        groups = [rows[first:first + shapes.rows] for first in range(0, len(rows), shapes.rows)]
+    for group in groups:
+        index = group[group >= 0]  # row after row
+        yield collator.collate(MicroBatchWork(spans[index], (group >= 0).sum(axis=1), index[:, None]))
 
 
 def evaluate(model, batches, device) -> dict:
