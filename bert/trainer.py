@@ -492,6 +492,7 @@ class Trainer:
 
             self.graphed = GraphedStep(self._train_step, self.model, self.optimizer)
         self.log_path = os.path.join(settings.output_dir, "log.jsonl")
+        self._starving_said = False  # the data-wait warning (_data_wait), given once a run
 
     def _graphs_possible(self) -> bool:
         """CUDA graphs need static shapes, one CUDA device and no gradient scaler (its step reads the device);
@@ -763,7 +764,7 @@ class Trainer:
         if window.data_start:
             fields["data_start_s"] = window.data_start
         share = window.data_wait / max(elapsed - window.data_start, 1e-9)
-        if share > 0.05 and self.d.main and not getattr(self, "_starving_said", False):
+        if share > 0.05 and self.d.main and not self._starving_said:
             self._starving_said = True
             say(progress, f"warning: steps waited {share:.0%} of their time for data (data_wait_ms "
                           f"{fields['data_wait_ms']:.1f}); raise --num-workers (now {self.s.num_workers}) or "
