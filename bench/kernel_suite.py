@@ -88,17 +88,15 @@ def _measure(case, impl, fn, device) -> dict:
 def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     """In a fresh process: (peak RSS growth in bytes during one forward+backward, median seconds, the error to
     the float64 reference or None)."""
-    import resource
-
     from kernels._record import record
 
-    from .e2e import rss_mb
+    from .e2e import peak_rss_mb, rss_mb
 
     case = list(record(name).bench(shape, torch.device("cpu"), torch.float32, full))[index]
     fn, inputs = case.impls[impl], case.inputs()
     before = rss_mb()
     _backward(fn(*inputs))
-    extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before) * 2**20
+    extra = (peak_rss_mb() - before) * 2**20
     seconds = timeit(lambda: _backward(fn(*inputs)), torch.device("cpu"), warmup=1, reps=3)
     return extra, seconds, exact_error(case, impl, fn, case.inputs())
 
