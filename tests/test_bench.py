@@ -63,6 +63,16 @@ def test_e2e_variants_run_in_process(monkeypatch):
     assert "CUDA graphs need a GPU" in e2e.run_variant("ours-packed-graphs", spec)["status"]
 
 
+def test_a_fresh_process_reports_its_own_peak_memory_not_its_parents():
+    """The CPU memory columns come from spawned children; ru_maxrss there is inherited across exec from the parent
+    (a parent that once held 512 MB more made every child report that), VmHWM is the child's own."""
+    held = np.ones(64 * 2**20)  # 512 MB, every page touched
+    parent = e2e.peak_rss_mb()
+    child = e2e.in_fresh_process(e2e.peak_rss_mb)
+    del held
+    assert parent - child > 400, (parent, child)
+
+
 def test_kernel_suites_at_tiny_sizes_on_this_device(device):
     from kernels._record import record, records
 
