@@ -146,15 +146,20 @@ class MicroBatchWork(NamedTuple):
     keys: np.ndarray      # int64 [instances, k]: masking keys, in training (epoch, shard, index in the shard)
 
 
+def micro_batch_work(spans: np.ndarray, block: np.ndarray, *key_prefix: int) -> MicroBatchWork:
+    """The micro-batch of rows `block` (int64 [rows, instances per row]: indices into `spans`, -1 after), each
+    instance keyed (*key_prefix, its index)."""
+    index = block[block >= 0]  # row after row
+    keys = np.stack([np.full(len(index), k) for k in key_prefix] + [index], axis=1)
+    return MicroBatchWork(spans[index], (block >= 0).sum(axis=1), keys)
+
+
 def step_work(plan: ShardPlan, step: int, epoch: int, layout: Layout, rank: int, accum: int) -> list[MicroBatchWork]:
     """Rank `rank`'s micro-batches of global step `step` of a shard: what a worker collates."""
     out, rows_per = [], layout.rows_per_micro
     for a in range(accum):
         m = step * layout.parts + rank * accum + a
-        block = plan.rows[m * rows_per:(m + 1) * rows_per]
-        index = block[block >= 0]  # row after row
-        keys = np.stack([np.full(len(index), epoch), np.full(len(index), plan.shard), index], axis=1)
-        out.append(MicroBatchWork(plan.spans[index], (block >= 0).sum(axis=1), keys))
+        out.append(micro_batch_work(plan.spans, plan.rows[m * rows_per:(m + 1) * rows_per], epoch, plan.shard))
     return out
 
 

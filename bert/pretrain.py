@@ -32,7 +32,7 @@ from .data import MLMCollator, SpecialIds, iter_documents
 from .instances import SPAN, iter_spans, span_lengths
 from .model import BertForPreTraining
 from .packing import PackedBatch, PackedShapes, PackingCollator, pack
-from .pipeline import EpochStream, Layout, MicroBatchWork, Planner, StepCollator
+from .pipeline import EpochStream, Layout, Planner, StepCollator, micro_batch_work
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from .workers import default_num_workers
@@ -225,16 +225,12 @@ def eval_batches(data: PretrainData, masker: MLMCollator, packing, batch_size: i
                                                       seeds.integer(data.seed, "eval_nsp")), batches * batch_size)),
                      dtype=SPAN)
     shapes = packing.shapes if packing is not None else None
-    collator = StepCollator(data.corpus, masker, Layout(data.max_seq_len, 1, shapes, batch_size), "eval_masking")
-    if shapes is None:
-        index = np.arange(len(spans))[:, None]  # a row per instance
-        groups = [index[start:start + batch_size] for start in range(0, len(spans), batch_size)]
-    else:
-        rows = pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row)
-        groups = [rows[first:first + shapes.rows] for first in range(0, len(rows), shapes.rows)]
-    for group in groups:
-        index = group[group >= 0]  # row after row
-        yield collator.collate(MicroBatchWork(spans[index], (group >= 0).sum(axis=1), index[:, None]))
+    layout = Layout(data.max_seq_len, 1, shapes, batch_size)
+    collator = StepCollator(data.corpus, masker, layout, "eval_masking")
+    rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
+            else pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row))
+    for first in range(0, len(rows), layout.rows_per_micro):
+        yield collator.collate(micro_batch_work(spans, rows[first:first + layout.rows_per_micro]))
 
 
 def evaluate(model, batches, device) -> dict:
