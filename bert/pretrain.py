@@ -31,7 +31,7 @@ from .corpus import TokenisedCorpus, tokenize_corpus
 from .data import MLMCollator, SpecialIds, iter_documents
 from .instances import SPAN, iter_spans, span_lengths
 from .model import BertForPreTraining
-from .packing import PackedBatch, PackedShapes, PackingCollator, pack
+from .packing import PackedBatch, PackedShapes, pack
 from .pipeline import EpochStream, Layout, Planner, StepCollator, micro_batch_work
 from .cli import add_debug_flag, check_numbers, check_source, run
 from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -216,15 +216,15 @@ def build_config(args, vocab_size: int) -> BertConfig:
     return cfg
 
 
-def eval_batches(data: PretrainData, masker: MLMCollator, packing, batch_size: int, batches: int):
+def eval_batches(data: PretrainData, masker: MLMCollator, shapes: PackedShapes | None, batch_size: int,
+                 batches: int):
     """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) as the run trains on them, collated
     as training collates (bert.pipeline.StepCollator): one per row in batches of `batch_size`, or packed
-    micro-batches of the run's fixed shapes (`packing`). Each instance is masked by its index ("eval_masking"):
-    the same at every evaluation, and the same either way."""
+    micro-batches of the run's fixed `shapes`. Each instance is masked by its index ("eval_masking"): the same at
+    every evaluation, and the same either way."""
     spans = np.array(list(itertools.islice(iter_spans(data.corpus, data.eval_ids, data.max_seq_len,
                                                       seeds.integer(data.seed, "eval_nsp")), batches * batch_size)),
                      dtype=SPAN)
-    shapes = packing.shapes if packing is not None else None
     layout = Layout(data.max_seq_len, 1, shapes, batch_size)
     collator = StepCollator(data.corpus, masker, layout, "eval_masking")
     rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
@@ -252,22 +252,21 @@ def evaluate(model, batches, device) -> dict:
 
 
 class PretrainJob(Job):
-    """MLM + NSP on NSP instances drawn per epoch and shard, packed into fixed-budget micro-batches (`packing`, a
-    PackingCollator) or length-bucketed into global batches laid out one instance per row; either way a
+    """MLM + NSP on NSP instances drawn per epoch and shard, packed into micro-batches of fixed `shapes`, or
+    (shapes None) length-bucketed into global batches laid out one instance per row; either way a
     micro-batch is a bert.packing.PackedBatch, streamed by bert.pipeline (see bert.trainer.Job)."""
     name = "pre-training"
 
     def __init__(self, model, data: PretrainData, masker: MLMCollator, tokenizer, device, *, batch_size: int,
-                 grad_accum: int, eval_batches: int, packing: PackingCollator | None = None, num_proc: int = 1):
+                 grad_accum: int, eval_batches: int, shapes: PackedShapes | None = None, num_proc: int = 1):
         self.model, self.data, self.masker, self.tokenizer = model, data, masker, tokenizer
-        self.device, self.packing, self.num_proc = device, packing, num_proc
+        self.device, self.shapes, self.num_proc = device, shapes, num_proc
         self.batch_size, self.grad_accum, self.eval_batches = batch_size, grad_accum, eval_batches
         self._planner: Planner | None = None
 
     def planner(self, d: Dist, accum: int) -> Planner:
         if self._planner is None:
-            layout = Layout(self.data.max_seq_len, d.world * accum, self.packing.shapes if self.packing else None,
-                            self.batch_size)
+            layout = Layout(self.data.max_seq_len, d.world * accum, self.shapes, self.batch_size)
             self._planner = Planner(self.data.corpus, self.data.train_ids, layout, self.data.seed)
         return self._planner
 
@@ -276,7 +275,7 @@ class PretrainJob(Job):
 
     @property
     def static_shapes(self) -> bool:
-        return self.packing is not None
+        return self.shapes is not None
 
     def counts(self, batch: PackedBatch):
         return {"mlm": float(batch.labelled), "nsp": float((batch.next_sentence_label != -100).sum())}
@@ -309,18 +308,17 @@ class PretrainJob(Job):
     def evaluate(self, model):
         if not len(self.data.eval_ids):
             return {}
-        return evaluate(model, eval_batches(self.data, self.masker, self.packing, self.batch_size,
+        return evaluate(model, eval_batches(self.data, self.masker, self.shapes, self.batch_size,
                                             self.eval_batches), self.device)
 
 
-def packing_collator(args, collator: MLMCollator, d: Dist) -> PackingCollator | None:
+def packed_shapes(args, d: Dist) -> PackedShapes | None:
     """The run's packed micro-batch shapes: by default as many rows as a padded micro-batch has sequences."""
     if not args.packing:
         return None
     rows = args.tokens_per_batch // args.max_seq_len if args.tokens_per_batch else \
         args.batch_size // (d.world * args.grad_accum)
-    return PackingCollator(collator, PackedShapes.for_rows(rows, args.max_seq_len, args.instances_per_row,
-                                                           args.mlm_probability))
+    return PackedShapes.for_rows(rows, args.max_seq_len, args.instances_per_row, args.mlm_probability)
 
 
 def settings(args) -> Settings:
@@ -359,7 +357,7 @@ def _train(args, device, d: Dist) -> TrainResult:
                            continuation_ids=continuation, seed=args.seed)
     job = PretrainJob(BertForPreTraining(cfg), data, collator, tokenizer, device, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, eval_batches=args.eval_batches,
-                      packing=packing_collator(args, collator, d), num_proc=args.num_proc)
+                      shapes=packed_shapes(args, d), num_proc=args.num_proc)
     trainer = Trainer(job, settings(args), device, d)
     return TrainResult(trainer.fit(), trainer.model)
 

@@ -285,7 +285,7 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
 
     from bert.corpus import TokenisedCorpus
     from bert.data import MLMCollator, SpecialIds
-    from bert.packing import PackedBatch, PackedShapes, PackingCollator
+    from bert.packing import PackedBatch, PackedShapes
     from bert.pretrain import eval_batches, evaluate
 
     special = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=300, special=(0, 1, 2, 3, 4))
@@ -293,8 +293,8 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     corpus = SimpleNamespace(corpus=TokenisedCorpus.from_documents(docs), eval_ids=np.arange(6), max_seq_len=32,
                              special=special, seed=4)
     collator = MLMCollator(special, seed=4)
-    packing = PackingCollator(collator, PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15))
-    padded, packed = list(eval_batches(corpus, collator, None, 6, 3)), list(eval_batches(corpus, collator, packing, 6, 3))
+    shapes = PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15)
+    padded, packed = list(eval_batches(corpus, collator, None, 6, 3)), list(eval_batches(corpus, collator, shapes, 6, 3))
     assert all(isinstance(b, PackedBatch) for b in padded + packed)  # one batch type, two layouts
     assert [len(b.lengths) for b in padded] == [6, 6, 6]  # one instance per row
     assert sum(len(b.lengths) for b in packed) == 18 and all(b.slots == 4 * 32 for b in packed)  # the run's shapes
