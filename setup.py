@@ -25,6 +25,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=7",
+            "pytest-timeout>=2",  # a fault-injection test that would hang fails by its own timeout instead
             "pytest-benchmark>=4",
             "transformers>=4.40",
             "accelerate>=0.26",  # transformers.Trainer needs it (the fused model's Trainer test)

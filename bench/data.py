@@ -205,6 +205,23 @@ def stage_first_batch(path: str, cache: str, scale: int, started: float) -> list
     return [_row("first_batch", scale, time.time() - started, "s", workers=workers)]
 
 
+MIN_TEXT_BYTES = 1 << 20  # less text than this is tokenised, planned and collated in milliseconds: no rate
+
+
+def check_size(source: str, scale: int) -> None:
+    """A corpus too small to time (at this scale) is refused, naming the scale that would do, instead of rates
+    that measured start-up noise. (A hub corpus is streamed: its size is not known here.)"""
+    from bert.data import corpus_files
+
+    if source.startswith("hf:"):
+        return
+    size = sum(os.path.getsize(p) for p in corpus_files(source)) * scale
+    if size < MIN_TEXT_BYTES:
+        need = math.ceil(MIN_TEXT_BYTES / max(size / scale, 1))
+        raise ValueError(f"--corpus {source} x{scale} is {size:,} bytes of text, too little to measure a rate "
+                         f"(the data suite needs {MIN_TEXT_BYTES:,}); give a larger corpus or --scale {need} or more")
+
+
 def measure(source: str | None, scale: int, num_proc: int, out_dir: str, run_fresh) -> list[dict]:
     """Every stage's rows at `scale`; `run_fresh(fn, *args)` runs a stage in a fresh process."""
     work = os.path.join(out_dir, "data-work")
@@ -213,6 +230,7 @@ def measure(source: str | None, scale: int, num_proc: int, out_dir: str, run_fre
         source = os.path.join(work, "synthetic.jsonl")
         if not os.path.exists(source):
             synthetic_corpus(source)
+    check_size(source, scale)
     path = scaled_corpus(source, scale, work)
     cache = os.path.join(work, f"cache-x{scale}")
     rows = []

@@ -13,26 +13,34 @@ into sentences and encoded by `num_proc` worker processes (bert.workers.ordered_
 in order, so memory stays bounded by the tasks in flight. For BERT's tokenizers each distinct whitespace-separated
 word is encoded once and then looked up (`WordCache`: the tokenizer's own result, exactly, at twice its speed on
 running text); other tokenizers get one call per batch of documents. The result is cached under `cache_dir`,
-keyed by the corpus files and the tokenizer, written to a temporary name and renamed.
+keyed by the corpus files' content and the tokenizer, written to a temporary name and renamed (`tokenize_corpus`
+says what a build cleans up).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from .checkpoint import atomic_write
 from .data import corpus_files, iter_document_texts, text_sentences
 from .workers import ordered_map
 
 FORMAT = 2
 _ARRAYS = ("tokens", "sentences", "documents")
+CHECK_BLOCK = 1 << 23  # offsets per block of TokenisedCorpus.check
 TASK_BYTES = 1 << 21   # text per tokenising task: large enough to amortise a call, small enough to stay bounded
 
 
@@ -43,6 +51,7 @@ class TokenisedCorpus:
     sentences: np.ndarray
     documents: np.ndarray
     path: str | None = None
+    vocab_size: int | None = None   # of the tokenizer that built it (a bound on every id), when known
 
     @classmethod
     def load(cls, path: str) -> "TokenisedCorpus":
@@ -55,7 +64,7 @@ class TokenisedCorpus:
             if os.path.getsize(file) != count * dtype.itemsize:
                 raise ValueError(f"{file}: {os.path.getsize(file)} bytes, expected {count * dtype.itemsize}")
             arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
-        corpus = cls(**arrays, path=path)
+        corpus = cls(**arrays, path=path, vocab_size=meta.get("vocab_size"))
         corpus.check()
         return corpus
 
@@ -71,13 +80,31 @@ class TokenisedCorpus:
         """Pickled by path when it has one (to another process: it maps the files itself, copying nothing)."""
         if self.path:
             return (TokenisedCorpus.load, (self.path,))
-        return (TokenisedCorpus, (self.tokens, self.sentences, self.documents))
+        return (TokenisedCorpus, (self.tokens, self.sentences, self.documents, None, self.vocab_size))
 
     def check(self) -> None:
-        """The offsets are consistent: what every reader relies on instead of re-checking per read."""
-        s, d = self.sentences, self.documents
+        """The offsets are consistent, every one of them: each array starts at 0, ends at the length of the next,
+        and rises strictly (no empty sentence or document is ever written). What every reader relies on instead
+        of re-checking per read; read in blocks, a second or two for Wikipedia's ~150M sentences."""
+        s, d, where = self.sentences, self.documents, self.path or "corpus"
         if len(s) < 1 or len(d) < 1 or s[0] != 0 or d[0] != 0 or s[-1] != len(self.tokens) or d[-1] != len(s) - 1:
-            raise ValueError(f"{self.path or 'corpus'}: inconsistent offsets")
+            raise ValueError(f"{where}: inconsistent offsets")
+        for name, offsets in (("sentences", s), ("documents", d)):
+            for start in range(0, len(offsets) - 1, CHECK_BLOCK):
+                steps = np.diff(np.asarray(offsets[start:start + CHECK_BLOCK + 1]))
+                if (steps <= 0).any():
+                    i = start + int(np.argmax(steps <= 0)) + 1
+                    raise ValueError(f"{where}: inconsistent offsets ({name}[{i}] = {int(offsets[i])} does not "
+                                     f"follow {int(offsets[i - 1])})")
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """Token ids read from this corpus lie in its vocabulary (a damaged file would otherwise surface as an
+        index error deep in the model)."""
+        if self.vocab_size and len(ids) and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
+            bad = int(ids[(ids >= self.vocab_size) | (ids < 0)][0])
+            raise ValueError(f"{self.path or 'corpus'}: token id {bad} is outside the tokenizer's vocabulary of "
+                             f"{self.vocab_size}: the tokenised corpus is damaged; delete that directory and run "
+                             "again to rebuild it")
 
     def __len__(self) -> int:
         return len(self.documents) - 1
@@ -139,7 +166,7 @@ class _Arrays:
     def finish(self, meta: dict | None = None) -> TokenisedCorpus:
         if not self.files:
             return TokenisedCorpus(*(np.concatenate(self.parts[n]) if self.parts[n] else np.zeros(0, np.int64)
-                                     for n in _ARRAYS))
+                                     for n in _ARRAYS), vocab_size=(meta or {}).get("vocab_size"))
         for f in self.files.values():
             f.close()
         dtypes = {"tokens": self.token_dtype.str, "sentences": "<i8", "documents": "<i8"}
@@ -194,8 +221,9 @@ class WordCache:
         words = [_BERT_SPACE.split(s) for s in sentences]
         unseen = list({w for ws in words for w in ws if w not in self.ids})
         if unseen:
-            if len(self.ids) + len(unseen) > CACHE_WORDS:
+            if len(self.ids) + len(unseen) > CACHE_WORDS:  # start over: every word of these sentences is unseen
                 self.ids = {"": ()}
+                unseen = list({w for ws in words for w in ws if w not in self.ids})
             for w, enc in zip(unseen, self.encode_batch(unseen, add_special_tokens=False)):
                 self.ids[w] = tuple(enc.ids)
         ids = self.ids
@@ -258,28 +286,83 @@ def _text_batches(texts: Iterator[list[str]], max_documents: int | None) -> Iter
         yield batch
 
 
-def fingerprint(source: str, tokenizer, extra) -> str:
-    """What a cached corpus is keyed by: the local files' names, sizes and times (or the hub name), the
+def fingerprint(source: str, tokenizer, extra, cache_dir: str | None = None) -> str:
+    """What a cached corpus is keyed by: the corpus's content (source_digest; the hub name for hf:), the
     tokenizer, and `extra`."""
+    h = hashlib.sha256(settings_key(tokenizer, extra).encode())
+    h.update(source_digest(source, cache_dir).encode())
+    return h.hexdigest()[:16]
+
+
+def settings_key(tokenizer, extra) -> str:
+    """The tokenizer and the reading settings, hashed: the part of a cache's key that is not the corpus."""
     h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
     h.update(tokenizer.to_str().encode())
-    if not source.startswith("hf:"):
-        for p in corpus_files(source):
-            st = os.stat(p)
-            h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
-    else:
-        h.update(source.encode())
     return h.hexdigest()[:16]
+
+
+def source_digest(source: str, cache_dir: str | None = None) -> str:
+    """A digest of a local corpus's bytes (every file's, with its name), or the hub name of an hf: source. A
+    file's digest is remembered in CACHE_DIR/digests.json under its size, mtime, ctime and inode, and computed
+    again when any of them changes: the ctime moves with every write and every restored mtime (cp -p, tar x), so
+    an edited file is never taken for the old one, and an unchanged corpus is read once, not at every run."""
+    if source.startswith("hf:"):
+        return source
+    memo_path = os.path.join(cache_dir, "digests.json") if cache_dir else None
+    memo = _read_json(memo_path) if memo_path else {}
+    h, changed = hashlib.sha256(), False
+    for p in corpus_files(source):
+        st = os.stat(p)
+        stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+        key = os.path.abspath(p)
+        if memo.get(key, {}).get("stamp") != stamp:
+            memo[key], changed = {"stamp": stamp, "sha256": file_sha256(p)}, True
+        h.update(f"{p}:{memo[key]['sha256']}".encode())
+    if memo_path and changed:
+        _write_json(memo_path, memo)
+    return h.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):  # absent or torn: computed again
+        return {}
+
+
+def _write_json(path: str, value: dict) -> None:
+    """Written to a temporary name and renamed (several jobs may share the directory; the last one wins); a memo
+    that cannot be written costs a recomputation, nothing else."""
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f)
+
+    with contextlib.suppress(OSError):
+        atomic_write(path, write)
 
 
 def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_proc: int = 1,
                     max_documents: int | None = None, text_field: str = "text") -> TokenisedCorpus:
     """The tokenised corpus of `source` (bert.data.iter_document_texts): from the cache under `cache_dir` when it
     is there and readable, else built by `num_proc` processes and cached (without `cache_dir`: built in memory,
-    nothing written)."""
+    nothing written). Building removes what killed builds left in `cache_dir` (remove_stale) and, once done,
+    the caches of this source and settings that an edit of the corpus made stale."""
+    extra = {"max_documents": max_documents, "field": text_field, "v": FORMAT}
+    meta = {"source": source, "settings": settings_key(tokenizer, extra), "vocab_size": tokenizer.get_vocab_size()}
     if not cache_dir:
-        return _build(source, tokenizer, None, num_proc, max_documents, text_field)
-    key = fingerprint(source, tokenizer, {"max_documents": max_documents, "field": text_field, "v": FORMAT})
+        return _build(source, tokenizer, None, num_proc, max_documents, text_field, meta)
+    os.makedirs(cache_dir, exist_ok=True)
+    key = fingerprint(source, tokenizer, extra, cache_dir)
     path = os.path.join(cache_dir, f"tokenized-{key}")
     if os.path.isdir(path):
         try:
@@ -287,30 +370,105 @@ def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_pr
         except (ValueError, OSError) as e:  # a cache from an older version or a damaged disk: rebuild it
             warnings.warn(f"the tokenised-corpus cache {path} cannot be read ({e}); rebuilding it")
             shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        _build(source, tokenizer, tmp, num_proc, max_documents, text_field)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)  # a killed run leaves at most the temporary directory, never a half-written cache
+    remove_stale(cache_dir)
+    with _writing(f"{path}.tmp-{socket.gethostname()}-{os.getpid()}") as tmp:
+        try:
+            _build(source, tokenizer, tmp, num_proc, max_documents, text_field, meta)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+                raise
+            raise _unwritable(e, cache_dir) from e
+        shutil.rmtree(path, ignore_errors=True)
+        os.remove(os.path.join(tmp, WRITER_LOCK))
+        os.replace(tmp, path)  # a killed run leaves at most the temporary directory, never a half-written cache
+    _remove_superseded(cache_dir, path, meta)
     return TokenisedCorpus.load(path)
 
 
-def _build(source, tokenizer, path, num_proc, max_documents, text_field) -> TokenisedCorpus:
+WRITER_LOCK = ".writing"  # inside a temporary cache directory: flocked by the process building it
+
+
+@contextlib.contextmanager
+def _writing(tmp: str):
+    """A temporary cache directory, held (an flock on its WRITER_LOCK, which the kernel drops when the process
+    dies) while it is built, and removed unless it was renamed into place."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    fd = os.open(os.path.join(tmp, WRITER_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+STALE_UNLOCKED_SECONDS = 3600  # a temporary directory without its lock file yet is someone's for this long
+
+
+def remove_stale(cache_dir: str) -> list[str]:
+    """Remove the temporary directories of builds whose process is gone (killed mid-build: at Wikipedia's size
+    ~8 GB each): those whose WRITER_LOCK nobody holds. Safe when several ranks, jobs or machines share the
+    directory: a live builder holds its lock, and a directory too new to have one is left alone. Returns the
+    removed paths."""
+    removed = []
+    for name in os.listdir(cache_dir):
+        tmp = os.path.join(cache_dir, name)
+        if not (name.startswith("tokenized-") and ".tmp-" in name and os.path.isdir(tmp)):
+            continue
+        try:
+            fd = os.open(os.path.join(tmp, WRITER_LOCK), os.O_RDWR)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(tmp).st_mtime > STALE_UNLOCKED_SECONDS:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    removed.append(tmp)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a build in progress
+            continue
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _remove_superseded(cache_dir: str, keep: str, meta: dict) -> None:
+    """Caches of the same source and settings under another key hold the corpus as it was before an edit: no
+    run can ask for them again (the key follows the content), so they are removed. (Removing a directory a
+    running job has mapped is safe: its mapping stays until it unmaps.)"""
+    for name in os.listdir(cache_dir):
+        other = os.path.join(cache_dir, name)
+        if not name.startswith("tokenized-") or ".tmp-" in name or other == keep:
+            continue
+        old = _read_json(os.path.join(other, "meta.json"))
+        if old.get("source") == meta["source"] and old.get("settings") == meta["settings"]:
+            shutil.rmtree(other, ignore_errors=True)
+
+
+def _unwritable(e: OSError, cache_dir: str) -> OSError:
+    """One error naming the cache disk, its free space and the fix."""
+    free = shutil.disk_usage(cache_dir).free if os.path.isdir(cache_dir) else 0
+    return OSError(e.errno, f"the tokenised corpus could not be written under {cache_dir} ({e.strerror or e}); "
+                            f"that disk has {free / 2**20:.0f} MiB free. Free some space or give --cache-dir on "
+                            "another disk, and run again")
+
+
+def _build(source, tokenizer, path, num_proc, max_documents, text_field, meta) -> TokenisedCorpus:
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 1 << 16 else np.int32
     writer = _Arrays(path, dtype)
     batches = _text_batches(iter_document_texts(source, text_field), max_documents)
     # One process: this one, the tokenizer using every core itself; several: one thread each.
     processes = num_proc if num_proc > 1 else 0
     for ids, lengths, per_doc in ordered_map(encode_documents, batches, processes, _init_encoder,
-                                             (tokenizer.to_str(), num_proc <= 1)):
+                                             (tokenizer.to_str(), num_proc <= 1), name="tokenising"):
         writer.add_encoded(ids, lengths, per_doc)
-    corpus = writer.finish({"source": source})
+    corpus = writer.finish(meta)
     if len(corpus) == 0:
         raise ValueError(f"the corpus at {source} has no text")
     return corpus

@@ -9,6 +9,7 @@ Masking happens at collation, fresh each time an instance is drawn: 15% of real,
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import re
@@ -45,27 +46,24 @@ def corpus_files(source: str) -> list[str]:
     return [p for p in paths if os.path.isfile(p)]
 
 
-def read_text(path: str) -> str:
-    """A corpus file's text; an error naming the file when it is not UTF-8 text."""
+def _text_lines(path: str) -> Iterator[str]:
+    """A text file's lines, read line by line (memory bounded by the longest line, whatever the file's size):
+    the same lines as str.splitlines of the whole text; an error naming the file and line when it is not UTF-8
+    text."""
     with open(path, "rb") as f:
-        data = f.read()
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise ValueError(f"{path}: binary data (a NUL byte at offset {nul}), not a text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+        for lineno, raw in enumerate(f, 1):
+            yield from _decode_line(raw, path, lineno).splitlines()
 
 
 def _text_file_documents(path: str) -> Iterator[list[str]]:
     """Plain text: documents are separated by blank lines. WikiText: each `= Title =` line starts a document,
-    `= = Section = =` lines are dropped, and blank lines only separate paragraphs. Yields each document's lines."""
-    lines = read_text(path).splitlines()
-    wikitext = sum(1 for line in lines[:2000] if _TOP_HEADING.match(line)) >= 1
+    `= = Section = =` lines are dropped, and blank lines only separate paragraphs. Yields each document's lines.
+    Which of the two a file is, its first 2,000 lines say."""
+    lines = _text_lines(path)
+    head = list(itertools.islice(lines, 2000))
+    wikitext = any(_TOP_HEADING.match(line) for line in head)
     doc: list[str] = []
-    for line in lines:
+    for line in itertools.chain(head, lines):
         if wikitext and _TOP_HEADING.match(line):
             if doc:
                 yield doc
@@ -82,6 +80,15 @@ def _text_file_documents(path: str) -> Iterator[list[str]]:
         yield doc
 
 
+def _document_text(value, where: str, text_field: str) -> list[str] | None:
+    """A record's text field as its paragraphs; None when blank; an error naming the record when the field is not
+    a string (null, a number, a list...: never trained on as its Python repr)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: the {text_field!r} field is {type(value).__name__ if value is not None else 'null'}"
+                         ", not a string")
+    return value.split("\n") if value.strip() else None
+
+
 def _jsonl_documents(path: str, text_field: str) -> Iterator[list[str]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -90,10 +97,11 @@ def _jsonl_documents(path: str, text_field: str) -> Iterator[list[str]]:
                 continue
             try:
                 text = json.loads(line)[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
                 raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field") from e
-            if str(text).strip():
-                yield str(text).split("\n")
+            doc = _document_text(text, f"{path}:{lineno}", text_field)
+            if doc:
+                yield doc
 
 
 def _decode_line(raw: bytes, path: str, lineno: int) -> str:
@@ -114,9 +122,12 @@ def iter_document_texts(source: str, text_field: str = "text", hf_split: str = "
         import datasets
 
         name, _, config = source[3:].partition(":")
-        for row in datasets.load_dataset(name, config or None, split=hf_split, streaming=True):
-            if str(row[text_field]).strip():
-                yield str(row[text_field]).split("\n")
+        for i, row in enumerate(datasets.load_dataset(name, config or None, split=hf_split, streaming=True)):
+            if text_field not in row:
+                raise ValueError(f"{source}, row {i}: no {text_field!r} field (fields: {', '.join(row)})")
+            doc = _document_text(row[text_field], f"{source}, row {i}", text_field)
+            if doc:
+                yield doc
         return
     paths = corpus_files(source)
     if not paths:

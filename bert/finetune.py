@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from . import cli, seeds
-from .cli import add_debug_flag, check_numbers, check_source
+from .cli import add_debug_flag, check_numbers, check_source, stop_signals
 from .checkpoint import atomic_write
 from .config import read_json_object
 from .padding import pad_batch
 from .tasks import TASKS, Features, Task
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, tokenizer_digest
 from .trainer import Job, Settings, Trainer, micro_batch, output_dir_lock, prepare_output_dir, setup_device
 
 logger = logging.getLogger("bert")
@@ -189,20 +189,31 @@ def loss_history(log_path: str) -> dict:
     return {"train_loss_first": rows[0]["loss"], "train_loss_last": rows[-1]["loss"]} if rows else {}
 
 
-def run(args) -> dict:
-    """Fine-tune and/or evaluate; returns the metrics. Used by the CLI and by tests. The output directory is
-    locked for the run; an evaluation-only run writes its metrics and predictions there, never a model."""
+def _start(args, held: contextlib.ExitStack):
+    """The checks, the device and process group, and the output directory's lock (held until `held` closes)."""
     validate_args(args)
     device, d = setup_device(args.dist_timeout)
     if args.train and args.batch_size < d.world * args.grad_accum:  # (setup_device is cheap: still before any work)
         ranks = f" x {d.world} ranks" if d.world > 1 else ""
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --grad-accum {args.grad_accum}{ranks}: "
                          "every micro-batch needs at least one example")
-    with output_dir_lock(args.output_dir, d):
-        torch.manual_seed(args.seed)
-        task, tokenizer, train_data, eval_data, id2label, model = load(args, device, d)
-        label2id = {v: k for k, v in id2label.items()} if id2label else None
-        eval_features = task.features(eval_data, label2id, train=False) if eval_data else None
+    held.enter_context(output_dir_lock(args.output_dir, d))
+    return device, d
+
+
+PREPARING = "while preparing the run (reading the data, loading the model); nothing needed saving yet"
+
+
+def run(args) -> dict:
+    """Fine-tune and/or evaluate; returns the metrics. Used by the CLI and by tests. The output directory is
+    locked for the run; an evaluation-only run writes its metrics and predictions there, never a model."""
+    with stop_signals() as stop, contextlib.ExitStack() as held:
+        with stop.interruptible(PREPARING):
+            device, d = _start(args, held)
+            torch.manual_seed(args.seed)
+            task, tokenizer, train_data, eval_data, id2label, model = load(args, device, d)
+            label2id = {v: k for k, v in id2label.items()} if id2label else None
+            eval_features = task.features(eval_data, label2id, train=False) if eval_data else None
 
         def evaluate(m):
             scores, _ = predict(task, m, eval_data, eval_features, device, id2label, args.eval_batch_size)
@@ -210,20 +221,23 @@ def run(args) -> dict:
 
         metrics = {}
         if train_data:
-            if d.main:
-                prepare_output_dir(args.output_dir, args.resume, args.overwrite)
-            d.barrier()
-            rows = task.features(train_data, label2id, train=True).rows
-            total = args.max_steps or max(1, int(math.ceil(len(rows) / args.batch_size) * args.epochs))
-            job = FinetuneJob(task, model, rows, tokenizer, batch_size=args.batch_size, seed=args.seed,
-                              evaluate=evaluate if eval_data else None)
-            trainer = Trainer(job, settings(args, total, data_identity(train_data, id2label)), device, d)
+            with stop.interruptible(PREPARING):
+                if d.main:
+                    prepare_output_dir(args.output_dir, args.resume, args.overwrite)
+                d.barrier()
+                rows = task.features(train_data, label2id, train=True).rows
+                total = args.max_steps or max(1, int(math.ceil(len(rows) / args.batch_size) * args.epochs))
+                job = FinetuneJob(task, model, rows, tokenizer, batch_size=args.batch_size, seed=args.seed,
+                                  evaluate=evaluate if eval_data else None)
+                identity = {**data_identity(train_data, id2label), "tokenizer_sha256": tokenizer_digest(tokenizer)}
+                trainer = Trainer(job, settings(args, total, identity), device, d)
             trainer.fit()
             model = trainer.model
             metrics.update(train_steps=trainer.state["step"], **loss_history(trainer.log_path))
-        if eval_data and d.main:
-            scores, predictions = predict(task, model, eval_data, eval_features, device, id2label,
-                                          args.eval_batch_size)
+        if eval_data and d.main and not stop.raised:  # (a run stopped by a signal is not evaluated)
+            with stop.interruptible("while evaluating; no metrics or predictions were written"):
+                scores, predictions = predict(task, model, eval_data, eval_features, device, id2label,
+                                              args.eval_batch_size)
             print("evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()
                                              if isinstance(v, (int, float))), flush=True)
             metrics.update({f"eval_{k}": v for k, v in scores.items()}, eval_examples=len(eval_data))

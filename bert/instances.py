@@ -95,7 +95,9 @@ def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tu
     la_t, lb_t = la[inst], lb[inst]
     in_a, in_b = (p >= 1) & (p <= la_t), (p >= la_t + 2) & (p < la_t + lb_t + 2)
     src = np.where(in_a, spans["a_start"][inst] + p - 1, np.where(in_b, spans["b_start"][inst] + p - la_t - 2, 0))
-    ids = np.where(in_a | in_b, corpus.tokens[src].astype(np.int64), sep)
+    tokens = corpus.tokens[src].astype(np.int64)
+    corpus.check_ids(tokens)
+    ids = np.where(in_a | in_b, tokens, sep)
     ids[p == 0] = cls
     return ids, (p > la_t + 1).astype(np.int64)
 

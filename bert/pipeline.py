@@ -40,7 +40,7 @@ from .corpus import TokenisedCorpus
 from .data import MLMCollator, bucket_rows
 from .instances import draw_spans, gather, span_lengths
 from .packing import FlatInstances, PackedShapes, PackingCollator, epoch_rows, one_per_row_flat
-from .workers import ordered_map
+from .workers import ordered_map, worker_init
 
 MIN_SHARD_TOKENS = 1 << 20
 STEPS_PER_SHARD = 64
@@ -125,7 +125,7 @@ class Planner:
         tasks = ((epoch, int(s)) for s in self.order(epoch))
         if processes <= 0:
             return (self.plan(*task) for task in tasks)
-        return ordered_map(_plan_in_worker, tasks, processes, _set_planner, (self,))
+        return ordered_map(_plan_in_worker, tasks, processes, _set_planner, (self,), name="planning")
 
 
 _PLANNER: Planner | None = None
@@ -215,7 +215,7 @@ class EpochStream:
         return torch.utils.data.DataLoader(StepCollator(self.planner.corpus, self.masker, self.planner.layout),
                                            batch_size=None, sampler=sampler, num_workers=num_workers,
                                            collate_fn=_as_is, pin_memory=pin_memory, generator=torch.Generator(),
-                                           multiprocessing_context=context)
+                                           multiprocessing_context=context, worker_init_fn=worker_init)
 
 
 def _as_is(item):

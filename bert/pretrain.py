@@ -14,6 +14,7 @@ DataLoader's workers, is bert.pipeline's: nothing waits for a pass over the whol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -27,14 +28,14 @@ import torch.distributed as dist
 
 from . import seeds
 from .config import BertConfig
-from .corpus import TokenisedCorpus, tokenize_corpus
+from .corpus import TokenisedCorpus, source_digest, tokenize_corpus
 from .data import MLMCollator, SpecialIds, iter_documents
 from .instances import SPAN, iter_spans, span_lengths
 from .model import BertForPreTraining
 from .packing import PackedBatch, PackedShapes, pack
 from .pipeline import EpochStream, Layout, Planner, StepCollator, micro_batch_work
-from .cli import add_debug_flag, check_numbers, check_source, run
-from .tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from .cli import add_debug_flag, check_numbers, check_source, run, stop_signals
+from .tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
 from .workers import default_num_workers
 from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device
 
@@ -175,9 +176,19 @@ class PretrainData:
     seed: int
 
 
+def cache_dir(args) -> str:
+    return args.cache_dir or os.path.join(args.output_dir, "cache")
+
+
+def data_identity(args, tokenizer) -> dict:
+    """What identifies the run's data beyond its paths, for --resume to compare: the corpus's content and the
+    tokenizer's (a corpus edited, or another vocabulary put at the same --tokenizer path, is refused by name)."""
+    return {"data_sha256": source_digest(args.data, cache_dir(args)), "tokenizer_sha256": tokenizer_digest(tokenizer)}
+
+
 def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> PretrainData:
     """Tokenised by rank 0 (with --num-proc processes) into the cache, then memory-mapped by every rank."""
-    cache = args.cache_dir or os.path.join(args.output_dir, "cache")
+    cache = cache_dir(args)
     docs = d.main_first(lambda: tokenize_corpus(args.data, tokenizer, cache_dir=cache, num_proc=args.num_proc,
                                                 max_documents=args.max_documents))
     order = seeds.rng(args.seed, "split").permutation(len(docs))
@@ -321,9 +332,11 @@ def packed_shapes(args, d: Dist) -> PackedShapes | None:
     return PackedShapes.for_rows(rows, args.max_seq_len, args.instances_per_row, args.mlm_probability)
 
 
-def settings(args) -> Settings:
+def settings(args, identity: dict | None = None) -> Settings:
+    """The trainer's settings; `identity` (data_identity) joins what --resume compares."""
     workers = default_num_workers() if args.num_workers is None else args.num_workers
-    return Settings.from_arguments(args, args.steps, run_settings(args), num_workers=workers, adam_eps=1e-6,
+    return Settings.from_arguments(args, args.steps, {**run_settings(args), **(identity or {})},
+                                   num_workers=workers, adam_eps=1e-6,
                                    compile=args.compile, cuda_graphs=args.cuda_graphs)
 
 
@@ -334,14 +347,20 @@ class TrainResult(NamedTuple):
 
 def train(args) -> TrainResult:
     """Run pre-training with parsed CLI arguments. Used by the CLI and by tests."""
-    validate_args(args)
-    device, d = setup_device(args.dist_timeout)
-    check_batch(args, d)
-    with output_dir_lock(args.output_dir, d):
-        return _train(args, device, d)
+    with stop_signals() as stop, contextlib.ExitStack() as held:
+        # Until training starts a signal ends the run at once: a corpus cache is written to a temporary name
+        # and renamed, so nothing half-built is kept (and nothing needs saving yet).
+        with stop.interruptible("while preparing the run (tokenising the corpus, building the model); "
+                                "nothing needed saving yet"):
+            validate_args(args)
+            device, d = setup_device(args.dist_timeout)
+            check_batch(args, d)
+            held.enter_context(output_dir_lock(args.output_dir, d))
+            trainer = _prepare(args, device, d)
+        return TrainResult(trainer.fit(), trainer.model)
 
 
-def _train(args, device, d: Dist) -> TrainResult:
+def _prepare(args, device, d: Dist) -> Trainer:
     if d.main:
         prepare_output_dir(args.output_dir, args.resume, args.overwrite)
     d.barrier()
@@ -358,8 +377,7 @@ def _train(args, device, d: Dist) -> TrainResult:
     job = PretrainJob(BertForPreTraining(cfg), data, collator, tokenizer, device, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, eval_batches=args.eval_batches,
                       shapes=packed_shapes(args, d), num_proc=args.num_proc)
-    trainer = Trainer(job, settings(args), device, d)
-    return TrainResult(trainer.fit(), trainer.model)
+    return Trainer(job, settings(args, data_identity(args, tokenizer)), device, d)
 
 
 def main(argv=None) -> int:

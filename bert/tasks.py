@@ -36,12 +36,15 @@ class TextExample:
 
 
 def read_classification(source: str, split: str) -> list[TextExample]:
+    """A TSV with a header naming 'label' and 'sentence' (or a sentence pair), or a Hub dataset by name. Fields
+    are read as written (GLUE's files hold unescaped quotes); a row with more fields than the header is read
+    again with CSV quoting (a quoted field holding a tab, as pandas writes it) and refused, naming its line, if
+    that does not make it fit. A UTF-8 byte-order mark is skipped."""
     if not os.path.exists(source):
         return _hf_classification(source, split)
-    with open(source, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
-        if not header:
+    with open(source, encoding="utf-8-sig", newline="") as f:
+        header = f.readline().rstrip("\r\n").split("\t")
+        if not any(h.strip() for h in header):
             raise ValueError(f"{source}:1: empty file (expected a header row)")
         cols = {name.strip(): i for i, name in enumerate(header)}
         if "label" not in cols:
@@ -55,11 +58,10 @@ def read_classification(source: str, split: str) -> list[TextExample]:
                                  f"sentence1/sentence2); header: {header}")
             a, b = found
         out = []
-        for lineno, row in enumerate(reader, 2):
-            if not row:
+        for lineno, line in enumerate(f, 2):
+            row = _tsv_fields(line, len(header), f"{source}:{lineno}")
+            if row is None:
                 continue
-            if len(row) < len(header):
-                raise ValueError(f"{source}:{lineno}: expected {len(header)} tab-separated columns, got {len(row)}")
             label = row[cols["label"]].strip()
             if not label:
                 raise ValueError(f"{source}:{lineno}: empty label")
@@ -67,6 +69,25 @@ def read_classification(source: str, split: str) -> list[TextExample]:
                                    f"{source}:{lineno}"))
     _check_label_kinds(out, source)
     return out
+
+
+def _tsv_fields(line: str, columns: int, where: str) -> list[str] | None:
+    """A data row's fields (None for a blank line): as written when they match the header's count, else through
+    CSV quoting when that makes them match; else an error naming the line."""
+    line = line.rstrip("\r\n")
+    if not line.strip():
+        return None
+    fields = line.split("\t")
+    if len(fields) > columns and '"' in line:
+        try:
+            quoted = next(csv.reader([line], delimiter="\t", quotechar='"', strict=True))
+        except csv.Error:
+            quoted = fields
+        fields = quoted if len(quoted) == columns else fields
+    if len(fields) != columns:
+        hint = " (a quoted field holding a tab must open and close on this line)" if '"' in line else ""
+        raise ValueError(f"{where}: {len(fields)} tab-separated fields, but the header has {columns}{hint}")
+    return fields
 
 
 def _check_label_kinds(examples: list[TextExample], source: str) -> None:
@@ -244,12 +265,17 @@ def qa_windows(examples: list[QAExample], tokenizer, max_len: int, doc_stride: i
     """Question as segment A, passage as segment B; long passages become overlapping windows that share
     `doc_stride` tokens. Each window's targets are the answer's first and last tokens when it lies inside."""
     windows = []
+    specials = tokenizer.num_special_tokens_to_add(True)
     with truncation(tokenizer, max_len, stride=doc_stride, strategy="only_second"):
         for i, ex in enumerate(examples):
-            try:
-                first = tokenizer.encode(ex.question, ex.context)
-            except Exception as e:
-                raise ValueError(f"{ex.where}: the question does not fit in max_seq_len={max_len}") from e
+            room = max_len - specials - len(tokenizer.encode(ex.question, add_special_tokens=False).ids)
+            if room <= 0:
+                raise ValueError(f"{ex.where}: the question does not fit in max_seq_len={max_len}")
+            if doc_stride >= room:  # (the tokenizer would panic: windows could not advance)
+                raise ValueError(f"{ex.where}: the question leaves {room} passage tokens a window, so --doc-stride "
+                                 f"{doc_stride} leaves no room to advance; lower --doc-stride below {room} or raise "
+                                 "--max-seq-len")
+            first = tokenizer.encode(ex.question, ex.context)
             for enc in [first, *first.overflowing]:
                 seq = enc.sequence_ids
                 offsets = [tuple(o) if s == 1 else None for o, s in zip(enc.offsets, seq)]

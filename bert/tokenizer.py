@@ -6,6 +6,7 @@ plain `tokenizers.Tokenizer` with padding and truncation off, as BertTokenizerFa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -143,3 +144,8 @@ def save_tokenizer(tok: Tokenizer, output_dir: str, lowercase: bool = True) -> N
               "tokenize_chinese_chars": True, "strip_accents": None}
     with open(os.path.join(output_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of the tokenizer's full serialisation (vocabulary, normaliser, specials): what --resume compares."""
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_write
-from .cli import ExpectedError
+from .cli import ExpectedError, StopRun, stop_signals
 from .optim import adamw, linear_schedule, param_groups, set_lr_types
+from .workers import parent_only, release, worker_init
 
 
 # ---- distributed -------------------------------------------------------------------------------
@@ -265,52 +265,47 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, names[-1]) if names else None
 
 
+# Run settings that are digests of content: what a changed one means, in words.
+DIGESTS = {"data_sha256": "the content of the --data corpus", "tokenizer_sha256": "the tokenizer",
+           "train_examples_sha256": "the training examples"}
+
+
 def check_resumed_settings(saved: dict | None, current: dict, allow: bool) -> None:
     """Refuse to continue a run under other settings than it was started with, listing every difference."""
     if saved is None:
         return
     changed = {k: (saved.get(k), v) for k, v in current.items() if k in saved and saved[k] != v}
     if changed and not allow:
-        listed = "; ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        listed = "; ".join(f"{DIGESTS[k]} changed (sha256 {str(a)[:12]}, now {str(b)[:12]})" if k in DIGESTS else
+                           f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
         raise ValueError(f"--resume: the settings differ from the saved run's: {listed}. Use the saved settings, "
                          "or pass --allow-config-changes to continue anyway")
 
 
 def truncate_log(path: str, step: int) -> None:
-    """Drop the log rows written after the checkpoint a run resumes from (they will be written again)."""
+    """Drop the log rows written after the checkpoint a run resumes from (they will be written again). A last
+    row cut short (the run was killed while writing it) is dropped too; a damaged row before it is an error
+    naming its line."""
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines):  # torn by a kill mid-write
+                break
+            raise ValueError(f"{path}:{i}: not a JSON log row; repair or remove that line, then --resume") from None
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            rows.append(line if line.endswith("\n") else line + "\n")
 
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(rows)
 
     atomic_write(path, write)
-
-
-class _StopFlag:
-    """SIGTERM / SIGINT set a flag that the loop reads between steps (checkpoint, then stop)."""
-
-    def __init__(self):
-        self.raised = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        self.raised = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 class NonFiniteError(ExpectedError):
@@ -335,7 +330,7 @@ def output_dir_lock(output_dir: str, d: "Dist | None" = None):
         return
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = parent_only(os.open(path, os.O_RDWR | os.O_CREAT, 0o666))  # (closed in forked workers)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -350,6 +345,7 @@ def output_dir_lock(output_dir: str, d: "Dist | None" = None):
                   .encode(), 0)
         yield
     finally:
+        release(fd)
         os.close(fd)  # releases the flock
 
 
@@ -376,6 +372,24 @@ def slice_bounds(n: int, parts: int, j: int) -> tuple[int, int]:
     base, extra = divmod(n, parts)
     start = j * base + min(j, extra)
     return start, start + base + (j < extra)
+
+
+class DataWorkerDied(ExpectedError):
+    """A DataLoader worker process died (killed by the OOM killer, or by hand)."""
+
+
+@contextlib.contextmanager
+def worker_deaths(state: dict):
+    """A dead DataLoader worker as one clear error: torch reports it as a RuntimeError from its SIGCHLD handler,
+    wherever the training process is (in the backward, waiting for a batch...)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise DataWorkerDied(f"after step {state['step']}: {_first_line(e)} If the machine ran out of memory, give "
+                             "the run more memory or fewer --num-workers; --resume continues from the last "
+                             "checkpoint") from None
 
 
 def _as_built(item):
@@ -578,13 +592,18 @@ class Trainer:
         writer, progress = self._sinks()
         self.model.train()
         try:
-            with _StopFlag() as stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") as log:
+            with stop_signals() as stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") as log, \
+                    worker_deaths(self.state):
                 last = self._loop(stop, log, writer, progress)
         finally:
             if progress:
                 progress.close()
             if writer:
                 writer.close()
+        if not last.get("stopped") and last.get("steps") and not self.applied_steps:
+            raise NonFiniteError(f"step {self.state['step']}: no step of this run had a finite loss and gradient "
+                                 "norm (every one was skipped), so the weights are those it started with; nothing was "
+                                 "saved. Lower --lr, or check the data")
         if d.main and not last.get("stopped"):
             self._check_weights()
             self.job.save(self.model, s.output_dir)
@@ -595,12 +614,17 @@ class Trainer:
     def _loop(self, stop, log, writer, progress) -> dict:
         last: dict = {}
         window = _Window(self.state["step"] + 1)
-        self.nonfinite_run = 0
+        self.nonfinite_run, self.applied_steps, self.lr = 0, 0, self.scheduler.get_last_lr()[0]
         while self.state["step"] < self.s.steps and not last.get("stopped"):
             first, items, started = self.state["batch_in_epoch"], iter(self._loader()), False
             while True:
                 t0 = time.perf_counter()
-                micro_batches = next(items, None)
+                try:  # one process: a signal while the pipeline prepares the next batch stops the run at once
+                    with stop.interruptible("while waiting for a batch", self.d.world == 1):
+                        micro_batches = next(items, None)
+                except StopRun:
+                    last = self._stop_between_steps(window, log, writer, progress) or last
+                    break
                 if micro_batches is None:  # the epoch is over
                     if first == 0 and self.state["batch_in_epoch"] == 0:
                         raise ValueError(self.job.no_full_step())
@@ -610,14 +634,30 @@ class Trainer:
                     break
                 window.waited(time.perf_counter() - t0, started)
                 started = True
-                lr = self._step(micro_batches, window)
+                self.lr = self._step(micro_batches, window)
                 stopping = self._stopping(stop)
-                row = self._end_of_step(window, lr, stopping, log, writer, progress)
+                row = self._end_of_step(window, self.lr, stopping, log, writer, progress, stop)
                 if row is not None:
                     last, window = row, _Window(self.state["step"] + 1)
-                if stopping or self.state["step"] >= self.s.steps:
+                if row is not None and row.get("stopped") or self.state["step"] >= self.s.steps:
                     break
+            items = None  # the loader's workers and the planners are shut down here, not at some later collection
         return last
+
+    def _stop_between_steps(self, window, log, writer, progress) -> dict | None:
+        """A signal stopped the run between steps: the steps since the last log row are logged and the position
+        after the last one checkpointed (none when no step has run)."""
+        if window.health:
+            return self._end_of_step(window, self.lr, True, log, writer, progress)
+        step = self.state["step"]
+        if step == 0:
+            say(progress, "stopped by signal before the first step; nothing to save")
+            return {"step": 0, "stopped": True}
+        final = os.path.join(checkpoint_dir(self.s.output_dir), f"step-{step:08d}")
+        if self.d.main and not os.path.isdir(final):
+            self.save_checkpoint()
+        say(progress, f"stopped by signal at step {step}; checkpoint saved")
+        return {"step": step, "stopped": True}
 
     def _sinks(self):
         writer = progress = None
@@ -644,7 +684,8 @@ class Trainer:
         subset = torch.utils.data.Subset(steps, range(first, len(steps)))
         # Its own generator: the loader never draws from the global RNG, which dropout uses.
         return torch.utils.data.DataLoader(subset, batch_size=None, num_workers=self.s.num_workers,
-                                           generator=torch.Generator(), collate_fn=_as_built, pin_memory=pin)
+                                           generator=torch.Generator(), collate_fn=_as_built, pin_memory=pin,
+                                           worker_init_fn=worker_init)
 
     def _denominators(self, micro_batches) -> tuple[dict, dict]:
         """(this rank's item counts per loss term, the global counts the sums are divided by). One process: plain
@@ -712,15 +753,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([bad.float(), loss.float(), norm.float()])
 
-    def _stopping(self, stop: _StopFlag) -> bool:
+    def _stopping(self, stop) -> bool:
         if self.d.world == 1:
             return stop.raised
         flag = self.d.all_sum(torch.tensor([float(stop.raised)], device=self.device))
         return bool(flag.item())  # every rank stops at the same step
 
-    def _end_of_step(self, window, lr, stopping, log, writer, progress) -> dict | None:
+    def _end_of_step(self, window, lr, stopping, log, writer, progress, stop=None) -> dict | None:
         """Log (every log_every steps, at evaluations and checkpoints, the last step and a stop), check the window's
-        steps were finite, evaluate, checkpoint."""
+        steps were finite, evaluate (a signal during evaluation, in one process, abandons it and stops), checkpoint."""
         s, step = self.s, self.state["step"]
         done = step >= s.steps
         evaluating = bool(s.eval_every) and step % s.eval_every == 0
@@ -736,14 +777,12 @@ class Trainer:
                "grad_norm": sum(h[2] for h in v.health) / max(len(v.health), 1),
                "nonfinite_steps": sum(h[0] > 0 for h in v.health), **self._data_wait(window, elapsed, progress)}
         failure = self._check_health(v.health, window.first_step)
+        if evaluating and self.d.main and not failure and not stopping:
+            scores, stopping = self._evaluate(stop, progress)
+            row.update(scores)
         if stopping:
             row["stopped"] = True
-        if evaluating and self.d.main and not failure:
-            with self.amp():
-                scores = self.job.evaluate(self.model)
-            row.update(scores)
-            if scores:
-                say(progress, f"step {step}: " + ", ".join(f"{k} {x:.4g}" for k, x in scores.items()))
+            saving = True
         if self.d.main:
             self._write(row, log, writer, progress)
         if failure:
@@ -755,6 +794,19 @@ class Trainer:
         if stopping and self.d.main:
             say(progress, f"stopped by signal at step {step}; checkpoint saved")
         return row
+
+    def _evaluate(self, stop, progress) -> tuple[dict, bool]:
+        """(the job's scores, whether a signal came): in one process a signal abandons the evaluation at once."""
+        try:
+            with stop.interruptible("while evaluating", self.d.world == 1) if stop else contextlib.nullcontext():
+                with self.amp():
+                    scores = self.job.evaluate(self.model)
+        except StopRun:
+            self.model.train()
+            return {}, True
+        if scores:
+            say(progress, f"step {self.state['step']}: " + ", ".join(f"{k} {x:.4g}" for k, x in scores.items()))
+        return scores, False
 
     def _data_wait(self, window: _Window, elapsed: float, progress) -> dict:
         """data_wait_ms: the mean time a step of the window waited for its batch (on rank 0); data_start_s: the
@@ -776,6 +828,7 @@ class Trainer:
         more than max_nonfinite_steps in a row."""
         for i, (bad, loss, norm) in enumerate(health):
             self.nonfinite_run = self.nonfinite_run + 1 if bad > 0 else 0
+            self.applied_steps += bad <= 0
             if self.nonfinite_run > self.s.max_nonfinite_steps:
                 latest = latest_checkpoint(self.s.output_dir)
                 in_a_row = f" ({self.nonfinite_run} in a row)" if self.nonfinite_run > 1 else ""
@@ -793,7 +846,9 @@ class Trainer:
                                  f"not finite ({bad[0]}...); nothing saved")
 
     def _write(self, row, log, writer, progress) -> None:
-        log.write(json.dumps(row) + "\n")
+        # JSON has no NaN or infinity: a non-finite value (a skipped step's loss) is written as null
+        log.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None
+                              for k, v in row.items()}) + "\n")
         log.flush()
         if writer:
             for k, v in row.items():

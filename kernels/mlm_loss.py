@@ -11,11 +11,12 @@ With M rows, V = vocabulary, H = hidden, a "logit-sized matmul" is 2 M V H FLOPs
 Strategy "chunked": the rows in chunks of at most CHUNK_BYTES of logits. Per chunk, h @ W^T by cuBLAS in the compute
 dtype (rows padded to 16 elements), then one Triton program per row (_ce_rows_kernel), z being that product + b in
 float32: pass 1 the online max / sum of exponentials, the label's logit and the first argmax (loss =
-lse - z[label]); pass 2 writes dz = (softmax(z) - onehot(label)) * s over the product, s being the row's weight in
-the differentiated sum (1/count for "mean", 1 for "sum", 0 for a row that counts for nothing). Then d h = dz @ W and
-d W += dz^T @ h by cuBLAS and d b += colsum(dz): 3 logit-sized matmuls in all, the gradients computed in the forward
-(the logits are at hand there; Liger-Kernel's fused linear cross-entropy does the same) and only scaled by the
-upstream scalar in the backward. reduction="none" has a per-row upstream gradient, known only in the backward: there
+lse - z[label]); pass 2 writes dz = (softmax(z) - onehot(label)) * s over the product, s being 1 for a row that
+counts and 0 for one that counts for nothing. Then d h = dz @ W and d W += dz^T @ h by cuBLAS and d b += colsum(dz):
+3 logit-sized matmuls in all, the gradients of the plain sum computed in the forward (the logits are at hand there;
+Liger-Kernel's fused linear cross-entropy does the same) and scaled in the backward by the upstream scalar times
+1/count for "mean", in float32, then rounded once. Dividing by the count in the forward instead would put a
+float16 dz of 4,096 rows x 30,522 entries (~1e-8) below float16's range before a gradient scaler's 2^16 arrives. reduction="none" has a per-row upstream gradient, known only in the backward: there
 the logits are recomputed (4 matmuls). Extra memory: one chunk of logits, the gradients from forward to backward,
 and with several chunks a float32 [V, H] sum of d W.
 
@@ -502,33 +503,48 @@ def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=F
 
 @torch.library.custom_op("bertfuse::masked_lm_loss_chunked", mutates_args=())
 def _mlm_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                      scale: torch.Tensor, chunk_rows: int, need_hidden: bool, need_weight: bool
+                      scale: torch.Tensor, norm: torch.Tensor, chunk_rows: int, need_hidden: bool, need_weight: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(total = sum(loss * scale) float32 [], loss [N] float32, hit [N] bool, and the gradients of total: d hidden,
-    d weight, d bias float32), the gradients computed here, in the forward, where the logits are at hand."""
+    """(total = norm * sum(loss * scale) float32 [], loss [N] float32, hit [N] bool, and the gradients of
+    sum(loss * scale): d hidden, d weight, d bias float32), the gradients computed here, in the forward, where the
+    logits are at hand. `norm` (1/count for a mean) is applied in the backward, with the upstream gradient."""
     p = _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden, need_weight)
-    return ((p.loss * scale).sum(), p.loss, p.hit, *p.grads)
+    return ((p.loss * scale).sum() * norm, p.loss, p.hit, *p.grads)
 
 
 @_mlm_loss_chunked.register_fake
-def _(hidden, weight, bias, labels, scale, chunk_rows, need_hidden, need_weight):
+def _(hidden, weight, bias, labels, scale, norm, chunk_rows, need_hidden, need_weight):
     n = hidden.shape[0]
     return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.bool), *_new_grads(hidden, weight, bias, need_hidden, need_weight))
 
 
 def _chunked_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output[3:])
+    ctx.save_for_backward(inputs[5], *output[3:])
     ctx.bias_dtype = inputs[2].dtype if inputs[2] is not None else None
     ctx.mark_non_differentiable(*output[1:])
 
 
+def _times(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad * factor rounded once to `dtype`, the product taken in float32: a gradient scaler's factor (2^16)
+    or a mean's 1/count is not representable in float16, and float16 gradients would over- or underflow if
+    multiplied by it there."""
+    if grad.dtype == torch.float16 or dtype == torch.float16:
+        return (grad.float() * factor).to(dtype)
+    return (grad * factor).to(dtype)
+
+
 def _chunked_backward(ctx, dtotal, *_):
-    """The upstream gradient of the (scalar) total scales what the forward computed."""
-    dhidden, dweight, dbias = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    return (dhidden * dtotal if need[0] else None, dweight * dtotal if need[1] else None,
-            (dbias * dtotal).to(ctx.bias_dtype) if need[2] and ctx.bias_dtype else None, None, None, None, None, None)
+    """The upstream gradient of the (scalar) total, times `norm`, scales what the forward computed. The forward's
+    gradients are of the unnormalised sum (each row's dz = softmax - onehot, up to 1 in size): divided by the
+    row count there, in float16, the small probabilities of thousands of rows fell below its range before a
+    gradient scaler's factor could lift them."""
+    norm, dhidden, dweight, dbias = ctx.saved_tensors
+    factor, need = dtotal.float() * norm, ctx.needs_input_grad
+    return (_times(dhidden, factor, dhidden.dtype) if need[0] else None,
+            _times(dweight, factor, dweight.dtype) if need[1] else None,
+            _times(dbias, factor, ctx.bias_dtype) if need[2] and ctx.bias_dtype else None,
+            None, None, None, None, None, None)
 
 
 _mlm_loss_chunked.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
@@ -668,12 +684,13 @@ def _reduced_loss(r: _Rows, weight, bias, reduction: str, chunk_rows: int) -> tu
     row in the differentiated sum (1/count or 1, 0 where a row counts for nothing) is known there."""
     scale = (torch.ones(r.hidden.shape[0], dtype=torch.float32, device=r.hidden.device) if r.used is None
              else r.used.float())
+    norm = torch.ones((), dtype=torch.float32, device=r.hidden.device)
     if reduction == "mean":
-        scale = scale / r.count
+        norm = norm / r.count
     grad = torch.is_grad_enabled()
     need_hidden = grad and r.hidden.requires_grad
     need_weight = grad and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    total, _, hit, *_ = _mlm_loss_chunked(r.hidden, weight, bias, r.labels, scale, chunk_rows, need_hidden,
+    total, _, hit, *_ = _mlm_loss_chunked(r.hidden, weight, bias, r.labels, scale, norm, chunk_rows, need_hidden,
                                           need_weight)
     return total, hit
 

@@ -19,7 +19,8 @@ def test_a_scaled_corpus_is_every_document_scale_times_shuffled(tmp_path):
     assert data.scaled_corpus(source, 1, str(tmp_path)) == source
 
 
-def test_data_suite_writes_one_row_per_stage_and_scale(tmp_path, capsys):
+def test_data_suite_writes_one_row_per_stage_and_scale(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(data, "MIN_TEXT_BYTES", 0)  # a corpus small enough for the CPU suite
     source = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=60, sentences=20)
     out = tmp_path / "out"
     assert main(["--suite", "data", "--corpus", source, "--scale", "1", "2", "--num-proc", "2",
@@ -46,6 +47,15 @@ def test_data_suite_options_are_checked_with_one_line(tmp_path, capsys, flags, m
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "results.json")
+
+
+def test_a_corpus_too_small_to_time_is_refused_naming_the_scale_that_would_do(tmp_path, capsys):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("One short sentence. And another one here.\n")  # 42 bytes
+    assert main(["--suite", "data", "--corpus", str(tiny), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "x1 is 42 bytes of text, too little to measure a rate" in err and "--scale 24967 or more" in err
+    assert "Traceback" not in err and not os.path.exists(tmp_path / "out" / "results.json")
 
 
 def test_workers_needed_reads_the_fastest_gpu_rate_of_any_results_file(tmp_path):

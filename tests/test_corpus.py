@@ -81,6 +81,21 @@ def test_the_word_cache_encodes_exactly_as_the_tokenizer_on_hostile_text():
     assert first == expected and again == expected
 
 
+def test_a_full_word_cache_starts_over_without_losing_the_words_it_had(monkeypatch):
+    """Filling up mid-corpus (a real corpus has millions of distinct words): a later batch that repeats words of
+    earlier ones and brings new ones still encodes every word."""
+    from bert import corpus as corpus_module
+    from bert.corpus import WordCache
+
+    monkeypatch.setattr(corpus_module, "CACHE_WORDS", 8)
+    tok = train_tokenizer(topic_documents(12, 6), vocab_size=150)
+    cache = WordCache(tok)
+    first, second = ["apple river stone cloud"], ["apple river music garden silver window paper"]
+    assert cache.encode(first) == [tok.encode(first[0], add_special_tokens=False).ids]
+    assert cache.encode(second) == [tok.encode(second[0], add_special_tokens=False).ids]
+    assert len(cache.ids) <= 8
+
+
 def test_a_tokenizer_the_word_cache_does_not_fit_is_encoded_directly(tmp_path, monkeypatch):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -95,3 +110,143 @@ def test_a_tokenizer_the_word_cache_does_not_fit_is_encoded_directly(tmp_path, m
     monkeypatch.setattr(WordCache, "applies", staticmethod(lambda tokenizer: False))
     direct = tokenize_corpus(path, tok)
     assert np.array_equal(cached.tokens, direct.tokens) and np.array_equal(cached.sentences, direct.sentences)
+
+
+# ---- faults: damaged, stale, edited, full ------------------------------------------------------------------
+import errno  # noqa: E402
+import fcntl  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from bert import corpus as corpus_module  # noqa: E402
+from bert.corpus import WRITER_LOCK, remove_stale  # noqa: E402
+from bert.instances import SPAN, gather  # noqa: E402
+from corpus_utils import write_corpus  # noqa: E402
+
+
+@pytest.fixture
+def built(tmp_path):
+    path = write_corpus(tmp_path / "c.txt", n_docs=6, sentences=4)
+    tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
+    return path, tok, str(tmp_path / "cache")
+
+
+def _caches(cache):
+    return sorted(n for n in os.listdir(cache) if n.startswith("tokenized-"))
+
+
+def test_a_damaged_offset_anywhere_is_refused_and_the_cache_rebuilt(built):
+    path, tok, cache = built
+    first = tokenize_corpus(path, tok, cache_dir=cache)
+    good = first.tokens.tolist()
+    offsets = os.path.join(first.path, "sentences.bin")
+    values = np.fromfile(offsets, "<i8")
+    values[5] += 1 << 40  # one offset in the middle: the planner would trim one token at a time, for ever
+    values.tofile(offsets)
+    with pytest.raises(ValueError, match=r"inconsistent offsets \(sentences\[6\] = \d+ does not follow \d+\)"):
+        TokenisedCorpus.load(first.path)
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert tokenize_corpus(path, tok, cache_dir=cache).tokens.tolist() == good
+
+
+def test_a_damaged_token_id_is_an_error_naming_the_cache_and_the_fix(built):
+    path, tok, cache = built
+    corpus = tokenize_corpus(path, tok, cache_dir=cache)
+    tokens = os.path.join(corpus.path, "tokens.bin")
+    values = np.fromfile(tokens, corpus.tokens.dtype)
+    values[3] = 60000
+    values.tofile(tokens)
+    damaged = TokenisedCorpus.load(corpus.path)
+    spans = np.array([(0, 4, 10, 4, 0)], dtype=SPAN)
+    with pytest.raises(ValueError, match=rf"{corpus.path}: token id 60000 is outside the tokenizer's vocabulary of "
+                                         r"120: the tokenised corpus is damaged; delete that directory"):
+        gather(damaged, spans, 2, 3)
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_not_served_the_old_tokens(built):
+    path, tok, cache = built
+    old = tokenize_corpus(path, tok, cache_dir=cache)
+    old_ids = old.tokens.tolist()
+    st = os.stat(path)
+    text = open(path, encoding="utf-8").read()
+    with open(path, "w", encoding="utf-8") as f:  # same size, other words
+        f.write(text.replace("apple", "tiger", 1))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p or tar x restore it
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    new = tokenize_corpus(path, tok, cache_dir=cache)
+    assert new.tokens.tolist() != old_ids and new.path != old.path
+    assert _caches(cache) == [os.path.basename(new.path)]  # the superseded cache is removed
+    calls = []
+    monkey = corpus_module.file_sha256
+    corpus_module.file_sha256 = lambda p: calls.append(p) or monkey(p)
+    try:
+        assert tokenize_corpus(path, tok, cache_dir=cache).path == new.path and calls == []  # stat only
+    finally:
+        corpus_module.file_sha256 = monkey
+
+
+HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stale_temporary_caches_are_removed_and_live_ones_kept(built, tmp_path):
+    path, tok, cache = built
+    os.makedirs(cache)
+    dead = os.path.join(cache, "tokenized-aaaa.tmp-host-1")  # its writer was killed: nobody holds the lock
+    live = os.path.join(cache, "tokenized-bbbb.tmp-host-2")  # another rank, job or machine building now
+    fresh = os.path.join(cache, "tokenized-cccc.tmp-host-3")  # just made, its lock file not yet created
+    for d in (dead, live, fresh):
+        os.makedirs(d)
+        open(os.path.join(d, "tokens.bin"), "wb").write(b"\0" * 1000)
+    for d in (dead, live):
+        open(os.path.join(d, WRITER_LOCK), "w").close()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, os.path.join(live, WRITER_LOCK)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        corpus = tokenize_corpus(path, tok, cache_dir=cache)  # a build cleans up first
+        assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(fresh)
+        assert _caches(cache) == sorted([os.path.basename(corpus.path), os.path.basename(live),
+                                         os.path.basename(fresh)])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale(cache) == [live]  # its holder is gone now
+
+
+def test_a_build_holds_its_temporary_directory_while_it_writes(built, monkeypatch):
+    path, tok, cache = built
+    seen = []
+    real = corpus_module._Arrays.add_encoded
+
+    def spy(self, *args):
+        lock = os.open(os.path.join(self.path, WRITER_LOCK), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what remove_stale tries
+            seen.append(remove_stale(cache))
+        finally:
+            os.close(lock)
+        return real(self, *args)
+
+    monkeypatch.setattr(corpus_module._Arrays, "add_encoded", spy)
+    tokenize_corpus(path, tok, cache_dir=cache)
+    assert seen and all(removed == [] for removed in seen)
+
+
+def test_a_full_cache_disk_is_one_error_naming_the_disk_and_leaves_nothing(built, monkeypatch):
+    path, tok, cache = built
+
+    def full(self, name, array):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(corpus_module._Arrays, "_write", full)
+    with pytest.raises(OSError, match=rf"could not be written under {cache} \(No space left on device\); that disk "
+                                      r"has \d+ MiB free. Free some space or give --cache-dir on another disk"):
+        tokenize_corpus(path, tok, cache_dir=cache)
+    assert _caches(cache) == []

@@ -1,5 +1,7 @@
 """Pre-training data: documents, NSP instances, dynamic 80/10/10 masking, length bucketing."""
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -288,3 +290,39 @@ def test_a_batch_is_masked_as_each_instance_alone(whole_word):
         assert labels[start:start + len(row)].tolist() == alone[1].tolist()
         start += len(row)
     assert (labels != -100).sum() > 0
+
+
+@pytest.mark.parametrize("value, kind", [("null", "null"), ("12345", "int"), ('["a"]', "list"), ('{"a": 1}', "dict"),
+                                         ("false", "bool")])
+def test_a_jsonl_text_that_is_not_a_string_is_an_error_naming_the_line(tmp_path, value, kind):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "Fine."}\n' + '{"text": ' + value + '}\n')
+    with pytest.raises(ValueError, match=rf"c.jsonl:2: the 'text' field is {kind}, not a string"):
+        list(iter_documents(str(path)))
+
+
+def test_a_hub_row_whose_text_is_not_a_string_is_an_error_naming_the_row(monkeypatch):
+    import types
+
+    rows = [{"text": "One."}, {"text": None}]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: iter(rows)))
+    with pytest.raises(ValueError, match=r"hf:some/corpus, row 1: the 'text' field is null, not a string"):
+        list(iter_documents("hf:some/corpus"))
+
+
+def test_a_plain_text_corpus_is_read_line_by_line_not_whole(tmp_path):
+    """Memory stays bounded by a line, not the file: what reading an English Wikipedia text dump needs."""
+    import tracemalloc
+
+    path = tmp_path / "big.txt"
+    with open(path, "w", encoding="utf-8") as f:
+        for d in range(4000):
+            f.write(f"Document {d} starts here. It has a second sentence about topic {d}.\n" * 10 + "\n")
+    size = os.path.getsize(path)
+    tracemalloc.start()
+    try:
+        n = sum(1 for _ in iter_documents(str(path)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == 4000 and size > 2_500_000 and peak < size / 10

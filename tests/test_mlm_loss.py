@@ -343,7 +343,7 @@ def test_chunked_ops_pass_opcheck_and_compile(device):
     scale = torch.rand(20, generator=torch.Generator().manual_seed(2)).to(device)
     sure = labels.masked_fill(labels < 0, -1)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    for op, args in ((m._mlm_loss_chunked, (*leaves, sure, scale, 7, True, True)),
+    for op, args in ((m._mlm_loss_chunked, (*leaves, sure, scale, torch.tensor(0.25, device=device), 7, True, True)),
                      (m._mlm_loss_chunked_rows, (*leaves, sure, 7))):
         result = torch.library.opcheck(op, args)
         assert set(result.values()) == {"SUCCESS"}, result
@@ -370,3 +370,33 @@ def test_default_chunks_bound_the_logits():
     assert large == [(i * 4915, (i + 1) * 4915) for i in range(4)]
     assert all((end - start) * 30522 * 2 <= CHUNK_BYTES for start, end in large)
     assert _chunk_bounds(10, 30522, 4, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)] and _chunk_bounds(0, 7, 4, None) == []
+
+
+@pytest.mark.parametrize("strategy,n,v,h,reduction,factor", [
+    ("chunked", 512, 8192, 64, "mean", 2.0 ** 16), ("chunked", 300, 4000, 48, "sum", 2.0 ** 4),
+    ("fused", 160, 2048, 32, "mean", 2.0 ** 16)])
+def test_float16_gradients_under_a_gradient_scaler(device, strategy, n, v, h, reduction, factor):
+    """fp16 training multiplies the loss by a GradScaler's factor (2^16 at first) before the backward: the
+    gradients must come out of that as PyTorch's own fp16 ones do (within twice its error against float64), not
+    with the small probabilities of many rows flushed to zero on the way."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.05, \
+        torch.randn(v, generator=g) * 0.1
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+
+    def grads(dtype, fn):
+        leaves = [t.to(dtype).to(device).requires_grad_() for t in (hidden, weight, bias)]
+        return torch.autograd.grad(fn(leaves) * factor, leaves)
+
+    def plain(ls):  # autocast's way: fp16 logits, the softmax in float32
+        return F.cross_entropy(F.linear(*ls).float(), labels, reduction=reduction)
+
+    ref = [t.double() for t in grads(torch.float64, lambda ls: F.cross_entropy(
+        F.linear(*[t.half().double() for t in ls]), labels, reduction=reduction))]
+    torch16 = grads(torch.float16, plain)
+    ours = grads(torch.float16, lambda ls: kernels.masked_lm_loss(*ls, labels, reduction=reduction,
+                                                                  strategy=strategy))
+    for name, a, p, r in zip(("hidden", "weight", "bias"), ours, torch16, ref):
+        err = float((a.double().cpu() - r.cpu()).norm() / r.norm())
+        own = float((p.double().cpu() - r.cpu()).norm() / r.norm())
+        assert torch.isfinite(a).all() and err <= 2 * own + 1e-6, (name, err, own)

@@ -110,3 +110,51 @@ def test_collated_batches_hold_the_planned_instances(small_shards):
             restored[q] = v
         assert restored.tolist() == x["input_ids"] and b.token_type_ids[s:s + n].tolist() == x["token_type_ids"]
     assert (work.keys[:, :2] == [0, plan.shard]).all()
+
+
+def _children() -> set[int]:
+    import os
+
+    pid = os.getpid()
+    return {int(c) for t in os.listdir(f"/proc/{pid}/task")
+            for c in open(f"/proc/{pid}/task/{t}/children").read().split()}
+
+
+def _gone(pids, seconds=10.0) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_closing_the_loader_with_planners_blocked_mid_send_returns_within_a_bound():
+    """What hung finished runs: shard plans of ~250 KB (more than a pipe holds) being written by planning
+    processes when the loader closes after the last step. Closing returns, and no planner or worker is left."""
+    import time
+
+    from bert.pipeline import EpochStream
+
+    n_tokens = 4 << 20  # four shards of the minimum size
+    tokens = np.random.default_rng(0).integers(5, 29_000, n_tokens).astype(np.uint16)
+    sentences = np.arange(0, n_tokens + 1, 16, dtype=np.int64)
+    big = TokenisedCorpus(tokens, sentences, np.arange(0, len(sentences), 8, dtype=np.int64))
+    layout = Layout(128, 1, PackedShapes.for_rows(8, 128, 3, 0.15))
+    p = Planner(big, np.arange(len(big)), layout, 0)
+    assert p.shards == 4
+    before = _children()
+    items = iter(EpochStream(p, MLMCollator(SPECIAL, seed=0), 0, 0, 1, processes=3).loader(0, 1, False))
+    next(items)
+    time.sleep(2.0)  # the planners of the later shards are done and blocked writing their plans
+    started = _children() - before
+    assert len(started) == 4  # three planners, one collating worker
+    t0 = time.monotonic()
+    del items
+    assert time.monotonic() - t0 < 20 and _gone(started)

@@ -99,7 +99,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     saved = os.listdir(out / "checkpoints")
     assert len(saved) == 1
     step = int(saved[0].split("-")[1])
-    assert step == len(read_log(out / "log.jsonl")) and read_log(out / "log.jsonl")[-1]["stopped"]
+    log = read_log(out / "log.jsonl")
+    # The checkpoint is the position after the last logged step: the step in progress when the signal came, or
+    # (a signal while the next batch was on its way) the one before, already logged.
+    assert step == len(log) == log[-1]["step"] and f"stopped by signal at step {step}; checkpoint saved" in \
+        output.decode()
 
 
 def _free_port():
@@ -374,3 +378,148 @@ def test_wikipedia_jsonl_trains_and_the_log_says_how_long_steps_waited_for_data(
     rows = read_log(tmp_path / "slow" / "log.jsonl")
     assert all(r["data_wait_ms"] >= 250 for r in rows[1:])
     assert capsys.readouterr().out.count("for data (data_wait_ms") == 1
+
+
+# ---- faults and signals at every stage: each bounded by its own timeout -------------------------------------
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for t in os.listdir(f"/proc/{p}/task")
+                    for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except FileNotFoundError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
+def _all_gone(pids, seconds=15.0) -> bool:
+    def alive(p):
+        try:
+            return open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + seconds
+    while any(alive(p) for p in pids):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _command(data, out, *extra):
+    return [sys.executable, "-m", "bert.pretrain", "--data", str(data), "--config", "tiny", "--max-seq-len", "64",
+            "--batch-size", "8", "--output-dir", str(out), "--eval-every", "0", "--no-progress", "--backend", "torch",
+            *extra]
+
+
+def _saved_tokenizer(path, docs=6, vocab=120, seed=0):
+    from bert.tokenizer import train_tokenizer
+    from corpus_utils import topic_documents
+
+    train_tokenizer(topic_documents(docs, 4, seed=seed), vocab_size=vocab, output_dir=str(path))
+    return str(path)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_tokenising_ends_the_run_at_once_leaving_no_cache_and_no_process(tmp_path):
+    import random
+    import string
+
+    rng = random.Random(0)
+    text = tmp_path / "big.txt"
+    with open(text, "w") as f:  # words the tokenizer has never seen: ~3 s of tokenising in two processes
+        for _ in range(1500):
+            f.write(" ".join("".join(rng.choices(string.ascii_lowercase, k=7)) for _ in range(500)) + ".\n\n")
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_command(text, out, "--tokenizer", _saved_tokenizer(tmp_path / "tok"), "--num-proc",
+                                     "2", "--steps", "5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.isdir(out / "cache") and
+                                          any(".tmp-" in n for n in os.listdir(out / "cache"))):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    workers = _descendants(proc.pid)
+    assert len(workers) >= 2 and proc.poll() is None  # still tokenising, in two processes
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and time.time() - t0 < 15, err[-2000:]
+    assert "bert-pretrain: stopped by SIGTERM while preparing the run" in err and "Traceback" not in err
+    assert not [n for n in os.listdir(out / "cache") if n.startswith("tokenized-")]  # no cache, no temporary one
+    assert not (out / "checkpoints").exists() and _all_gone(workers)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_run_leaves_no_process_behind_and_no_lock(tmp_path, corpus):
+    """SIGKILL of the training process (no handler, no finaliser): its planners and collating workers exit on
+    their own, and the output directory's lock is free for --resume."""
+    from bert.trainer import output_dir_lock
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_command(corpus, out, "--train-tokenizer", "200", "--steps", "100000", "--num-proc", "2",
+                                     "--num-workers", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "log.jsonl").exists() and (out / "log.jsonl").stat().st_size):
+        time.sleep(0.2)
+    children = _descendants(proc.pid)
+    assert len(children) >= 2  # collating workers (planners come and go with the epochs)
+    proc.kill()
+    proc.wait(30)
+    assert _all_gone(children)
+    with output_dir_lock(str(out)):
+        pass
+
+
+@pytest.mark.timeout(300)
+def test_many_planning_processes_under_cpu_load_finish_and_stop(tmp_path, corpus):
+    """--num-proc 6 on two busy cores: a finished run returns with its model, and a SIGTERM-stopped one returns
+    with its checkpoint (both raced planners that had the trainer's handler against the final join)."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        done = subprocess.run(_command(corpus, tmp_path / "done", "--train-tokenizer", "200", "--steps", "3",
+                                       "--num-proc", "6", "--num-workers", "0"), capture_output=True, text=True,
+                              timeout=200)
+        assert done.returncode == 0 and "saved to" in done.stdout, done.stderr[-2000:]
+        assert (tmp_path / "done" / "model.safetensors").exists()
+        out = tmp_path / "stopped"
+        proc = subprocess.Popen(_command(corpus, out, "--train-tokenizer", "200", "--steps", "100000", "--num-proc",
+                                         "6", "--num-workers", "0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        deadline = time.time() + 150
+        while time.time() < deadline and not ((out / "log.jsonl").exists() and (out / "log.jsonl").stat().st_size):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "checkpoint saved" in output, output[-2000:]
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+
+
+def test_resume_refuses_a_changed_corpus_or_tokenizer_at_the_same_path(tmp_path, corpus):
+    data = tmp_path / "corpus.txt"
+    shutil.copy(corpus, data)
+    tok = _saved_tokenizer(tmp_path / "tok", vocab=200)
+    argv = ["--data", str(data), "--tokenizer", tok, "--config", "tiny", "--max-seq-len", "64", "--batch-size", "8",
+            "--steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "run"), "--eval-every", "0",
+            "--no-progress", "--num-workers", "0"]
+    train(build_parser().parse_args(argv))
+    original, st = data.read_text(), os.stat(data)
+
+    def put(text):
+        data.write_text(text)
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and time: only the content differs
+
+    put(original.replace("apple", "tiger", 1))
+    with pytest.raises(ValueError, match=r"the content of the --data corpus changed \(sha256 [0-9a-f]{12}, now"):
+        train(build_parser().parse_args(argv + ["--resume"]))
+    put(original)
+    shutil.rmtree(tok)
+    _saved_tokenizer(tmp_path / "tok", docs=8, vocab=200, seed=3)  # another vocabulary at the same path
+    with pytest.raises(ValueError, match=r"the tokenizer changed \(sha256"):
+        train(build_parser().parse_args(argv + ["--resume"]))

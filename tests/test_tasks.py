@@ -114,6 +114,10 @@ def test_squad_reader_checks_answer_start(tmp_path):
     ("mixed.tsv", "sentence\tlabel\na\t1\nb\t0\nc\tpositive\nd\t1\n", read_classification,
      r"mixed.tsv:4: label 'positive', but the other labels .* are integers"),
     ("empty_label.tsv", "sentence\tlabel\na\t1\nb\t\n", read_classification, r"empty_label.tsv:3: empty label"),
+    ("extra.tsv", "sentence\tlabel\nthe cat\t1\nthe mat\t0\tstray\n", read_classification,
+     r"extra.tsv:3: 3 tab-separated fields, but the header has 2$"),
+    ("unclosed.tsv", 'label\tsentence\n1\t"a film\twith\n', read_classification,
+     r"unclosed.tsv:2: 3 tab-separated fields.*must open and close"),
     ("c.txt", "John NNP B-NP B-PER\nlives VBZ B-VP\n", read_conll,  # the second line lost its NER column
      r"c.txt:2: 3 columns where the file's first token line has 4"),
 ])
@@ -140,3 +144,21 @@ def test_squad_fields_of_the_wrong_type_or_missing(tmp_path, change, message):
     f.write_text("")
     with pytest.raises(ValueError, match=r"s.json: not a SQuAD v1.1 JSON file"):
         read_squad(str(f), "train")
+
+
+def test_classification_tsv_quoting_and_a_byte_order_mark(tmp_path):
+    quoted = tmp_path / "quoted.tsv"  # as pandas writes a field holding a tab, the label column first
+    quoted.write_text('label\tsentence\n1\t"a film\twith a tab inside"\n0\tplain "quotes" stay as written\n')
+    assert [(e.text, e.label) for e in read_classification(str(quoted), "train")] == \
+        [("a film\twith a tab inside", "1"), ('plain "quotes" stay as written', "0")]
+    bom = tmp_path / "bom.tsv"
+    bom.write_bytes("\ufeffsentence\tlabel\nthe cat\t1\n".encode("utf-8"))
+    assert [(e.text, e.label) for e in read_classification(str(bom), "train")] == [("the cat", "1")]
+
+
+def test_a_doc_stride_the_question_leaves_no_room_for_is_one_error(tok):
+    ex = QAExample("q1", "where did the cat sit", "the cat sat on the mat " * 20, ["the mat"], 15, "dev.json[0]")
+    assert len(qa_windows([ex], tok, 24, 4)) > 1
+    with pytest.raises(ValueError, match=r"dev.json\[0\]: the question leaves \d+ passage tokens a window, so "
+                                         r"--doc-stride 20 leaves no room to advance; lower --doc-stride below"):
+        qa_windows([ex], tok, 24, 20)

@@ -217,3 +217,102 @@ def test_both_commands_take_the_trainer_options_from_one_group():
         setattr(bad, flag, value)
         with pytest.raises(ValueError, match=message):
             Settings.check_arguments(bad)
+
+
+# ---- signals and faults: each test bounded by its own timeout -------------------------------------------------
+import threading  # noqa: E402
+
+from bert.trainer import DataWorkerDied, truncate_log  # noqa: E402
+
+
+class SlowSteps(torch.utils.data.Dataset):
+    """TinyJob's steps, where step `slow` (1-based) takes a minute to arrive (a shard being planned) and step
+    `fatal`, in a DataLoader worker, kills that worker (the OOM killer)."""
+
+    def __init__(self, steps, slow=None, fatal=None, started=None):
+        self.steps, self.slow, self.fatal, self.started = steps, slow, fatal, started
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __getitem__(self, i):
+        if i + 1 == self.fatal and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i + 1 == self.slow:
+            self.started.set()
+            time.sleep(60)
+        return self.steps[i]
+
+
+class SlowJob(TinyJob):
+    def __init__(self, slow=None, fatal=None, slow_eval=False):
+        super().__init__()
+        self.slow, self.fatal, self.slow_eval, self.started = slow, fatal, slow_eval, threading.Event()
+
+    def epoch_steps(self, epoch, steps_before, d, accum):
+        return SlowSteps(super().epoch_steps(epoch, steps_before, d, accum), self.slow, self.fatal, self.started)
+
+    def evaluate(self, model):
+        if self.slow_eval:
+            self.started.set()
+            time.sleep(60)
+        return {"eval_x": 1.0}
+
+
+def _signal_when(event: threading.Event, sig=signal.SIGTERM):
+    def send():
+        event.wait(30)
+        time.sleep(0.2)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_while_waiting_for_a_batch_stops_at_once_with_a_checkpoint(tmp_path):
+    job = SlowJob(slow=4)
+    _signal_when(job.started)
+    t0 = time.monotonic()
+    trainer, last = fit(job, settings(tmp_path, steps=50, log_every=10))
+    assert time.monotonic() - t0 < 30 and last["stopped"] and last["step"] == 3
+    assert latest_checkpoint(str(tmp_path)).endswith("step-00000003")
+    assert [r["step"] for r in rows(tmp_path)] == [3] and not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_while_evaluating_abandons_it_and_checkpoints(tmp_path):
+    job = SlowJob(slow_eval=True)
+    _signal_when(job.started)
+    trainer, last = fit(job, settings(tmp_path, steps=50, eval_every=2))
+    assert last["stopped"] and last["step"] == 2 and "eval_x" not in last
+    assert latest_checkpoint(str(tmp_path)).endswith("step-00000002") and trainer.model.training
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_dataloader_worker_is_one_clear_error(tmp_path):
+    with pytest.raises(DataWorkerDied, match=r"after step \d+: DataLoader worker \(pid.*\d+\).* (killed|exited)"
+                                             r".*--resume continues"):
+        fit(SlowJob(fatal=3), settings(tmp_path, steps=10, num_workers=1))
+
+
+def test_a_run_whose_every_step_was_skipped_saves_no_model_and_logs_no_nan(tmp_path):
+    with pytest.raises(NonFiniteError, match="no step of this run had a finite loss.*nothing was saved"):
+        fit(TinyJob(poisoned=set(range(1, 10))), settings(tmp_path, steps=4, max_nonfinite_steps=10))
+    assert not (tmp_path / "model.safetensors").exists()
+
+    def no_nan(text):
+        raise AssertionError(f"{text} in log.jsonl, which is then not JSON")
+
+    with open(tmp_path / "log.jsonl") as f:
+        logged = [json.loads(line, parse_constant=no_nan) for line in f]
+    assert [r["nonfinite_steps"] for r in logged] == [1, 1, 1, 1] and logged[0]["task_loss"] is None
+
+
+def test_a_torn_last_log_row_is_dropped_on_resume_and_a_damaged_earlier_one_named(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # killed while writing row 3
+    truncate_log(str(log), 2)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
+    log.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"log.jsonl:2: not a JSON log row"):
+        truncate_log(str(log), 2)
