@@ -36,7 +36,7 @@ from .packing import PackedBatch, PackedShapes, pack
 from .pipeline import EpochStream, Layout, Planner, StepCollator, micro_batch_work
 from .cli import add_debug_flag, check_numbers, check_source, run, stop_signals
 from .tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
-from .workers import default_num_workers
+from .workers import default_num_workers, ordered_map
 from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device
 
 PRESETS = ("tiny", "mini", "base", "large")
@@ -209,11 +209,18 @@ def resolve_tokenizer(args, d: Dist):
         raise ValueError("give --tokenizer (an HF directory or vocab.txt) or --train-tokenizer VOCAB_SIZE")
     path = os.path.join(args.output_dir, "tokenizer")
     if d.main and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        texts = (" ".join(doc) for doc in iter_documents(args.data))
-        train_tokenizer(texts, vocab_size=args.train_tokenizer, output_dir=path)
+        # In a process of its own: the trainer runs in Rust and would not return to Python (to a signal's
+        # handler) until done, which at Wikipedia's size takes minutes; a worker is stopped at once.
+        list(ordered_map(_train_tokenizer, [(args.data, args.train_tokenizer, path)], processes=1,
+                         name="tokenizer-training"))
     if d.world > 1:
         dist.barrier()
     return load_tokenizer(path)
+
+
+def _train_tokenizer(task) -> None:
+    data, vocab_size, path = task
+    train_tokenizer((" ".join(doc) for doc in iter_documents(data)), vocab_size=vocab_size, output_dir=path)
 
 
 def build_config(args, vocab_size: int) -> BertConfig:

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import WordPiece
 
+from .checkpoint import atomic_write
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -136,14 +138,22 @@ def train_tokenizer(files_or_iterator: str | Iterable[str], vocab_size: int, out
 
 
 def save_tokenizer(tok: Tokenizer, output_dir: str, lowercase: bool = True) -> None:
+    """vocab.txt (one token per line in id order), tokenizer_config.json, then tokenizer.json, each written to a
+    temporary name and renamed: a run killed while saving leaves each file whole or absent, and tokenizer.json,
+    which says a directory holds a tokenizer, comes last."""
     os.makedirs(output_dir, exist_ok=True)
-    tok.model.save(output_dir)  # vocab.txt, one token per line in id order
-    tok.save(os.path.join(output_dir, "tokenizer.json"))
+    vocab = sorted(tok.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
     config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase, "unk_token": "[UNK]",
               "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]",
               "tokenize_chinese_chars": True, "strip_accents": None}
-    with open(os.path.join(output_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
+    for name, text in (("vocab.txt", "".join(f"{t}\n" for t, _ in vocab)),
+                       ("tokenizer_config.json", json.dumps(config, indent=2)), ("tokenizer.json", tok.to_str(pretty=True))):
+        atomic_write(os.path.join(output_dir, name), lambda tmp, text=text: _write_text(tmp, text))
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def tokenizer_digest(tokenizer) -> str:

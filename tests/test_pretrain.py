@@ -424,33 +424,50 @@ def _saved_tokenizer(path, docs=6, vocab=120, seed=0):
     return str(path)
 
 
-@pytest.mark.timeout(240)
-def test_sigterm_while_tokenising_ends_the_run_at_once_leaving_no_cache_and_no_process(tmp_path):
+@pytest.fixture(scope="module")
+def unseen_words(tmp_path_factory):
+    """~5 MB of words no vocabulary has: seconds of tokenizer training, and of tokenising in two processes."""
     import random
     import string
 
     rng = random.Random(0)
-    text = tmp_path / "big.txt"
-    with open(text, "w") as f:  # words the tokenizer has never seen: ~3 s of tokenising in two processes
+    path = tmp_path_factory.mktemp("unseen") / "big.txt"
+    with open(path, "w") as f:
         for _ in range(1500):
             f.write(" ".join("".join(rng.choices(string.ascii_lowercase, k=7)) for _ in range(500)) + ".\n\n")
+    return path
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", ["training the tokenizer", "tokenising"])
+def test_sigterm_while_preparing_ends_the_run_at_once_leaving_no_file_and_no_process(tmp_path, unseen_words, stage):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_command(text, out, "--tokenizer", _saved_tokenizer(tmp_path / "tok"), "--num-proc",
-                                     "2", "--steps", "5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tokenizer = ["--train-tokenizer", "3000"] if stage == "training the tokenizer" else \
+        ["--tokenizer", _saved_tokenizer(tmp_path / "tok")]
+    proc = subprocess.Popen(_command(unseen_words, out, *tokenizer, "--num-proc", "2", "--steps", "5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def started():
+        if stage == "tokenising":
+            return os.path.isdir(out / "cache") and any(".tmp-" in n for n in os.listdir(out / "cache"))
+        return bool(_descendants(proc.pid))
+
     deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.isdir(out / "cache") and
-                                          any(".tmp-" in n for n in os.listdir(out / "cache"))):
+    while time.time() < deadline and not started():
         time.sleep(0.05)
     time.sleep(0.5)
     workers = _descendants(proc.pid)
-    assert len(workers) >= 2 and proc.poll() is None  # still tokenising, in two processes
+    assert workers and proc.poll() is None  # still at it, in background processes
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and time.time() - t0 < 15, err[-2000:]
     assert "bert-pretrain: stopped by SIGTERM while preparing the run" in err and "Traceback" not in err
-    assert not [n for n in os.listdir(out / "cache") if n.startswith("tokenized-")]  # no cache, no temporary one
+    cache = out / "cache"
+    assert not (cache.exists() and [n for n in os.listdir(cache) if n.startswith("tokenized-")])  # none, half or whole
     assert not (out / "checkpoints").exists() and _all_gone(workers)
+    if stage == "training the tokenizer":
+        assert not (out / "tokenizer" / "tokenizer.json").exists()
 
 
 @pytest.mark.timeout(240)

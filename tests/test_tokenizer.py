@@ -1,4 +1,5 @@
 """Our tokenizer against transformers' BertTokenizerFast on the MiniLM (bert-base-uncased) vocabulary."""
+import os
 import shutil
 
 import pytest
@@ -142,3 +143,27 @@ def test_training_is_deterministic(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("\n".join(texts))
     assert train_tokenizer(str(path), vocab_size=60).get_vocab() == vocabs[0]  # files and iterators alike
+
+
+def test_a_save_killed_half_way_leaves_no_torn_file_and_no_tokenizer_json(tmp_path, monkeypatch):
+    """Each file is whole or absent, and tokenizer.json, which marks a saved tokenizer, is written last."""
+    from bert import checkpoint
+    from bert.tokenizer import save_tokenizer
+    from corpus_utils import topic_documents
+
+    tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
+    written = []
+    real = checkpoint.atomic_write
+
+    def killed_at_the_last(path, write):
+        if path.endswith("tokenizer.json"):
+            raise KeyboardInterrupt  # the run is stopped here
+        written.append(os.path.basename(path))
+        real(path, write)
+
+    monkeypatch.setattr("bert.tokenizer.atomic_write", killed_at_the_last)
+    with pytest.raises(KeyboardInterrupt):
+        save_tokenizer(tok, str(tmp_path))
+    assert written == ["vocab.txt", "tokenizer_config.json"] and sorted(os.listdir(tmp_path)) == written[::-1]
+    assert (tmp_path / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1] == \
+        [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
