@@ -387,6 +387,9 @@ def worker_deaths(state: dict):
     except RuntimeError as e:
         if "DataLoader worker" not in str(e):
             raise
+        # Its traceback holds the loop's frames and with them the loader, whose workers stay registered with
+        # torch's SIGCHLD handler until it is freed: any later child's exit would raise this again, anywhere.
+        e.with_traceback(None)
         raise DataWorkerDied(f"after step {state['step']}: {_first_line(e)} If the machine ran out of memory, give "
                              "the run more memory or fewer --num-workers; --resume continues from the last "
                              "checkpoint") from None
