@@ -305,7 +305,7 @@ def test_a_killed_dataloader_worker_is_one_clear_line(tmp_path):
     """In a process of its own: torch reports a dead worker from its SIGCHLD handler, wherever the process is,
     and that must not reach the test runner."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    for attempt in range(3):
+    for attempt in range(1):
         done = subprocess.run([sys.executable, "-c", KILLED_WORKER, tests, str(tmp_path / f"run{attempt}")],
                               capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
