@@ -52,6 +52,15 @@ def atomic_write(path: str, write) -> None:
         raise
 
 
+def atomic_write_text(path: str, text: str) -> None:
+    """`text` as the UTF-8 file `path`, atomically (atomic_write)."""
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
 def _load_file(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
@@ -141,10 +150,5 @@ class PretrainedMixin:
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k not in TIED_ALIASES}
         atomic_write(os.path.join(path, "model.safetensors"),
                      lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        text = self.config.to_json_string(architectures=[type(self).__name__])
-
-        def write_config(tmp):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-
-        atomic_write(os.path.join(path, "config.json"), write_config)
+        atomic_write_text(os.path.join(path, "config.json"),
+                          self.config.to_json_string(architectures=[type(self).__name__]))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write_text
 from .data import corpus_files, iter_document_texts, text_sentences
 from .workers import ordered_map
 
@@ -343,12 +343,8 @@ def _read_json(path: str) -> dict:
 def _write_json(path: str, value: dict) -> None:
     """Written to a temporary name and renamed (several jobs may share the directory; the last one wins); a memo
     that cannot be written costs a recomputation, nothing else."""
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(value, f)
-
     with contextlib.suppress(OSError):
-        atomic_write(path, write)
+        atomic_write_text(path, json.dumps(value))
 
 
 def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_proc: int = 1,

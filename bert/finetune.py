@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import cli, seeds
 from .cli import add_debug_flag, check_numbers, check_source, stop_signals
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write_text
 from .config import read_json_object
 from .padding import pad_batch
 from .tasks import TASKS, Features, Task
@@ -255,11 +255,7 @@ def write_metrics(path: str, metrics: dict, merge: bool) -> None:
         with contextlib.suppress(ValueError, OSError):
             old = read_json_object(path)
 
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({**old, **metrics}, f, indent=2)
-
-    atomic_write(path, write)
+    atomic_write_text(path, json.dumps({**old, **metrics}, indent=2))
 
 
 def main(argv=None) -> int:

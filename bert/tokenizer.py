@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import WordPiece
 
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -148,12 +148,7 @@ def save_tokenizer(tok: Tokenizer, output_dir: str, lowercase: bool = True) -> N
               "tokenize_chinese_chars": True, "strip_accents": None}
     for name, text in (("vocab.txt", "".join(f"{t}\n" for t, _ in vocab)),
                        ("tokenizer_config.json", json.dumps(config, indent=2)), ("tokenizer.json", tok.to_str(pretty=True))):
-        atomic_write(os.path.join(output_dir, name), lambda tmp, text=text: _write_text(tmp, text))
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+        atomic_write_text(os.path.join(output_dir, name), text)
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write_text
 from .cli import ExpectedError, StopRun, stop_signals
 from .optim import adamw, linear_schedule, param_groups, set_lr_types
 from .workers import parent_only, release, worker_init
@@ -300,12 +300,7 @@ def truncate_log(path: str, step: int) -> None:
             raise ValueError(f"{path}:{i}: not a JSON log row; repair or remove that line, then --resume") from None
         if isinstance(row, dict) and row.get("step", 0) <= step:
             rows.append(line if line.endswith("\n") else line + "\n")
-
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(rows)
-
-    atomic_write(path, write)
+    atomic_write_text(path, "".join(rows))
 
 
 class NonFiniteError(ExpectedError):

@@ -153,15 +153,15 @@ def test_a_save_killed_half_way_leaves_no_torn_file_and_no_tokenizer_json(tmp_pa
 
     tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
     written = []
-    real = checkpoint.atomic_write
+    real = checkpoint.atomic_write_text
 
-    def killed_at_the_last(path, write):
+    def killed_at_the_last(path, text):
         if path.endswith("tokenizer.json"):
             raise KeyboardInterrupt  # the run is stopped here
         written.append(os.path.basename(path))
-        real(path, write)
+        real(path, text)
 
-    monkeypatch.setattr("bert.tokenizer.atomic_write", killed_at_the_last)
+    monkeypatch.setattr("bert.tokenizer.atomic_write_text", killed_at_the_last)
     with pytest.raises(KeyboardInterrupt):
         save_tokenizer(tok, str(tmp_path))
     assert written == ["vocab.txt", "tokenizer_config.json"] and sorted(os.listdir(tmp_path)) == written[::-1]
