@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_write_text
-from .cli import ExpectedError, StopRun, stop_signals
+from .cli import ExpectedError, StopRun, StopSignals, stop_signals
 from .optim import adamw, linear_schedule, param_groups, set_lr_types
 from .workers import parent_only, release, worker_init
 
@@ -257,6 +257,10 @@ class Settings:
 # ---- checkpoints -------------------------------------------------------------------------------
 def checkpoint_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
+
+
+def checkpoint_path(output_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(output_dir), f"step-{step:08d}")
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -505,6 +509,7 @@ class Trainer:
             self.graphed = GraphedStep(self._train_step, self.model, self.optimizer)
         self.log_path = os.path.join(settings.output_dir, "log.jsonl")
         self._starving_said = False  # the data-wait warning (_data_wait), given once a run
+        self.stop: StopSignals | None = None  # the run's SIGTERM / SIGINT, while fit runs
 
     def _graphs_possible(self) -> bool:
         """CUDA graphs need static shapes, one CUDA device and no gradient scaler (its step reads the device);
@@ -550,7 +555,7 @@ class Trainer:
         earlier checkpoints are untouched."""
         root = checkpoint_dir(self.s.output_dir)
         os.makedirs(root, exist_ok=True)
-        final = os.path.join(root, f"step-{self.state['step']:08d}")
+        final = checkpoint_path(self.s.output_dir, self.state["step"])
         for name in os.listdir(root):  # left by a killed run (the output-dir lock says no one else writes here)
             if name.startswith(".tmp-step-"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -590,9 +595,9 @@ class Trainer:
         writer, progress = self._sinks()
         self.model.train()
         try:
-            with stop_signals() as stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") as log, \
-                    worker_deaths(self.state):
-                last = self._loop(stop, log, writer, progress)
+            with stop_signals() as self.stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") \
+                    as log, worker_deaths(self.state):
+                last = self._loop(log, writer, progress)
         finally:
             if progress:
                 progress.close()
@@ -609,7 +614,7 @@ class Trainer:
         d.barrier()
         return last
 
-    def _loop(self, stop, log, writer, progress) -> dict:
+    def _loop(self, log, writer, progress) -> dict:
         last: dict = {}
         window = _Window(self.state["step"] + 1)
         self.nonfinite_run, self.applied_steps, self.lr = 0, 0, self.scheduler.get_last_lr()[0]
@@ -618,10 +623,10 @@ class Trainer:
             while True:
                 t0 = time.perf_counter()
                 try:  # one process: a signal while the pipeline prepares the next batch stops the run at once
-                    with stop.interruptible("while waiting for a batch", self.d.world == 1):
+                    with self.stop.interruptible("while waiting for a batch", self.d.world == 1):
                         micro_batches = next(items, None)
                 except StopRun:
-                    last = self._stop_between_steps(window, log, writer, progress) or last
+                    last = self._stop_between_steps(window, log, writer, progress)
                     break
                 if micro_batches is None:  # the epoch is over
                     if first == 0 and self.state["batch_in_epoch"] == 0:
@@ -633,8 +638,8 @@ class Trainer:
                 window.waited(time.perf_counter() - t0, started)
                 started = True
                 self.lr = self._step(micro_batches, window)
-                stopping = self._stopping(stop)
-                row = self._end_of_step(window, self.lr, stopping, log, writer, progress, stop)
+                stopping = self._stopping()
+                row = self._end_of_step(window, self.lr, stopping, log, writer, progress)
                 if row is not None:
                     last, window = row, _Window(self.state["step"] + 1)
                 if row is not None and row.get("stopped") or self.state["step"] >= self.s.steps:
@@ -642,7 +647,7 @@ class Trainer:
             items = None  # the loader's workers and the planners are shut down here, not at some later collection
         return last
 
-    def _stop_between_steps(self, window, log, writer, progress) -> dict | None:
+    def _stop_between_steps(self, window, log, writer, progress) -> dict:
         """A signal stopped the run between steps: the steps since the last log row are logged and the position
         after the last one checkpointed (none when no step has run)."""
         if window.health:
@@ -651,8 +656,7 @@ class Trainer:
         if step == 0:
             say(progress, "stopped by signal before the first step; nothing to save")
             return {"step": 0, "stopped": True}
-        final = os.path.join(checkpoint_dir(self.s.output_dir), f"step-{step:08d}")
-        if self.d.main and not os.path.isdir(final):
+        if self.d.main and not os.path.isdir(checkpoint_path(self.s.output_dir, step)):
             self.save_checkpoint()
         say(progress, f"stopped by signal at step {step}; checkpoint saved")
         return {"step": step, "stopped": True}
@@ -751,13 +755,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([bad.float(), loss.float(), norm.float()])
 
-    def _stopping(self, stop) -> bool:
+    def _stopping(self) -> bool:
         if self.d.world == 1:
-            return stop.raised
-        flag = self.d.all_sum(torch.tensor([float(stop.raised)], device=self.device))
+            return self.stop.raised
+        flag = self.d.all_sum(torch.tensor([float(self.stop.raised)], device=self.device))
         return bool(flag.item())  # every rank stops at the same step
 
-    def _end_of_step(self, window, lr, stopping, log, writer, progress, stop=None) -> dict | None:
+    def _end_of_step(self, window, lr, stopping, log, writer, progress) -> dict | None:
         """Log (every log_every steps, at evaluations and checkpoints, the last step and a stop), check the window's
         steps were finite, evaluate (a signal during evaluation, in one process, abandons it and stops), checkpoint."""
         s, step = self.s, self.state["step"]
@@ -776,7 +780,7 @@ class Trainer:
                "nonfinite_steps": sum(h[0] > 0 for h in v.health), **self._data_wait(window, elapsed, progress)}
         failure = self._check_health(v.health, window.first_step)
         if evaluating and self.d.main and not failure and not stopping:
-            scores, stopping = self._evaluate(stop, progress)
+            scores, stopping = self._evaluate(progress)
             row.update(scores)
         if stopping:
             row["stopped"] = True
@@ -793,12 +797,11 @@ class Trainer:
             say(progress, f"stopped by signal at step {step}; checkpoint saved")
         return row
 
-    def _evaluate(self, stop, progress) -> tuple[dict, bool]:
+    def _evaluate(self, progress) -> tuple[dict, bool]:
         """(the job's scores, whether a signal came): in one process a signal abandons the evaluation at once."""
         try:
-            with stop.interruptible("while evaluating", self.d.world == 1) if stop else contextlib.nullcontext():
-                with self.amp():
-                    scores = self.job.evaluate(self.model)
+            with self.stop.interruptible("while evaluating", self.d.world == 1), self.amp():
+                scores = self.job.evaluate(self.model)
         except StopRun:
             self.model.train()
             return {}, True
