@@ -219,11 +219,12 @@ class WordCache:
     def encode(self, sentences: list[str]) -> list[list[int]]:
         """Each sentence's token ids, without special tokens."""
         words = [_BERT_SPACE.split(s) for s in sentences]
-        unseen = list({w for ws in words for w in ws if w not in self.ids})
+        distinct = {w for ws in words for w in ws}
+        unseen = [w for w in distinct if w not in self.ids]
         if unseen:
             if len(self.ids) + len(unseen) > CACHE_WORDS:  # start over: every word of these sentences is unseen
                 self.ids = {"": ()}
-                unseen = list({w for ws in words for w in ws if w not in self.ids})
+                unseen = [w for w in distinct if w]
             for w, enc in zip(unseen, self.encode_batch(unseen, add_special_tokens=False)):
                 self.ids[w] = tuple(enc.ids)
         ids = self.ids
@@ -286,10 +287,10 @@ def _text_batches(texts: Iterator[list[str]], max_documents: int | None) -> Iter
         yield batch
 
 
-def fingerprint(source: str, tokenizer, extra, cache_dir: str | None = None) -> str:
-    """What a cached corpus is keyed by: the corpus's content (source_digest; the hub name for hf:), the
-    tokenizer, and `extra`."""
-    h = hashlib.sha256(settings_key(tokenizer, extra).encode())
+def fingerprint(source: str, settings: str, cache_dir: str | None = None) -> str:
+    """What a cached corpus is keyed by: the corpus's content (source_digest; the hub name for hf:) and its
+    `settings` (settings_key: the tokenizer and the reading options)."""
+    h = hashlib.sha256(settings.encode())
     h.update(source_digest(source, cache_dir).encode())
     return h.hexdigest()[:16]
 
@@ -358,7 +359,7 @@ def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_pr
     if not cache_dir:
         return _build(source, tokenizer, None, num_proc, max_documents, text_field, meta)
     os.makedirs(cache_dir, exist_ok=True)
-    key = fingerprint(source, tokenizer, extra, cache_dir)
+    key = fingerprint(source, meta["settings"], cache_dir)
     path = os.path.join(cache_dir, f"tokenized-{key}")
     if os.path.isdir(path):
         try:
