@@ -147,7 +147,8 @@ def save_tokenizer(tok: Tokenizer, output_dir: str, lowercase: bool = True) -> N
               "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]",
               "tokenize_chinese_chars": True, "strip_accents": None}
     for name, text in (("vocab.txt", "".join(f"{t}\n" for t, _ in vocab)),
-                       ("tokenizer_config.json", json.dumps(config, indent=2)), ("tokenizer.json", tok.to_str(pretty=True))):
+                       ("tokenizer_config.json", json.dumps(config, indent=2)),
+                       ("tokenizer.json", tok.to_str(pretty=True))):
         atomic_write_text(os.path.join(output_dir, name), text)
 
 

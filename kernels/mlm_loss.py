@@ -16,7 +16,8 @@ counts and 0 for one that counts for nothing. Then d h = dz @ W and d W += dz^T 
 3 logit-sized matmuls in all, the gradients of the plain sum computed in the forward (the logits are at hand there;
 Liger-Kernel's fused linear cross-entropy does the same) and scaled in the backward by the upstream scalar times
 1/count for "mean", in float32, then rounded once. Dividing by the count in the forward instead would put a
-float16 dz of 4,096 rows x 30,522 entries (~1e-8) below float16's range before a gradient scaler's 2^16 arrives. reduction="none" has a per-row upstream gradient, known only in the backward: there
+float16 dz of 4,096 rows x 30,522 entries (~1e-8) below float16's range before a gradient scaler's 2^16 arrives.
+reduction="none" has a per-row upstream gradient, known only in the backward: there
 the logits are recomputed (4 matmuls). Extra memory: one chunk of logits, the gradients from forward to backward,
 and with several chunks a float32 [V, H] sum of d W.
 
@@ -535,10 +536,8 @@ def _times(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def _chunked_backward(ctx, dtotal, *_):
-    """The upstream gradient of the (scalar) total, times `norm`, scales what the forward computed. The forward's
-    gradients are of the unnormalised sum (each row's dz = softmax - onehot, up to 1 in size): divided by the
-    row count there, in float16, the small probabilities of thousands of rows fell below its range before a
-    gradient scaler's factor could lift them."""
+    """The upstream gradient of the (scalar) total, times `norm`, scales what the forward computed: the gradients
+    of the plain sum (each row's dz = softmax - onehot, up to 1 in size; the module docstring says why)."""
     norm, dhidden, dweight, dbias = ctx.saved_tensors
     factor, need = dtotal.float() * norm, ctx.needs_input_grad
     return (_times(dhidden, factor, dhidden.dtype) if need[0] else None,

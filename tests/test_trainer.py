@@ -307,7 +307,8 @@ def test_a_killed_dataloader_worker_is_one_clear_line(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     for attempt in range(1):
         done = subprocess.run([sys.executable, "-c", KILLED_WORKER, tests, str(tmp_path / f"run{attempt}")],
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
         line, = [x for x in done.stderr.splitlines() if x.startswith("train: ")]
         assert re.fullmatch(r"train: error: after step \d+: DataLoader worker \(pid.*\d+\).* (killed|exited).*"
