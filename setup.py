@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="bertfuse",
@@ -6,7 +6,7 @@ setup(
     description="BERT pre-training and fine-tuning with fused Triton kernels, benchmarked against PyTorch",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=["bert", "kernels", "bench"],
+    packages=find_packages(include=["bert", "bert.*", "kernels", "kernels.*", "bench", "bench.*"]),
     package_data={"kernels": ["configs/*.json"]},  # the launch configs measured per GPU (bench/tune.py)
     entry_points={"console_scripts": [
         "bert-bench = bench.cli:main",

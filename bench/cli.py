@@ -255,7 +255,7 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
 
 def _kernel_plan(cuda: bool) -> str:
     try:
-        from kernels._record import records
+        from bench.record import records
     except ImportError as e:
         return f"kernels: none ({e})"
     if cuda:
@@ -313,7 +313,7 @@ def run_encode(plan: Plan, results: dict, save) -> None:
 
 def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
     try:
-        from kernels._record import records
+        from bench.record import records
     except ImportError as e:  # no triton on this platform
         print(f"The kernel suite needs the kernels package, which does not import here: {e}\n")
         return
@@ -470,7 +470,7 @@ def bench(args, argv) -> int:
 def run_suites(args, plan: Plan, peaks: dict, device, results: dict, save) -> None:
     cuda = device.type == "cuda"
     if args.precompile if args.precompile is not None else cuda:
-        from kernels._record import records
+        from bench.record import records
 
         suites = [r.name for r in records()] if cuda else []
         precompile.run(precompile.jobs(suites if plan.kernels else [], plan.variants if cuda and plan.e2e else [],

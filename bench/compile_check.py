@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels._common import INTERPRET  # noqa: E402
-from kernels._record import Variant, record, records  # noqa: E402
+from bench.record import Variant, record, records  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "
@@ -123,7 +123,7 @@ def spill_limit(variant: Variant) -> int:
 
 
 def verdict(variant: Variant, result: Compiled, arch: int = 90) -> str | None:
-    """Why a compiled variant is not good enough, or None when it is. What a variant `needs` (kernels/_record.py)
+    """Why a compiled variant is not good enough, or None when it is. What a variant `needs` (bench/record.py)
     is judged in half precision: every dot on wgmma, none on the slower mma.sync ("wgmma": attention, MLM loss),
     or every global access of its tensors in 16-byte vectors, none element by element ("vectors": the
     memory-bound LayerNorm and bias-GeLU)."""
@@ -149,7 +149,7 @@ def check(variant: Variant, arch: int = 90) -> tuple[str | None, str]:
 # -- the variants: each kernel record's defaults, and any entry of a launch-config table --------------------------
 
 def groups() -> dict:
-    """Group name -> variants: "<record>" (the launchers' defaults, kernels/_record.py) and "table" (the committed
+    """Group name -> variants: "<record>" (the launchers' defaults, bench/record.py) and "table" (the committed
     sm_90 table's entries)."""
     return dict({r.name: r.variants for r in records()}, table=table_variants)
 

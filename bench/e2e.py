@@ -19,7 +19,7 @@ VARIANTS = {
     "hf-compile": "the same under torch.compile",
     "ours-torch": "this project, backend='torch' (unpadded, masked-only MLM)",
     "ours-triton": "this project, backend='triton' (fused kernels)",
-    "hf-fused": "transformers model with bert.hf.fuse_hf_bert(model, mlm_logits=False)",
+    "hf-fused": "transformers model with bert.hf.fuse(model, mlm_logits=False)",
     "ours-packed": "this project on packed batches of the padded batch's token budget (triton on a GPU)",
     "ours-packed-compile": "the same under torch.compile (one shape: compiled once)",
     "ours-packed-graphs": "the same, each step (forward, backward, AdamW) replayed from a CUDA graph (GPU)",
@@ -69,9 +69,9 @@ def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str
         cls = transformers.RobertaForMaskedLM if family == "roberta" else transformers.BertForPreTraining
         model = cls(hf_cfg).to(device)
         if variant == "hf-fused":
-            from bert.hf import fuse_hf_bert
+            from bert.hf import fuse
 
-            fuse_hf_bert(model, mlm_logits=False)  # the step reads only the loss: the masked-only loss path
+            fuse(model, mlm_logits=False)  # the step reads only the loss: the masked-only loss path
         if variant == "hf-compile":
             model = torch.compile(model)
         return model

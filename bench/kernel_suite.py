@@ -1,4 +1,4 @@
-"""Per-kernel benchmarks: each kernel record's problems (kernels/_record.py) timed against its peers at BERT
+"""Per-kernel benchmarks: each kernel record's problems (bench/record.py) timed against its peers at BERT
 shapes, torch eager and torch.compile included (GPU), and the memory of ops whose point is memory (the MLM loss,
 on a CPU too).
 
@@ -88,7 +88,7 @@ def _measure(case, impl, fn, device) -> dict:
 def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     """In a fresh process: (peak RSS growth in bytes during one forward+backward, median seconds, the error to
     the float64 reference or None)."""
-    from kernels._record import record
+    from bench.record import record
 
     from .e2e import peak_rss_mb, rss_mb
 

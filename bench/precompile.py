@@ -19,7 +19,7 @@ import torch
 
 
 def _warm_suite(name: str, quick: bool, device: str) -> str:
-    from kernels._record import record
+    from bench.record import record
 
     from . import kernel_suite
 

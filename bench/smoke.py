@@ -30,14 +30,14 @@ import torch
 
 
 class Shapes(NamedTuple):
-    kernels: object       # kernels._record.SmokeShapes: every kernel check's problem size
+    kernels: object       # bench.record.SmokeShapes: every kernel check's problem size
     config: str           # bert.BertConfig preset of the model checks
     batch: int            # model checks: sequences of up to seq_len tokens
     seq_len: int
 
 
 def shapes_for(cuda: bool) -> Shapes:
-    from kernels._record import SmokeShapes  # imports triton: only once TRITON_INTERPRET is settled
+    from bench.record import SmokeShapes  # imports triton: only once TRITON_INTERPRET is settled
 
     if cuda:
         return Shapes(SmokeShapes((128, 97, 64, 128, 31, 1, 110, 128, 76, 128, 55, 128, 9, 120, 128, 88), 12, 64,
@@ -96,7 +96,7 @@ def compare(name, dtype, inputs, ours_fn, ref_fn, names) -> Result:
 # -- the checks -----------------------------------------------------------------------------------------------------
 
 def kernel_check(build):
-    """A check of one kernel record's smoke case (kernels/_record.py)."""
+    """A check of one kernel record's smoke case (bench/record.py)."""
     def check(s: Shapes, dtype, device) -> Result:
         case = build(s.kernels, device)
         return compare(case.name, dtype, case.inputs, case.ours, case.reference, case.outputs)
@@ -159,7 +159,7 @@ def checks() -> dict:
     imports triton, so this runs only once TRITON_INTERPRET is settled (main, or a worker it spawned). Filled once:
     the model checks, always present, say it has been."""
     if "bert_step" not in CHECKS:
-        from kernels._record import records
+        from bench.record import records
 
         found = {name: kernel_check(build) for r in records() for name, build in r.smoke.items()}
         for name, check in dict(found, bert_step=check_bert_step, bert_step_packed=check_bert_step_packed).items():

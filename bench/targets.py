@@ -66,7 +66,7 @@ def _ratio(goal, rows):
 
 
 def kernel_target(goal) -> Target:
-    """A kernel record's Goal (kernels/_record.py) as a Target over the rows of the kernel suite."""
+    """A kernel record's Goal (bench/record.py) as a Target over the rows of the kernel suite."""
     judge = _ratio if goal.peer else _level
     return Target(goal.name, goal.goal, lambda res: judge(goal, res.get("kernels", [])))
 
@@ -110,10 +110,10 @@ MODEL_TARGETS = [
 
 
 def targets() -> list[Target]:
-    """Every kernel record's goals (kernels/_record.py), then the model targets. Without the kernels package (no
+    """Every kernel record's goals (bench/record.py), then the model targets. Without the kernels package (no
     triton on this platform) only the model targets."""
     try:
-        from kernels._record import records
+        from bench.record import records
     except ImportError:
         return list(MODEL_TARGETS)
     return [kernel_target(g) for r in records() for g in r.goals] + MODEL_TARGETS

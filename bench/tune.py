@@ -37,8 +37,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 def families() -> list[str]:
-    """The kernel records (kernels/_record.py), each a family of table kernels "<record>.<part>"."""
-    from kernels._record import records
+    """The kernel records (bench/record.py), each a family of table kernels "<record>.<part>"."""
+    from bench.record import records
 
     return [r.name for r in records()]
 
@@ -61,7 +61,7 @@ class Problem(NamedTuple):
 
 
 def _tuning(kernel: str):
-    from kernels._record import record
+    from bench.record import record
 
     return record(kernel).tuning
 
@@ -74,7 +74,7 @@ def candidates(kernel: str) -> list[dict]:
 def problems(names, dtypes) -> list[Problem]:
     """BERT's shapes of the named records' kernels, most used first: per dtype, BERT-base's shapes before
     BERT-large's (each record's TuneShape.rank), the first dtype before the next."""
-    from kernels._record import record
+    from bench.record import record
 
     out = []
     for dtype in dtypes:

@@ -4,7 +4,7 @@
 and swaps its modules for fused ones, in this model instance only: transformers' classes and other instances are
 untouched. The fused modules hold the very Parameter objects of the modules they replace, so state_dict keys and
 values, optimizers and save_pretrained keep working, and `unfuse` restores the original modules with whatever
-they learned. `fuse_hf_bert` / `unfuse_hf_bert` are the same calls under their first names.
+they learned.
 
 Encoders are recognised by structure (submodule names), not class, so a family's copies and custom subclasses
 are covered. An encoder model is a module with `embeddings` and an `encoder` or `transformer` holding a `layer`
@@ -647,6 +647,3 @@ def _take_parameters(old: nn.Module, new: nn.Module) -> None:
 def fuse_report(model: nn.Module) -> list[EncoderReport]:
     """Per encoder of a fused model: what was fused and what was kept, with the reason ([] if not fused)."""
     return list(getattr(model, _REPORT, []))
-
-
-fuse_hf_bert, unfuse_hf_bert = fuse, unfuse  # their first names

@@ -6,7 +6,6 @@ Every function takes `backend` ("torch" or "triton", already resolved) and compu
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -42,14 +41,9 @@ def _kernels():
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """For a drop-in module (kernels.LayerNorm, kernels.LinearGeLU, a fused Hugging Face model), which holds no
-    config: 'triton' where the kernels run on t's device (CUDA; the CPU under TRITON_INTERPRET=1), else 'torch',
-    so that a fused model moved to the CPU still runs (the same math, in PyTorch), with one warning."""
-    if t.is_cuda or (t.device.type == "cpu" and _kernels().attention.INTERPRET):
-        return "triton"
-    warn_once(f"fused layers on {t.device.type} tensors run their PyTorch path (the Triton kernels need a CUDA "
-              "device)")
-    return "torch"
+    """For a fused Hugging Face model, which holds no config: the kernels' own choice for drop-in modules
+    (kernels.backend_for: 'triton' where they run on t's device, else 'torch', warned once)."""
+    return _kernels().backend_for(t)
 
 
 # ---- LayerNorm(dropout(x) + residual) ------------------------------------------------------------
@@ -77,14 +71,10 @@ def linear_gelu(x, weight, bias, approximate="none", backend="torch"):
 
 
 # ---- attention over packed sequences ------------------------------------------------------------
-_warned: set[str] = set()
-
-
 def warn_once(message: str) -> None:
-    """A UserWarning the first time `message` comes up in this process, silence after."""
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+    """The kernels' warning channel (a UserWarning the first time `message` comes up in this process): only on
+    paths that have imported them."""
+    _kernels()._common.warn_once(message)
 
 
 def project_qkv(x, query, key, value, heads: int, head_dim: int):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -11,6 +12,27 @@ import triton.language as tl
 # Read once, as triton does when the kernels are first decorated: CPU tensors only work in the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A UserWarning the first time `message` comes up in this process, silence after."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """For a drop-in module, which holds no config: "triton" where the kernels run on t's device (CUDA; the CPU
+    under TRITON_INTERPRET=1), else "torch" (the module computes its op's plain-PyTorch reference instead), so a
+    model moved to a device the kernels cannot use still runs, with one warning."""
+    if t.is_cuda or (t.device.type == "cpu" and INTERPRET):
+        return "triton"
+    warn_once(f"fused layers on {t.device.type} tensors run their PyTorch path (the Triton kernels need a CUDA "
+              "device)")
+    return "torch"
 
 
 def check_float(op: str, name: str, t: torch.Tensor) -> None:

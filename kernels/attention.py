@@ -34,9 +34,8 @@ import triton.language as tl
 from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, interpreter_upcast,
                       keep_mask, seed_tensor, unit_stride)
 from . import tuned
-from ._record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, randn
 
-__all__ = ["varlen_attention", "padded_attention"]
+__all__ = ["varlen_attention", "varlen_attention_ref", "padded_attention"]
 MAX_HEAD_DIM = 128
 HEAD_DIMS = (8, 16, 32, 48, 64, 80, 128)   # the widths compiled for sm_90 and tested; any 1..MAX_HEAD_DIM runs
 
@@ -482,12 +481,39 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attentio
         raise ValueError(f"padded_attention: attention_mask has shape {tuple(attention_mask.shape)}, "
                          f"expected {(batch, seqlen)}")
     check_device("padded_attention", q=q, attention_mask=attention_mask)
-    from bert.padding import pad, unpad, unpad_mask  # the project's one unpadding (torch only, no triton)
+    keep = attention_mask != 0
+    seqlens = keep.sum(1, dtype=torch.int32)
+    index = keep.reshape(-1).nonzero().squeeze(1)  # the kept tokens, row by row (one sync: their count)
+    cu_seqlens = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    max_seqlen = int(seqlens.max()) if batch else 0
 
-    p = unpad_mask(attention_mask)
-    out = varlen_attention(*(unpad(t.transpose(1, 2), p) for t in (q, k, v)), p.cu_seqlens, p.max_seqlen,
-                           dropout_p, softmax_scale, seed, validate=False)
-    return pad(out, p).transpose(1, 2)
+    def unpad(t):  # [batch, heads, seq, dim] -> [kept tokens, heads, dim]
+        return t.transpose(1, 2).reshape(batch * seqlen, heads, dim)[index]
+
+    out = varlen_attention(unpad(q), unpad(k), unpad(v), cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed,
+                           validate=False)
+    padded = out.new_zeros(batch * seqlen, heads, dim).index_put((index,), out)
+    return padded.view(batch, seqlen, heads, dim).transpose(1, 2)
+
+
+def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         dropout_p: float = 0.0, softmax_scale: float | None = None,
+                         keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`varlen_attention` in plain PyTorch, for checks: each sequence's softmax(q k^T * scale) v in turn, in the
+    inputs' dtype, the [seq, seq] probabilities formed. Dropout applies `keep` (bool [heads, total_tokens,
+    max_seqlen], `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get zeros."""
+    if dropout_p > 0 and keep is None:
+        raise ValueError("varlen_attention_ref: dropout needs the keep-mask (attention_dropout_mask)")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    bounds = [int(b) for b in cu_seqlens]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qq, kk, vv = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
+        if dropout_p > 0:
+            probs = probs * keep[:, start:end, :end - start].to(probs.dtype) / (1 - dropout_p)
+        outs.append((probs @ vv).transpose(0, 1))
+    return torch.cat(outs + [q.new_zeros(q.shape[0] - bounds[-1], *q.shape[1:])])
 
 
 def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int, dropout_p: float,
@@ -497,180 +523,3 @@ def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int
     total = int(cu_seqlens[-1])
     keep = keep_mask(seed, heads * total, max_seqlen, dropout_p, cu_seqlens.device)
     return keep.view(heads, total, max_seqlen)
-
-
-# -- what the project's tools need to know about this op (kernels/_record.py) ---------------------------------------
-
-def _cu_seqlens(lengths, device) -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.as_tensor(lengths).cumsum(0)
-    return cu.to(device)
-
-
-def _sequence_reference(lengths, scale: float, keep=None, p: float = 0.0):
-    """Plain attention over packed q, k, v [T, heads, dim], sequence by sequence (with a given dropout mask)."""
-    def reference(q, k, v):
-        outs, start = [], 0
-        for n in (int(n) for n in lengths):
-            qq, kk, vv = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
-            if keep is not None:
-                probs = probs * keep[:, start:start + n, :n].to(probs.dtype) / (1 - p)
-            outs.append((probs @ vv).transpose(0, 1))
-            start += n
-        return torch.cat(outs)
-    return reference
-
-
-def _smoke(s, device, p: float) -> Case:
-    seed, cu = 4321, _cu_seqlens(s.lengths, device)
-    max_len, scale = max(s.lengths), 1 / math.sqrt(s.head_dim)
-    keep = attention_dropout_mask(cu, s.heads, max_len, p, seed) if p else None
-
-    def ours(q, k, v):
-        return varlen_attention(q, k, v, cu, max_len, dropout_p=p, seed=seed)
-
-    reference = _sequence_reference(s.lengths, scale, keep, p)  # with the kernel's own dropout mask
-
-    inputs = [randn(s.tokens, s.heads, s.head_dim, device=device, seed=i) for i in range(3)]
-    name = "attention" + (f" dropout{p}" if p else "") + (f" head_dim {s.head_dim}" if s.head_dim < 16 else "")
-    return Case(name, inputs, ours, reference, ["o", "dq", "dk", "dv"])
-
-
-def _peers(cu, max_seqlen) -> dict:
-    """The variable-length attentions a user could pick instead, on the same packed inputs: PyTorch's own
-    (torch >= 2.10, FlashAttention kernels inside) and the flash-attn package's; an absent one is the reason it
-    is skipped."""
-    peers = {}
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        peers["torch-varlen_attn"] = f"torch.nn.attention.varlen is not in torch {torch.__version__} (needs 2.10+)"
-    else:
-        peers["torch-varlen_attn"] = lambda q, k, v: varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen)
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        peers["flash_attn-varlen"] = "flash-attn is not installed"
-    else:
-        peers["flash_attn-varlen"] = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen)
-    return peers
-
-
-def _bench(shape, device, dtype, full):
-    """At 0%, 25% and 50% padding: SDPA on the padded batch with a mask, then ours and the peers packed."""
-    for padding in (0.0, 0.25, 0.5):
-        yield from _bench_at(*shape, padding, device, dtype, full)
-
-
-def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
-    import numpy as np
-
-    from bench.lengths import sample_lengths  # the benchmark's length model (only the benchmark calls this)
-
-    lengths = torch.from_numpy(sample_lengths(batch, seqlen, padding, np.random.default_rng(0)))
-    cu, total = _cu_seqlens(lengths, device), int(lengths.sum())
-    bias = torch.zeros(batch, 1, 1, seqlen, device=device, dtype=dtype)
-    bias.masked_fill_(~(torch.arange(seqlen)[None] < lengths[:, None]).to(device)[:, None, None, :], float("-inf"))
-    padded = {"sdpa-masked": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)}
-    packed = {"ours": lambda q, k, v: varlen_attention(q, k, v, cu, seqlen, validate=False)}
-    if full:  # BERT trains with attention dropout 0.1: what it costs each side
-        padded["sdpa-masked dropout0.1"] = lambda q, k, v: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=0.1)
-        packed["ours dropout0.1"] = lambda q, k, v: varlen_attention(q, k, v, cu, seqlen, 0.1, validate=False)
-    if device.type == "cuda":
-        packed["sdpa-unpadded"] = lambda q, k, v: F.scaled_dot_product_attention(
-            *(torch.nested.nested_tensor_from_jagged(t, cu.long()).transpose(1, 2) for t in (q, k, v))
-        ).transpose(1, 2).values()
-        packed.update(_peers(cu, seqlen))
-    name = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}%"
-    flops, extra = 4 * heads * 64 * float((lengths.double() ** 2).sum()), dict(seq_len=seqlen, padding=padding,
-                                                                                head_dim=64)
-    exact = {"padded": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias.double()),
-             "packed": _sequence_reference(lengths, 1 / math.sqrt(64))}
-    for impls, dims, layout in ((padded, (batch, heads, seqlen, 64), "padded"), (packed, (total, heads, 64), "packed")):
-        yield Bench("attention", name, impls, lambda dims=dims: tuple(
-            torch.randn(*dims, device=device, dtype=dtype, requires_grad=True) for _ in range(3)),
-            flops_fwd=flops, extra=extra, reference=exact[layout])
-
-
-_TENSORS = {"fwd": ("q", "k", "v", "o"), "dkdv": ("q", "k", "v", "do", "dk", "dv"), "dq": ("q", "k", "v", "do", "dq")}
-
-
-def _variant(part: str, dtype, dim: int, launch, dropout=True) -> Variant:
-    tensors = _TENSORS[part]
-    args = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32", max_seqlen="i32",
-                qk_scale="fp32", p_drop="fp32", Seed=torch.int64 if dropout else None, HAS_DROPOUT=dropout,
-                DOT_PRECISION=dot_precision(dtype), BLOCK_D=block_d(dim), HEAD_DIM=dim, BLOCK_M=launch.BLOCK_M,
-                BLOCK_N=launch.BLOCK_N, LSE=torch.float32,
-                **{f"stride_{t}_{d}": "i32:16" if dim % 16 == 0 else "i32" for t in tensors for d in ("t", "h")})
-    if part == "fwd":
-        args.update(O=dtype)
-        fn = _attention_fwd_kernel
-    else:
-        args.update(DO=dtype, Delta=torch.float32, softmax_scale="fp32", **{t.upper(): dtype for t in tensors[4:]})
-        fn = _attention_bwd_dkdv_kernel if part == "dkdv" else _attention_bwd_dq_kernel
-    name = f"attention {'fwd' if part == 'fwd' else 'bwd ' + part} {dtype} d={dim} dropout={dropout}"
-    return Variant(name, fn, args, launch.num_warps, launch.num_stages, dtype, "wgmma")
-
-
-def _variants():
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for dim in HEAD_DIMS if dtype == torch.bfloat16 else (64,) if dtype == torch.float16 else (16, 64, 128):
-            for dropout in (False, True):
-                for part in ("fwd", "dkdv", "dq"):
-                    yield _variant(part, dtype, dim, _default_config(part, dim, dtype), dropout)
-        yield Variant(f"attention bwd preprocess {dtype}", _attention_bwd_preprocess_kernel,
-                      dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32:16", stride_o_h="i32:16",
-                           stride_do_t="i32:16", stride_do_h="i32:16", total_tokens="i32", BLOCK_M=64, BLOCK_D=64,
-                           HEAD_DIM=64),
-                      4, 3, dtype)
-
-
-def _tune_setup(shape, size, dtype, device, part=None):
-    batch, seq, heads = shape
-    lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=torch.Generator().manual_seed(0))
-    cu = _cu_seqlens(lengths, device)
-    q, k, v = (randn(int(lengths.sum()), heads, size, seed=i, device=device, dtype=dtype, grad=True)
-               for i in range(3))
-
-    def fn(q, k, v):
-        return varlen_attention(q, k, v, cu, seq, dropout_p=0.1, seed=1234, validate=False)
-    return fn, (q, k, v), {"dkdv": (k, v), "dq": (q,)}
-
-
-def _at(seq_len: int, padding: float) -> dict:
-    return dict(seq_len=seq_len, padding=padding, head_dim=64)
-
-
-RECORD = Record(
-    name="attention",
-    smoke={"attention": lambda s, device: _smoke(s, device, 0.0),
-           "attention_dropout": lambda s, device: _smoke(s, device, 0.1),
-           # 8-wide heads (transformers' tiny test models), zero-padded to 16 inside the kernels
-           "attention_head_dim_8": lambda s, device: _smoke(s._replace(head_dim=8), device, 0.0)},
-    bench_shapes=BenchShapes(quick=[(256, 128, 12), (64, 512, 12)],
-                             full=[(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)],
-                             tiny=[(2, 24, 2)]),
-    bench=_bench,
-    tuning=Tuning(parts=("fwd", "dkdv", "dq"), default=lambda part, dtype, size: _default_config(part, size, dtype),
-                  candidates={"fwd": grid(BLOCK_M=[64, 128], BLOCK_N=[32, 64, 128], num_warps=[4, 8],
-                                          num_stages=[2, 3]),
-                              "dkdv": grid(BLOCK_M=[16, 32, 64], BLOCK_N=[64, 128], num_warps=[4, 8],
-                                           num_stages=[1, 2]),
-                              "dq": grid(BLOCK_M=[64, 128], BLOCK_N=[16, 32, 64], num_warps=[4, 8],
-                                         num_stages=[1, 2])},
-                  shapes=(TuneShape(64, 128, (192, 128, 12)), TuneShape(64, 512, (48, 512, 12), rank=1)),
-                  setup=_tune_setup, variant=_variant),
-    variants=_variants,
-    goals=(Goal("attention fwd, d64 s512 bf16", ">= 350 TFLOP/s", "attention", "fwd_TFLOPs", ">=", 350,
-                where=_at(512, 0.0), fmt="{:.0f} TFLOP/s"),
-           Goal("attention bwd, d64 s512 bf16", ">= 250 TFLOP/s", "attention", "bwd_TFLOPs", ">=", 250,
-                where=_at(512, 0.0), fmt="{:.0f} TFLOP/s"),
-           Goal("attention vs torch varlen_attn, s512", ">= 1x", "attention", "fwd_bwd_ms", ">=", 1.0,
-                peer="torch-varlen_attn", where=_at(512, 0.0)),
-           Goal("attention vs flash-attn varlen, every shape", ">= 1x", "attention", "fwd_bwd_ms", ">=", 1.0,
-                peer="flash_attn-varlen"),
-           Goal("attention at 50% padding vs SDPA + padding mask, s512", ">= 2x", "attention", "fwd_bwd_ms", ">=",
-                2.0, peer="sdpa-masked", where=_at(512, 0.5))),
-)

@@ -20,10 +20,9 @@ import triton.language as tl
 from torch import nn
 
 from . import tuned
-from ._common import as_rows, check_device, check_float, dense, row_bands
-from ._record import Bench, BenchShapes, Case, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals, randn
+from ._common import as_rows, backend_for, check_device, check_float, dense, row_bands
 
-__all__ = ["LinearGeLU", "bias_gelu"]
+__all__ = ["LinearGeLU", "bias_gelu", "bias_gelu_ref"]
 APPROXIMATIONS = ("none", "tanh")
 
 
@@ -191,6 +190,11 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     return _bias_gelu_fwd(as_rows(x), dense(bias), approximate).view(x.shape)
 
 
+def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """`bias_gelu` in plain PyTorch, for checks and for devices the kernels cannot use."""
+    return F.gelu(x + bias, approximate=approximate)
+
+
 class LinearGeLU(nn.Linear):
     """Drop-in for nn.Linear followed by GeLU (same `weight` and `bias`): the matmul runs without bias, then the
     fused kernel adds the bias and applies GeLU in one pass."""
@@ -211,77 +215,12 @@ class LinearGeLU(nn.Linear):
         return fused.train(linear.training)
 
     def forward(self, x):
-        from bert import ops  # the one backend switch: the kernel where it runs, else the same math in PyTorch
-
+        h = F.linear(x, self.weight)  # without its bias: the kernel adds it, reading the matmul's output once
         if self.bias is None:
-            return F.gelu(F.linear(x, self.weight), approximate=self.approximate)
-        return ops.linear_gelu(x, self.weight, self.bias, self.approximate, backend=ops.backend_for(x))
+            return F.gelu(h, approximate=self.approximate)
+        if backend_for(x) == "triton":
+            return bias_gelu(h, self.bias, self.approximate)
+        return bias_gelu_ref(h, self.bias, self.approximate)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, approximate={self.approximate!r}"
-
-
-# -- what the project's tools need to know about this op (kernels/_record.py) ---------------------------------------
-
-def _smoke(s, device, approximate="none") -> Case:
-    inputs = [randn(s.tokens, s.intermediate, device=device), randn(s.intermediate, device=device, seed=1)]
-    return Case("bias_gelu" + (" tanh" if approximate == "tanh" else ""), inputs,
-                lambda x, b: bias_gelu(x, b, approximate), lambda x, b: F.gelu(x + b, approximate=approximate),
-                ["y", "dx", "dbias"])
-
-
-def _bench(shape, device, dtype, full):
-    tokens, i = shape
-
-    def inputs():
-        return (torch.randn(tokens, i, device=device, dtype=dtype, requires_grad=True),
-                torch.randn(i, device=device, dtype=dtype, requires_grad=True))
-
-    n = tokens * i * dtype.itemsize  # forward: read x, write y; backward: read dy, x, write dx
-    yield Bench("bias_gelu", f"{tokens}x{i}", {"torch-eager": lambda x, b: F.gelu(x + b), "ours": bias_gelu}, inputs,
-                2 * n, 3 * n, reference=lambda x, b: F.gelu(x + b))
-
-
-def _variant(part: str, dtype, n: int, launch, tanh=False) -> Variant:
-    common = dict(X=dtype, B=torch.float32, M="i32", N="i32:16", stride_x_m="i32:16", APPROX_TANH=tanh,
-                  BLOCK_M=launch.BLOCK_M, BLOCK_N=launch.BLOCK_N)
-    if part == "fwd":
-        fn, args = _bias_gelu_fwd_kernel, dict(common, Y=dtype, stride_y_m="i32:16")
-    else:
-        fn, args = _bias_gelu_bwd_kernel, dict(common, DY=dtype, DX=dtype, DB_partial=torch.float32,
-                                               stride_dy_m="i32:16", stride_dx_m="i32:16", rows_per_program="i32")
-    return Variant(f"bias_gelu {part} {dtype} tanh={tanh}", fn, args, launch.num_warps, dtype=dtype, needs="vectors")
-
-
-def _default(part: str, dtype, n: int) -> _Launch:
-    return _config(part, torch.empty((1, n), dtype=dtype, device="meta"), n)
-
-
-def _variants():
-    for dtype in (torch.bfloat16, torch.float32):
-        for tanh in (False, True):
-            for part in ("fwd", "bwd"):
-                yield _variant(part, dtype, 3072, _default(part, dtype, 3072), tanh)
-
-
-def _tune_setup(shape, size, dtype, device, part=None):
-    tokens, n = shape
-    x, b = randn(tokens, n, device=device, dtype=dtype, grad=True), randn(n, seed=1, device=device, dtype=dtype,
-                                                                            grad=True)
-    return bias_gelu, (x, b), {"bwd": (x, b)}
-
-
-_TILES = [c for c in grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
-          if c["BLOCK_M"] * c["BLOCK_N"] <= 8192]
-RECORD = Record(
-    name="bias_gelu",
-    smoke={"bias_gelu": _smoke, "bias_gelu_tanh": lambda s, device: _smoke(s, device, "tanh")},
-    bench_shapes=BenchShapes(quick=[(16384, 3072), (16384, 4096)],
-                             full=[(t, i) for t in (8192, 32768, 65536) for i in (3072, 4096)], tiny=[(16, 40)]),
-    bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=_default, candidates={"fwd": _TILES, "bwd": _TILES},
-                  shapes=(TuneShape(3072, None, (16384, 3072)), TuneShape(4096, None, (16384, 4096), rank=1)),
-                  setup=_tune_setup, variant=_variant),
-    variants=_variants,
-    goals=memory_bound_goals("bias-GeLU", "bias_gelu"),
-)

@@ -20,16 +20,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
 
 from . import tuned
-from ._common import as_rows, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
-from ._record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals,
-                      optional_peer, randn)
+from ._common import as_rows, backend_for, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
 
-__all__ = ["LayerNorm", "layer_norm", "fuse_layer_norms"]
+__all__ = ["LayerNorm", "layer_norm", "layer_norm_ref", "fuse_layer_norms"]
 MAX_N = 16384
 
 
@@ -264,6 +263,18 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return y.view(x.shape)
 
 
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5,
+                   residual: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer_norm` in plain PyTorch, for checks and for devices the kernels cannot use. Dropout applies the
+    given keep-mask (`dropout_mask`'s, to reproduce the kernel's draw) or, without one, F.dropout's own."""
+    if dropout_p > 0:
+        x = x * keep.to(x.dtype) / (1 - dropout_p) if keep is not None else F.dropout(x, dropout_p)
+    if residual is not None:
+        x = x + residual
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def dropout_mask(seed, n_rows: int, n_cols: int, p: float, device) -> torch.Tensor:
     """The keep-mask (bool [n_rows, n_cols]) that `layer_norm` applies for this seed and p; for tests."""
     return keep_mask(seed, n_rows, n_cols, p, device)
@@ -291,10 +302,10 @@ class LayerNorm(nn.LayerNorm):
         return fused.train(ln.training)
 
     def forward(self, x, residual=None, dropout_p: float = 0.0):
-        from bert import ops  # the one backend switch: the kernel where it runs, else the same math in PyTorch
-
-        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
-                              dropout_p=dropout_p if self.training else 0.0, backend=ops.backend_for(x))
+        p = dropout_p if self.training else 0.0
+        if backend_for(x) == "triton":
+            return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=p)
+        return layer_norm_ref(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=p)
 
 
 def fuse_layer_norms(module: nn.Module, swap=None) -> int:
@@ -309,108 +320,3 @@ def fuse_layer_norms(module: nn.Module, swap=None) -> int:
     for parent, name in found:
         (swap or setattr)(parent, name, LayerNorm.from_module(getattr(parent, name)))
     return len(found)
-
-
-# -- what the project's tools need to know about this op (kernels/_record.py) ---------------------------------------
-
-def _smoke(s, device) -> Case:
-    m, n, p, seed = s.tokens, s.hidden, 0.1, 1234
-    keep = dropout_mask(seed, m, n, p, device)
-    inputs = [randn(m, n, device=device, seed=i) for i in range(2)] + [1 + randn(n, device=device, seed=2, scale=.1),
-                                                                      randn(n, device=device, seed=3, scale=.1)]
-
-    def ours(x, r, w, b):
-        return layer_norm(x, w, b, 1e-12, residual=r, dropout_p=p, seed=seed)
-
-    def reference(x, r, w, b):
-        return nn.functional.layer_norm(x * keep / (1 - p) + r, (n,), w, b, 1e-12)
-
-    return Case("layer_norm+residual+dropout", inputs, ours, reference, ["y", "dx", "dresidual", "dw", "db"])
-
-
-def _bench(shape, device, dtype, full):
-    tokens, h = shape
-
-    def inputs():
-        x, r = (torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        return x, r, torch.ones(h, device=device, requires_grad=True), torch.zeros(h, device=device, requires_grad=True)
-
-    def eager(x, r, w, b):
-        return nn.functional.layer_norm(nn.functional.dropout(x, 0.1) + r, (h,), w.to(x.dtype), b.to(x.dtype), 1e-12)
-
-    def ours(x, r, w, b):
-        return layer_norm(x, w, b, 1e-12, residual=r, dropout_p=0.1)
-
-    n = tokens * h * dtype.itemsize  # forward: read x, r, write y; backward: read dy, x, r, write dx, dr
-    yield Bench("layer_norm+residual+dropout", f"{tokens}x{h}", {"torch-eager": eager, "ours": ours}, inputs,
-                3 * n, 5 * n)
-
-    def exact(x, r, w, b):
-        return nn.functional.layer_norm(x + r, (h,), w.to(x.dtype), b.to(x.dtype), 1e-12)
-
-    plain = {"torch-eager": exact, "ours": lambda x, r, w, b: layer_norm(x, w, b, 1e-12, residual=r)}
-    plain["liger-layer_norm"] = optional_peer("liger-kernel", _liger)
-    yield Bench("layer_norm+residual", f"{tokens}x{h}", plain, inputs, 3 * n, 5 * n, reference=exact)
-
-
-def _liger():
-    """Liger-Kernel's LayerNorm on the sum x + r (it fuses no residual)."""
-    from liger_kernel.transformers.functional import liger_layer_norm
-    return lambda x, r, w, b: liger_layer_norm(x + r, w, b, 1e-12)
-
-
-def _variant(part: str, dtype, n: int, launch, residual=True, dropout=True, affine=True) -> Variant:
-    common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
-                  HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, HAS_WEIGHT=affine, BLOCK_M=launch.BLOCK_M,
-                  BLOCK_N=launch.BLOCK_N, M="i32", N="i32:16", p="fp32", Seed=torch.int64 if dropout else None,
-                  stride_x_m="i32:16", stride_r_m="i32:16")
-    name = f"layer_norm {part} {dtype} N={n} res={residual} drop={dropout} affine={affine}"
-    if part == "fwd":
-        fn, args = _layer_norm_fwd_kernel, dict(common, B=torch.float32 if affine else None, Y=dtype,
-                                                Mean=torch.float32, Rstd=torch.float32, stride_y_m="i32:16",
-                                                eps="fp32", HAS_BIAS=affine)
-    else:
-        fn, args = _layer_norm_bwd_kernel, dict(common, DY=dtype, DX=dtype, DR=dtype if residual else None,
-                                                DW_partial=torch.float32, DB_partial=torch.float32,
-                                                Mean=torch.float32, Rstd=torch.float32, stride_dy_m="i32:16",
-                                                stride_dx_m="i32:16", stride_dr_m="i32:16", rows_per_program="i32")
-    return Variant(name, fn, args, launch.num_warps, dtype=dtype, needs="vectors")
-
-
-def _default(part: str, dtype, n: int) -> _Launch:
-    return _config(part, torch.empty((1, n), dtype=dtype, device="meta"), n)
-
-
-def _variants():
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n in (768, 8192):
-            for flags in ((True, True, True), (False, False, False)):
-                for part in ("fwd", "bwd"):
-                    yield _variant(part, dtype, n, _default(part, dtype, n), *flags)
-
-
-def _tune_setup(shape, size, dtype, device, part=None):
-    tokens, h = shape
-    x, r, w, b = (randn(*s, seed=i, device=device, dtype=dtype, grad=True)
-                  for i, s in enumerate([(tokens, h), (tokens, h), (h,), (h,)]))
-
-    def fn(x, r, w, b):
-        return layer_norm(x, w, b, 1e-12, residual=r, dropout_p=0.1, seed=1234)
-    return fn, (x, r, w, b), {"bwd": (x, r, w, b)}
-
-
-_ROWS = grid(BLOCK_M=[1, 2, 4, 8, 16], num_warps=[2, 4, 8, 16])
-RECORD = Record(
-    name="layer_norm",
-    smoke={"layer_norm": _smoke},
-    bench_shapes=BenchShapes(quick=[(16384, 768), (16384, 1024)],
-                             full=[(t, h) for t in (8192, 32768, 65536) for h in (768, 1024)], tiny=[(16, 48)]),
-    bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=_default, candidates={"fwd": _ROWS, "bwd": _ROWS},
-                  shapes=(TuneShape(768, None, (16384, 768)), TuneShape(1024, None, (16384, 1024), rank=1)),
-                  setup=_tune_setup, variant=_variant),
-    variants=_variants,
-    goals=(*memory_bound_goals("LayerNorm+residual+dropout", "layer_norm+residual+dropout"),
-           Goal("LayerNorm+residual vs Liger-Kernel's LayerNorm", "faster", "layer_norm+residual", "fwd_bwd_ms", ">",
-                1.0, peer="liger-layer_norm")),
-)

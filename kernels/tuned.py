@@ -1,12 +1,12 @@
 """Launch configs measured on a GPU: one lookup per launch site, falling back to the launcher's own default.
 
-`bench/tune.py` times candidate configs (block sizes, num_warps, num_stages) of every kernel at BERT's shapes on
-a GPU and writes the winners to `kernels/configs/<arch>.json` (`sm_90.json` for an H100/H200), keyed by kernel
+A tuner times candidate configs (block sizes, num_warps, num_stages) of every kernel at BERT's shapes on a GPU and
+writes the winners to `kernels/configs/<arch>.json` (`sm_90.json` for an H100/H200), keyed by kernel
 ("attention.fwd", "layer_norm.bwd", ...), then "<dtype>/<size>/<bucket>": the dtype name, the head_dim or hidden
-size, and a sequence-length bucket ("s128", "s512", ...; "all" for kernels that do not depend on it). The table
-is data, small and committed. A launcher calls `pick` with its default config; the table's entry for the running
-GPU replaces the tunable fields, or the default stays where there is none (another GPU, another size, the
-interpreter). The choice is deterministic: no autotuning ever runs during training.
+size, and a sequence-length bucket ("s128", "s512", ...; "all" for kernels that do not depend on it). The table is
+data, small and committed. A launcher calls `pick` with its default config; the table's entry for the running GPU
+replaces the tunable fields, or the default stays where there is none (another GPU, another size, the interpreter).
+The choice is deterministic: no autotuning ever runs during training.
 
 The environment variable BERTFUSE_CONFIG_DIR points the lookup at another folder of tables (the GPU check writes
 fresh ones outside the source tree); `forced` sets one kernel's config for a block of code (the tuner's sweep).

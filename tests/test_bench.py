@@ -74,7 +74,7 @@ def test_a_fresh_process_reports_its_own_peak_memory_not_its_parents():
 
 
 def test_kernel_suites_at_tiny_sizes_on_this_device(device):
-    from kernels._record import record, records
+    from bench.record import record, records
 
     every = []
     for r in records():

@@ -1,4 +1,4 @@
-"""bert.hf.fuse_hf_bert on transformers models: same outputs and gradients, reversible, instance-local."""
+"""bert.hf.fuse on transformers models: same outputs and gradients, reversible, instance-local."""
 import copy
 import os
 import warnings
@@ -10,8 +10,8 @@ from hf_utils import TOL, assert_grads_no_worse, grad_errors, mlm_labels, random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
-from bert.hf import fuse_hf_bert, unfuse_hf_bert  # noqa: E402
-import bert.ops as bert_ops  # noqa: E402
+from bert.hf import fuse, unfuse  # noqa: E402
+import kernels._common as kernels_common  # noqa: E402
 
 TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
             max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -33,7 +33,7 @@ def test_minilm_fused_matches_original_with_padding():
     within 1e-5 or twice transformers' own float32 error (which varies by ~1e-5 from process to process with
     the CPU's thread split of the matmuls), so the check is about our error, not the reference's rounding."""
     ref = minilm()
-    fused = fuse_hf_bert(copy.deepcopy(ref))
+    fused = fuse(copy.deepcopy(ref))
     exact = copy.deepcopy(ref).double()
     ids, mask, tt = random_batch(30522, batch=3, seqlen=19, lengths=[19, 7, 1], seed=1, pairs=False)
     keep = mask.bool()
@@ -57,7 +57,7 @@ def test_task_models_fused_match_original(name):
     torch.manual_seed(0)
     labels = 2 if name == "BertForQuestionAnswering" else 3  # HF's QA head needs exactly start and end
     ref = getattr(transformers, name)(transformers.BertConfig(**TINY, num_labels=labels)).eval()
-    fused = fuse_hf_bert(copy.deepcopy(ref), mlm_logits=False)  # the masked-only loss (True: tests/test_hf_contract)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)  # the masked-only loss (True: tests/test_hf_contract)
     lengths = [17] * 3 if name == "BertForQuestionAnswering" else [17, 9, 3]
     ids, mask, tt = random_batch(99, batch=3, seqlen=17, lengths=lengths, seed=2)
     kw = {"BertForPreTraining": dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 0])),
@@ -87,7 +87,7 @@ def test_fused_pretraining_model_under_float16_autocast_matches_original():
     float32 weights (CPU autocast, float16; the interpreter's bfloat16 dots are wrong, bfloat16 is a GPU test)."""
     torch.manual_seed(0)
     ref = transformers.BertForPreTraining(transformers.BertConfig(**TINY)).eval()
-    fused = fuse_hf_bert(copy.deepcopy(ref), mlm_logits=False)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
     ids, mask, tt = random_batch(99, batch=3, seqlen=17, lengths=[17, 9, 3], seed=5)
     kw = dict(labels=mlm_labels(ids, mask, 99), next_sentence_label=torch.tensor([0, 1, 0]))
     truth = copy.deepcopy(ref)
@@ -108,7 +108,7 @@ def test_fused_model_in_bfloat16_is_as_close_to_float32_as_the_original():
     now its error against float32 is at most about twice the original model's own in bfloat16."""
     torch.manual_seed(0)
     ref = transformers.BertForMaskedLM(transformers.BertConfig(**TINY)).eval()
-    fused = fuse_hf_bert(copy.deepcopy(ref)).to(torch.bfloat16)
+    fused = fuse(copy.deepcopy(ref)).to(torch.bfloat16)
     ids, mask, _ = random_batch(99, batch=3, seqlen=17, lengths=[17, 9, 3], seed=5)
     keep = mask.bool()
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_training_with_dropout_runs_and_updates_shared_parameters():
     model = transformers.BertForMaskedLM(transformers.BertConfig(**dict(TINY, hidden_dropout_prob=0.1,
                                                                         attention_probs_dropout_prob=0.1)))
     before = model.bert.encoder.layer[0].output.LayerNorm.weight
-    fuse_hf_bert(model).train()
+    fuse(model).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ids, mask, tt = random_batch(99, batch=2, seqlen=11, seed=3)
     loss = model(input_ids=ids, attention_mask=mask, labels=mlm_labels(ids, mask, 99)).loss
@@ -140,12 +140,12 @@ def test_training_with_dropout_runs_and_updates_shared_parameters():
         if name in grads:
             torch.testing.assert_close(p.detach(), values[name] - 0.1 * grads[name], msg=name)
     # ...and what they learned is what the unfused model computes with.
-    unfuse_hf_bert(model).eval()
+    unfuse(model).eval()
     twin = transformers.BertForMaskedLM(model.config).eval()
     twin.load_state_dict({n: v - 0.1 * grads[n] if n in grads else v for n, v in values.items()}, strict=False)
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                twin(input_ids=ids, attention_mask=mask).logits)
-    unfuse_hf_bert(model)
+    unfuse(model)
     assert model.bert.encoder.layer[0].output.LayerNorm.weight is before
 
 
@@ -156,7 +156,7 @@ def test_unfuse_restores_bit_identical_outputs_and_state_dict_is_unchanged(tmp_p
     ids, mask, tt = random_batch(99, seed=4)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).prediction_logits
-    fuse_hf_bert(model)
+    fuse(model)
     fused_sd = model.state_dict()
     assert set(fused_sd) == set(keys) and all(torch.equal(fused_sd[k], v) for k, v in keys.items())
     model.save_pretrained(tmp_path)
@@ -164,7 +164,7 @@ def test_unfuse_restores_bit_identical_outputs_and_state_dict_is_unchanged(tmp_p
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         assert torch.equal(plain.eval()(input_ids=ids, attention_mask=mask).prediction_logits, ref)
-    unfuse_hf_bert(model)
+    unfuse(model)
     assert type(model.bert.encoder).__name__ == "BertEncoder"
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, attention_mask=mask).prediction_logits, ref)
@@ -181,7 +181,7 @@ def test_other_instances_and_classes_are_untouched():
     ids, mask, tt = random_batch(99, seed=5)
     with torch.no_grad():
         before = b(input_ids=ids, attention_mask=mask).logits
-    fuse_hf_bert(a)
+    fuse(a)
     assert all(c.forward is f for c, f in forwards.items())
     assert type(b.bert.encoder) is hf.BertEncoder and "forward" not in vars(b)
     with torch.no_grad():
@@ -189,12 +189,12 @@ def test_other_instances_and_classes_are_untouched():
 
 
 def test_fallbacks_warn_once_and_stay_correct():
-    bert_ops._warned.clear()  # "warn once" is per process; start this test from a clean slate
+    kernels_common._warned.clear()  # "warn once" is per process; start this test from a clean slate
     torch.manual_seed(0)
     cfg = transformers.BertConfig(**dict(TINY, hidden_size=288, num_attention_heads=2))  # head_dim 144
     ref = transformers.BertModel(cfg).eval()
     with pytest.warns(UserWarning, match="head_dim 144 is not supported"):
-        fused = fuse_hf_bert(copy.deepcopy(ref))
+        fused = fuse(copy.deepcopy(ref))
     assert type(fused.encoder).__name__ == "BertEncoder"
     ids, mask, tt = random_batch(99, seed=6)
     keep = mask.bool()
@@ -204,7 +204,7 @@ def test_fallbacks_warn_once_and_stay_correct():
     # output_attentions: this call takes the original attention path, warned once.
     eager = transformers.BertConfig(**TINY)
     eager._attn_implementation = "eager"  # HF's SDPA path returns no attention maps at all
-    model = fuse_hf_bert(transformers.BertModel(eager).eval())
+    model = fuse(transformers.BertModel(eager).eval())
     with pytest.warns(UserWarning, match="output_attentions requested"):
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
     assert len(out.attentions) == TINY["num_hidden_layers"]
@@ -212,7 +212,7 @@ def test_fallbacks_warn_once_and_stay_correct():
         warnings.simplefilter("error")
         model(input_ids=ids, attention_mask=mask, output_attentions=True)  # no second warning
     with pytest.raises(ValueError, match="no encoder inside Linear"):
-        fuse_hf_bert(torch.nn.Linear(2, 2))
+        fuse(torch.nn.Linear(2, 2))
 
 
 def test_sentence_transformers_model():
@@ -221,10 +221,10 @@ def test_sentence_transformers_model():
     model = st.SentenceTransformer(str(gt.get_model_path()), device="cpu")
     sentences = ["A short sentence.", "A somewhat longer sentence, with more words in it than the first."]
     ref = model.encode(sentences, convert_to_tensor=True)
-    fuse_hf_bert(model)
+    fuse(model)
     out = model.encode(sentences, convert_to_tensor=True)
     assert rel_err(out, ref) <= TOL
-    unfuse_hf_bert(model)
+    unfuse(model)
     assert torch.equal(model.encode(sentences, convert_to_tensor=True), ref)
 
 
@@ -236,7 +236,7 @@ def test_gpu_half_precision_within_twice_the_original_error(dtype):
     with torch.no_grad():
         exact = ref32(input_ids=ids, attention_mask=mask).last_hidden_state
         orig = copy.deepcopy(ref32).to(dtype)(input_ids=ids, attention_mask=mask).last_hidden_state
-        fused = fuse_hf_bert(copy.deepcopy(ref32).to(dtype))(input_ids=ids, attention_mask=mask).last_hidden_state
+        fused = fuse(copy.deepcopy(ref32).to(dtype))(input_ids=ids, attention_mask=mask).last_hidden_state
     keep = mask.bool()
     err_orig = (orig.float() - exact)[keep].abs().max().item()
     err_fused = (fused.float() - exact)[keep].abs().max().item()
@@ -246,10 +246,10 @@ def test_gpu_half_precision_within_twice_the_original_error(dtype):
 def test_masks_the_kernel_cannot_express_take_the_original_path():
     """A 4-D mask that differs between queries (causal) runs the original attention, warned; a 2-D mask or a
     4-D mask that is one key mask for every query still fuses."""
-    bert_ops._warned.clear()
+    kernels_common._warned.clear()
     torch.manual_seed(0)
     ref = transformers.BertModel(transformers.BertConfig(**TINY)).eval()
-    fused = fuse_hf_bert(copy.deepcopy(ref))
+    fused = fuse(copy.deepcopy(ref))
     ids, mask, _ = random_batch(99, seed=8)
     batch, seqlen = ids.shape
     keys = mask.bool()[:, None, None, :]
@@ -279,11 +279,11 @@ def test_fused_model_on_the_cpu_without_the_interpreter_runs_the_pytorch_path(tm
 import copy, os, sys, warnings
 sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
 import torch, transformers
-from bert.hf import fuse_hf_bert
+from bert.hf import fuse
 from hf_utils import random_batch, rel_err, mlm_labels
 torch.manual_seed(0)
 ref = transformers.BertForMaskedLM(transformers.BertConfig(**{TINY!r})).eval()
-fused = fuse_hf_bert(copy.deepcopy(ref))
+fused = fuse(copy.deepcopy(ref))
 ids, mask, tt = random_batch(99, seed=3)
 labels = mlm_labels(ids, mask, 99)
 with warnings.catch_warnings(record=True) as caught:

@@ -4,6 +4,7 @@ offline, float32 in the interpreter, padded inputs of uneven lengths: outputs, t
 gradient against the unfused model; the kernels really called; unfuse bit-identical; state_dict unchanged;
 float16 autocast; families whose attention the kernel cannot express; sentence-transformers; transformers.Trainer."""
 import copy
+import sys
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from hf_utils import TOL, assert_grads_no_worse, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
-import bert.ops as bert_ops  # noqa: E402
+import kernels._common as kernels_common  # noqa: E402
 from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
 
 from bench.hf_parity import FAMILIES as ALL_FAMILIES, SMALL, batch, build  # noqa: E402  (the parity table's models)
@@ -24,13 +25,16 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.counts = {}
-        for name in ("layer_norm", "bias_gelu", "varlen_attention", "masked_lm_loss"):
+        for module, name in (("layer_norm", "layer_norm"), ("bias_gelu", "bias_gelu"),
+                             ("attention", "varlen_attention"), ("mlm_loss", "masked_lm_loss")):
             original = getattr(kernels, name)
 
             def counted(*a, _name=name, _original=original, **k):
                 self.counts[_name] = self.counts.get(_name, 0) + 1
                 return _original(*a, **k)
+            # the package's name (bert.ops calls it) and the op module's own (its drop-in module calls that)
             monkeypatch.setattr(kernels, name, counted)
+            monkeypatch.setattr(sys.modules[f"kernels.{module}"], name, counted)
 
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_hf.py
@@ -133,7 +137,7 @@ def test_a_custom_subclass_is_matched_by_structure():
 @pytest.mark.parametrize("name", ["DebertaV2", "MPNet"])
 def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name):
     """Disentangled (DeBERTa) or relative-bias (MPNet) attention stays; LayerNorm and GeLU still fuse."""
-    bert_ops._warned.clear()
+    kernels_common._warned.clear()
     torch.manual_seed(0)
     cfg = getattr(transformers, name + "Config")(**SMALL)
     ref = getattr(transformers, name + "Model")(cfg).eval()

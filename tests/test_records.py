@@ -1,14 +1,14 @@
-"""One place per kernel: every op module declares a Record (kernels/_record.py), and the smoke check, the kernel
+"""One place per kernel: every op has a Record (bench/record.py, one module per op in bench/ops/), and the smoke check, the kernel
 benchmark, the tuner, the targets and bert-bench run whatever records there are. A made-up op (x * 2 in
-PyTorch) added to kernels.RECORDS must reach each of them with no edit of theirs."""
+PyTorch) added to bench.ops.RECORDS must reach each of them with no edit of theirs."""
 from typing import NamedTuple
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-import kernels  # noqa: E402
-from kernels._record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, grid,  # noqa: E402
+from bench import ops  # noqa: E402
+from bench.record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, grid,  # noqa: E402
                              randn, record)
 
 CPU = torch.device("cpu")
@@ -50,14 +50,14 @@ DOUBLE = Record(
 def with_double(monkeypatch):
     from bench import smoke
 
-    monkeypatch.setattr(kernels, "RECORDS", kernels.RECORDS + (DOUBLE,))
+    monkeypatch.setattr(ops, "RECORDS", ops.RECORDS + (DOUBLE,))
     monkeypatch.setattr(smoke, "CHECKS", {})  # rebuilt from the records
 
 
 def test_the_package_lists_one_record_per_op_module():
-    names = [r.name for r in kernels.RECORDS]
+    names = [r.name for r in ops.RECORDS]
     assert names == ["attention", "bias_gelu", "layer_norm", "mlm_loss"]
-    for r in kernels.RECORDS:
+    for r in ops.RECORDS:
         assert set(r.tuning.candidates) <= set(r.tuning.parts) and r.smoke and r.bench_shapes.tiny
         assert record(f"{r.name}.{r.tuning.parts[0]}") is r
     with pytest.raises(KeyError, match="no kernel record named 'nope'"):

@@ -1,7 +1,8 @@
-"""What the rest of the project needs to know about one fused op, declared once, at the end of the op's own file.
+"""What the benchmark and check tools need to know about one fused op, declared once, in the op's own record.
 
-Every kernel module ends with `RECORD = Record(...)`; `kernels.RECORDS` collects them in module-name order. The
-benchmark and check tools iterate over the records and name no op themselves:
+Each op of `kernels` has a module of the same name in `bench/ops/` that ends with `RECORD = Record(...)`;
+`bench.ops.RECORDS` collects them in module-name order. The tools iterate over the records and name no op
+themselves:
 
     bench.smoke           `smoke`: one check per entry, the op against its float64 reference
     bench.kernel_suite    `bench`: the shapes it is timed at, its peers, the bytes and FLOPs it must move
@@ -177,9 +178,9 @@ class Record(NamedTuple):
 
 
 def records() -> list[Record]:
-    import kernels
+    from . import ops
 
-    return list(kernels.RECORDS)
+    return list(ops.RECORDS)
 
 
 def record(name: str) -> Record:

@@ -1,0 +1,11 @@
+"""The records of the kernels' ops (bench/record.py), one module per op of `kernels`, named as that op's module.
+
+Importing this package imports every module here (and so `kernels` and triton) and lists their `RECORD`s in
+`RECORDS`, in module-name order: a new op's record file is picked up without editing this one.
+"""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+RECORDS = tuple(_importlib.import_module(f"{__name__}.{info.name}").RECORD
+                for info in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name)
+                if not info.name.startswith("_"))
