@@ -58,13 +58,13 @@ def make_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: 
 
 
 def model_kwargs(batch, family: str = "bert") -> dict:
-    """The model's keyword arguments for a padded synthetic Batch or a packed bert.packing.PackedBatch."""
+    """The model's keyword arguments for a padded synthetic Batch or a packed bert.data.packing.PackedBatch."""
     return batch.kwargs(family) if isinstance(batch, Batch) else dict(batch)
 
 
 class _PoolLabels:
-    """Stands in for the MLM masker of bert.packing.PackingCollator: instance `key` of a synthetic pool keeps the
-    labels make_batch drew for it."""
+    """Stands in for the MLM masker of bert.data.packing.PackingCollator: instance `key` of a synthetic pool keeps
+    the labels make_batch drew for it."""
 
     def __init__(self, pool: Batch, vocab: int):
         self.pool = pool
@@ -76,17 +76,19 @@ class _PoolLabels:
 
 
 def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15):
-    """The budget of a padded [batch, seq_len] batch as `batch` rows of seq_len tokens (bert.packing's layout,
+    """The budget of a padded [batch, seq_len] batch as `batch` rows of seq_len tokens (bert.data.packing's layout,
     up to 3 instances a row), filled with sequences of make_batch's lengths and contents: a pool of 16 x batch
     sequences is packed into rows best-fit decreasing, and `batch` rows drawn at random from them are laid out
-    by bert.packing.PackingCollator."""
-    from bert.packing import PackedShapes, PackingCollator, pack
+    by bert.data.packing.PackingCollator."""
+    from bert.data.packing import FlatInstances, PackedShapes, PackingCollator, pack
 
     pool = make_batch(16 * batch, seq_len, vocab, padding, seed, mlm_p)
     lengths = pool.attention_mask.sum(1).tolist()
     rows = pack(lengths, seq_len, 3)
-    rows = [rows[i][rows[i] >= 0].tolist() for i in np.random.default_rng(seed).permutation(len(rows))[:batch]]
-    instances = [[{"input_ids": pool.input_ids[i, :lengths[i]], "token_type_ids": pool.token_type_ids[i, :lengths[i]],
-                   "next_sentence_label": int(pool.next_sentence_label[i])} for i in row] for row in rows]
+    rows = [rows[i][rows[i] >= 0] for i in np.random.default_rng(seed).permutation(len(rows))[:batch]]
+    index = np.concatenate(rows)  # the pool's instances, row after row
+    flat = FlatInstances(*(np.concatenate([t[i, :lengths[i]].numpy() for i in index]).astype(np.int64)
+                           for t in (pool.input_ids, pool.token_type_ids)),
+                         np.asarray(lengths, dtype=np.int64)[index], pool.next_sentence_label[index].numpy())
     collate = PackingCollator(_PoolLabels(pool, vocab), PackedShapes.for_rows(batch, seq_len, 3, mlm_p))
-    return collate(instances, keys=[i for row in rows for i in row])
+    return collate.collate(flat, np.array([len(r) for r in rows]), index[:, None].astype(np.uint64))

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bert.checkpoint import atomic_write
-from bert.cli import add_debug_flag, check_numbers
+from bert.common.files import atomic_write
+from bert.common.commands import add_debug_flag, check_numbers
 
 from . import e2e, encode, precompile
 from . import kernel_suite
@@ -261,8 +261,8 @@ def _kernel_plan(cuda: bool) -> str:
     if cuda:
         return f"kernels: {', '.join(r.name for r in records())}, each against its peers"
     memory = [r.name for r in records() if r.bench_shapes.cpu is not None]
-    return (f"kernels: the time and memory table of {', '.join(memory)} (ours and the Triton peers in Triton's "
-            "interpreter; timing the other kernels needs a GPU)")
+    return (f"kernels: the memory and float64-error table of {', '.join(memory)} (ours and the Triton peers in "
+            "Triton's interpreter, which times nothing: kernel times need a GPU)")
 
 
 def _runs(variant: str, spec: dict, plan: Plan) -> bool:
@@ -329,15 +329,20 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
             gpu_only.append(record.name)
             continue
         kernel_suite.rows(record, peaks, not args.full, device, on_row=keep)
-    if gpu_only:
-        print(f"Timing {', '.join(gpu_only)} needs a GPU; on this CPU only the memory tables run.\n")
     print("## Kernels\n")
+    if device.type != "cuda":
+        rest = f", and so do the rows of {', '.join(gpu_only)}, which have no CPU table" if gpu_only else ""
+        print("On a CPU the Triton kernels run in Triton's interpreter, whose speed says nothing of theirs: this "
+              f"table gives each implementation's extra memory and its error to float64, and no times. Kernel times "
+              f"need a GPU{rest}.\n")
+        print(markdown(rows, ["kernel", "shape", "impl", "peak_extra_MB", "rel_err_fp64", "status"]))
+        return
     print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
                           "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "rel_err_fp64", "status"]))
 
 
 def run_data(args, results: dict, save) -> None:
-    from bert.workers import available_cpus
+    from bert.common.workers import available_cpus
 
     from . import data
 
@@ -366,7 +371,7 @@ def run_metadata(device, argv) -> dict:
 
 
 def main(argv=None) -> int:
-    from bert.cli import run
+    from bert.common.commands import run
 
     args = parse_args(argv)
     return run("bert-bench", lambda: bench(args, argv), args.debug)

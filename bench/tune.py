@@ -233,9 +233,29 @@ def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, c
     return None
 
 
+def table_problems(path: str) -> list[str]:
+    """What is wrong with the launch-config table at `path` ([] for a good one): its format, and each entry's
+    key ("<dtype>/<size>/<bucket>") and config (only fields its launcher lets a table tune, values it accepts)."""
+    from kernels import tuned
+
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    if table.get("format") != tuned.FORMAT or not isinstance(table.get("kernels"), dict):
+        return [f"{path}: not a format-{tuned.FORMAT} table"]
+    found = []
+    for kernel, entries in table["kernels"].items():
+        for key, entry in entries.items():
+            dtype, size, _ = (key.split("/") + ["", "", ""])[:3]
+            extra = set(entry.get("config", {})) - set(candidates(kernel)[0])
+            if extra or not size.isdigit() or not isinstance(getattr(torch, dtype, None), torch.dtype):
+                found.append(f"{kernel} {key}: " + (f"sets {sorted(extra)}, which the table may not tune" if extra
+                                                    else "not a <dtype>/<size>/<bucket> key"))
+    return found
+
+
 def write_table(folder: str, arch: str, results: dict, meta: dict) -> str:
     """Merge {kernel: {key: entry}} into <folder>/<arch>.json, atomically; returns the path."""
-    from bert.checkpoint import atomic_write
+    from bert.common.files import atomic_write
     from kernels import tuned
 
     os.makedirs(folder, exist_ok=True)

@@ -1,6 +1,8 @@
 """A BERT whose hot ops can run as fused Triton kernels (see `kernels`), with Hugging Face interop."""
-from .config import BertConfig
-from .model import (
+from bert.common.packages import collision, ours
+from bert.data.tokenizer import load_tokenizer
+from bert.model.config import BertConfig
+from bert.model.modeling import (
     BertForMaskedLM,
     BertForPreTraining,
     BertForQuestionAnswering,
@@ -10,6 +12,9 @@ from .model import (
 )
 
 __all__ = [
+    "load_tokenizer",
+    "ours",
+    "collision",
     "BertConfig",
     "BertModel",
     "BertForPreTraining",
@@ -19,27 +24,4 @@ __all__ = [
     "BertForQuestionAnswering",
 ]
 
-# bertfuse installs three top-level packages, `bert`, `kernels` and `bench`, whose names other distributions use
-# too (Hugging Face's hub-kernel package installs `kernels`). Installing both makes one shadow or overwrite the
-# other; each of ours carries this marker, and the imports across them check it (`ours`).
-__bertfuse__ = True
-
-
-def collision(name: str, module) -> str:
-    """What happened and what to do when `import name` finds another distribution's package."""
-    from importlib.metadata import packages_distributions
-
-    owners = sorted(set(packages_distributions().get(name, [])) - {"bertfuse"})
-    by = f"the distribution(s) {', '.join(owners)}" if owners else "another distribution or a directory on sys.path"
-    return (f"`import {name}` found {getattr(module, '__file__', None) or module!r}, which is not bertfuse's "
-            f"`{name}` package: {by} provide(s) a package of the same name and shadow or overwrite ours. "
-            f"Use separate virtual environments, or `pip uninstall {owners[0] if owners else name}` and reinstall "
-            "bertfuse (`pip install --force-reinstall --no-deps -e .` from its source tree).")
-
-
-def ours(name: str, module):
-    """`module`, the result of `import name`, if it is bertfuse's package (kernels, bench); else ImportError
-    saying which package took its place. A plain attribute check: torch.compile traces it."""
-    if not getattr(module, "__bertfuse__", False):
-        raise ImportError(collision(name, module))
-    return module
+__bertfuse__ = True  # this distribution's `bert`, not another of the same name (bert.common.packages)

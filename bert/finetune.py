@@ -19,14 +19,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cli, seeds
-from .cli import add_debug_flag, check_numbers, check_source, stop_signals
-from .checkpoint import atomic_write_text
-from .config import read_json_object
-from .padding import pad_batch
-from .tasks import TASKS, Features, Task
-from .tokenizer import load_tokenizer, tokenizer_digest
-from .trainer import Job, Settings, Trainer, micro_batch, output_dir_lock, prepare_output_dir, setup_device
+from bert.common import commands, seeds
+from bert.common.commands import add_debug_flag, check_numbers, check_source
+from bert.common.errors import stop_signals
+from bert.common.files import atomic_write_text, read_json_object
+from bert.data.batch import pad_batch
+from bert.data.pipeline import step_loader
+from bert.data.tokenizer import load_tokenizer, tokenizer_digest
+from bert.tasks.readers import Features
+from bert.tasks.task import TASKS, Task
+from bert.train.distributed import micro_batch, setup_device
+from bert.train.loop import Job, Trainer
+from bert.train.rundir import output_dir_lock, prepare_output_dir
+from bert.train.settings import Settings
 
 logger = logging.getLogger("bert")
 
@@ -59,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# Settings that make a fine-tuning run what it is: --resume compares them with the checkpoint's.
-RUN_SETTINGS = ("task", "model", "train", "max_train_examples", "epochs", "max_steps", "lr", "warmup",
-                "weight_decay", "batch_size", "grad_accum", "max_seq_len", "doc_stride", "precision", "seed")
+# This command's settings that make a fine-tuning run what it is: --resume compares them with the checkpoint's,
+# with the trainer's own (bert.train.settings).
+RUN_SETTINGS = ("task", "model", "train", "max_train_examples", "epochs", "max_steps", "batch_size", "max_seq_len",
+                "doc_stride")
 
 
 def validate_args(args) -> None:
@@ -82,9 +88,9 @@ def validate_args(args) -> None:
 
 
 class FinetuneJob(Job):
-    """A task's training features, reshuffled each epoch (the run's "shuffle" stream keyed by epoch, bert.seeds,
+    """A task's training features, reshuffled each epoch (the run's "shuffle" stream keyed by epoch, bert.common.seeds,
     so a resume continues the same order), in global batches split over ranks and accumulation steps (see
-    bert.trainer.Job)."""
+    bert.train.loop.Job)."""
 
     def __init__(self, task: Task, model, rows: list[dict], tokenizer, *, batch_size: int, seed: int,
                  evaluate=None):
@@ -126,6 +132,9 @@ class _Steps(torch.utils.data.Dataset):
 
     def __len__(self):
         return len(self.batches)
+
+    def loader(self, first: int, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+        return step_loader(self, range(first, len(self)), num_workers, pin_memory)
 
     def __getitem__(self, i):
         return [pad_batch([self.rows[j] for j in micro_batch(self.batches[i], self.d.rank, self.d.world, a,
@@ -271,7 +280,7 @@ def main(argv=None) -> int:
         print(json.dumps(metrics, indent=2))
         return 0
 
-    return cli.run("bert-finetune", body, args.debug)
+    return commands.run("bert-finetune", body, args.debug)
 
 
 if __name__ == "__main__":

@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
-from .model import check_labels
-from .padding import pad, static_layout, unpad, unpad_mask
+from bert.model import ops
+from bert.model.modeling import check_labels
+from bert.model.padding import pad, static_layout, unpad, unpad_mask
 
 _ORIGINALS = "_bertfuse_originals"
 _REPORT = "_bertfuse_report"
@@ -162,7 +162,7 @@ class Layers(NamedTuple):
     name: str
     paths: tuple[str, ...]         # submodules every such layer has
     attention: str                 # the module holding q, k, v, the head size and the scaling
-    run: Callable                  # (layer, packed x, bert.padding.Packed, training) -> x
+    run: Callable                  # (layer, packed x, bert.model.padding.Packed, training) -> x
     output: str                    # the transformers.modeling_outputs class the original encoder returns
 
 
@@ -303,7 +303,7 @@ def _checkpointing_layer_class() -> type | None:
 # becomes a subclass whose forward, given packed tokens, runs the fused layer ----------------------------------
 @functools.cache
 def fused_layer_class(base: type, kind: str) -> type:
-    """`base` (a transformers layer class) with a forward that, called with `packed=` (bert.padding.Packed), runs
+    """`base` (a transformers layer class) with a forward that, called with `packed=` (bert.model.padding.Packed), runs
     the fused layer on packed tokens, and otherwise is base's own forward (the original encoder's fallback calls).
     Instance-local: fuse sets it as one layer object's __class__, unfuse puts base back."""
     run = next(k.run for k in LAYERS if k.name == kind)

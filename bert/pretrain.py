@@ -1,7 +1,7 @@
 """BERT pre-training (MLM + NSP): `bert-pretrain` / `python -m bert.pretrain`.
 
 One process on a CPU or GPU, or several GPUs and nodes through torchrun (DistributedDataParallel; NCCL on GPU,
-gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.packing; `--no-packing` lays
+gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.data.packing; `--no-packing` lays
 length-bucketed batches out one instance per padded row instead: the same batch type, shapes that vary), which
 `--compile` compiles once and `--cuda-graphs` captures. Every rank
 trains on its own micro-batches of each global step, and the losses are normalised by the number of labelled
@@ -9,13 +9,12 @@ tokens and sequences in the whole global step, so N ranks compute exactly what o
 micro-batches would. Checkpoints hold the model (save_pretrained), optimizer, scheduler, RNG states
 and data position; `--resume` continues so that later losses equal those of an uninterrupted run. The data
 path, corpus -> memory-mapped tokens -> shards of NSP spans -> packed rows -> micro-batches collated by the
-DataLoader's workers, is bert.pipeline's: nothing waits for a pass over the whole corpus.
+DataLoader's workers, is bert.data.pipeline's: nothing waits for a pass over the whole corpus.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -26,18 +25,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import seeds
-from .config import BertConfig
-from .corpus import TokenisedCorpus, source_digest, tokenize_corpus
-from .data import MLMCollator, SpecialIds, iter_documents
-from .instances import SPAN, iter_spans, span_lengths
-from .model import BertForPreTraining
-from .packing import PackedBatch, PackedShapes, pack
-from .pipeline import EpochStream, Layout, Planner, StepCollator, micro_batch_work
-from .cli import add_debug_flag, check_numbers, check_source, run, stop_signals
-from .tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
-from .workers import default_num_workers, ordered_map
-from .trainer import Dist, Job, Settings, Trainer, output_dir_lock, prepare_output_dir, setup_device
+from bert.common import seeds
+from bert.common.commands import add_debug_flag, check_numbers, check_source, run
+from bert.common.errors import stop_signals
+from bert.common.workers import default_num_workers, ordered_map
+from bert.data.batch import PackedBatch
+from bert.data.corpus import TokenisedCorpus, source_digest, tokenize_corpus
+from bert.data.masking import Masker, SpecialIds
+from bert.data.packing import PackedShapes
+from bert.data.pipeline import EpochStream, Layout, Planner, held_out_batches
+from bert.data.text import iter_documents
+from bert.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
+from bert.model.config import BertConfig
+from bert.model.modeling import BertForPreTraining
+from bert.train.distributed import Dist, setup_device
+from bert.train.loop import Job, Trainer
+from bert.train.rundir import output_dir_lock, prepare_output_dir
+from bert.train.settings import Settings
 
 PRESETS = ("tiny", "mini", "base", "large")
 
@@ -102,12 +106,11 @@ def add_static_shape_options(p: argparse.ArgumentParser) -> None:
                         "and replay it; needs packing, one GPU and bf16/fp32, else runs without, with a warning")
 
 
-# Settings that make a run what it is: --resume compares them with the checkpoint's (the others only say how
-# it runs: workers, logging cadence, caching).
-RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "grad_accum",
-                "packing", "tokens_per_batch", "instances_per_row", "steps",
-                "lr", "warmup", "weight_decay", "max_grad_norm", "precision", "mlm_probability",
-                "whole_word_masking", "eval_fraction", "seed", "max_documents")
+# This command's settings that make a run what it is: --resume compares them with the checkpoint's, with the
+# trainer's own (bert.train.settings; the others only say how it runs: workers, logging cadence, caching).
+RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "packing",
+                "tokens_per_batch", "instances_per_row", "steps", "mlm_probability", "whole_word_masking",
+                "eval_fraction", "max_documents")
 
 
 def validate_args(args) -> None:
@@ -166,8 +169,8 @@ def run_settings(args) -> dict:
 # ---- data ----------------------------------------------------------------------------------------
 @dataclass
 class PretrainData:
-    """The tokenised corpus (memory-mapped, bert.corpus) and its documents split into training and held-out ids
-    (the run's "split" stream): all the pipeline (bert.pipeline) plans from."""
+    """The tokenised corpus (memory-mapped, bert.data.corpus) and its documents split into training and held-out ids
+    (the run's "split" stream): all the pipeline (bert.data.pipeline) plans from."""
     corpus: TokenisedCorpus
     train_ids: np.ndarray
     eval_ids: np.ndarray
@@ -234,25 +237,8 @@ def build_config(args, vocab_size: int) -> BertConfig:
     return cfg
 
 
-def eval_batches(data: PretrainData, masker: MLMCollator, shapes: PackedShapes | None, batch_size: int,
-                 batches: int):
-    """The held-out instances (`batches` x `batch_size`, the "eval_nsp" stream) as the run trains on them, collated
-    as training collates (bert.pipeline.StepCollator): one per row in batches of `batch_size`, or packed
-    micro-batches of the run's fixed `shapes`. Each instance is masked by its index ("eval_masking"): the same at
-    every evaluation, and the same either way."""
-    spans = np.array(list(itertools.islice(iter_spans(data.corpus, data.eval_ids, data.max_seq_len,
-                                                      seeds.integer(data.seed, "eval_nsp")), batches * batch_size)),
-                     dtype=SPAN)
-    layout = Layout(data.max_seq_len, 1, shapes, batch_size)
-    collator = StepCollator(data.corpus, masker, layout, "eval_masking")
-    rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
-            else pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row))
-    for first in range(0, len(rows), layout.rows_per_micro):
-        yield collator.collate(micro_batch_work(spans, rows[first:first + layout.rows_per_micro]))
-
-
 def evaluate(model, batches, device) -> dict:
-    """MLM loss, accuracy and perplexity over `batches` (eval_batches)."""
+    """MLM loss, accuracy and perplexity over `batches` (bert.data.pipeline.held_out_batches)."""
     model.eval()
     loss_sum, hits, count = 0.0, 0, 0
     with torch.no_grad():
@@ -272,10 +258,10 @@ def evaluate(model, batches, device) -> dict:
 class PretrainJob(Job):
     """MLM + NSP on NSP instances drawn per epoch and shard, packed into micro-batches of fixed `shapes`, or
     (shapes None) length-bucketed into global batches laid out one instance per row; either way a
-    micro-batch is a bert.packing.PackedBatch, streamed by bert.pipeline (see bert.trainer.Job)."""
+    micro-batch is a bert.data.packing.PackedBatch, streamed by bert.data.pipeline (see bert.train.loop.Job)."""
     name = "pre-training"
 
-    def __init__(self, model, data: PretrainData, masker: MLMCollator, tokenizer, device, *, batch_size: int,
+    def __init__(self, model, data: PretrainData, masker: Masker, tokenizer, device, *, batch_size: int,
                  grad_accum: int, eval_batches: int, shapes: PackedShapes | None = None, num_proc: int = 1):
         self.model, self.data, self.masker, self.tokenizer = model, data, masker, tokenizer
         self.device, self.shapes, self.num_proc = device, shapes, num_proc
@@ -326,8 +312,10 @@ class PretrainJob(Job):
     def evaluate(self, model):
         if not len(self.data.eval_ids):
             return {}
-        return evaluate(model, eval_batches(self.data, self.masker, self.shapes, self.batch_size,
-                                            self.eval_batches), self.device)
+        d = self.data
+        batches = held_out_batches(d.corpus, d.eval_ids, d.max_seq_len, d.seed, self.masker, self.shapes,
+                                   self.batch_size, self.eval_batches)
+        return evaluate(model, batches, self.device)
 
 
 def packed_shapes(args, d: Dist) -> PackedShapes | None:
@@ -379,7 +367,7 @@ def _prepare(args, device, d: Dist) -> Trainer:
         save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
     data = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
-    collator = MLMCollator(special, args.mlm_probability, whole_word=args.whole_word_masking,
+    collator = Masker(special, args.mlm_probability, whole_word=args.whole_word_masking,
                            continuation_ids=continuation, seed=args.seed)
     job = PretrainJob(BertForPreTraining(cfg), data, collator, tokenizer, device, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, eval_batches=args.eval_batches,

@@ -1,12 +1,12 @@
-"""bert.cli: what SIGTERM and SIGINT do to a run (StopSignals), and the one line a command prints for them."""
+"""bert.common: what SIGTERM and SIGINT do to a run (StopSignals), and the one line a command prints for them."""
 import os
 import signal
 import time
 
 import pytest
 
-from bert import cli
-from bert.cli import Interrupted, StopRun, StopSignals, stop_signals
+from bert.common import commands
+from bert.common.errors import Interrupted, StopRun, StopSignals, stop_signals
 
 
 def test_the_first_signal_sets_a_flag_and_raises_only_where_the_run_may_stop_at_once():
@@ -41,6 +41,6 @@ def test_a_stopped_run_prints_one_line_and_its_exit_status(capsys, error, status
     def body():
         raise error
 
-    assert cli.run("prog", body) == status
+    assert commands.run("prog", body) == status
     err = capsys.readouterr().err
     assert err.strip() == line and "Traceback" not in err

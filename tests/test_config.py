@@ -1,11 +1,11 @@
-"""bert.config: Hugging Face's field names both ways, the paper's presets, and configs it cannot run refused."""
+"""bert.model.config: Hugging Face's field names both ways, the paper's presets, and configs it cannot run refused."""
 import dataclasses
 import json
 
 import pytest
 
 import bert
-from bert.config import read_json_object
+from bert.common.files import read_json_object
 
 
 def test_config_json_round_trips_through_transformers(tmp_path):

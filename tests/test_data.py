@@ -7,11 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from bert.corpus import tokenize_corpus
-from bert.data import BucketBatchSampler, MLMCollator, SpecialIds, iter_documents, split_sentences
-from bert.instances import iter_instances
-from bert.tokenizer import train_tokenizer
-from bert.trainer import micro_batch
+from bert.data.corpus import tokenize_corpus
+from bert.common import seeds
+from bert.data.masking import SpecialIds
+from bert.data.packing import bucket_rows
+from bert.data.text import iter_documents, split_sentences
+from bert.data.tokenizer import train_tokenizer
+from bert.train.distributed import micro_batch
+from batch_utils import DictMasker, iter_instances
 from corpus_utils import topic_documents, write_corpus
 from kernel_utils import binomial_ok
 
@@ -116,7 +119,7 @@ def test_masking_statistics():
     instances = create_instances(id_documents(n_docs=40), max_seq_len=128, special=SPECIAL, seed=0)
     vocab = 50000
     special = SpecialIds(2, 3, 4, 0, vocab, (0, 1, 2, 3, 4))
-    collator = MLMCollator(special, seed=1)
+    collator = DictMasker(special, seed=1)
     chosen = candidates = masked = randomised = kept = 0
     for key in range(40):
         batch_instances = instances[(key * 16) % (len(instances) - 16):][:16]
@@ -146,7 +149,7 @@ def test_masking_statistics():
 
 def test_masking_differs_between_draws_of_the_same_instance():
     instances = create_instances(id_documents(), max_seq_len=128, special=SPECIAL, seed=0)[:8]
-    collator = MLMCollator(SPECIAL, seed=0)
+    collator = DictMasker(SPECIAL, seed=0)
     assert not torch.equal(collator(instances, keys=range(8))["labels"],
                            collator(instances, keys=range(8, 16))["labels"])
     # A row's masking depends on its key only, not on the rows batched with it or the padded width.
@@ -160,7 +163,7 @@ def test_whole_word_masking_takes_whole_words():
     special = SpecialIds(2, 3, 4, 0, 1000, (0, 1, 2, 3, 4))
     row = [2] + [t for w in range(30) for t in (10 + w, 500 + w, 600 + w)] + [3]
     instances = [{"input_ids": row, "token_type_ids": [0] * len(row), "next_sentence_label": 0}] * 8
-    collator = MLMCollator(special, mlm_probability=0.3, whole_word=True,
+    collator = DictMasker(special, mlm_probability=0.3, whole_word=True,
                            continuation_ids=list(range(500, 700)), seed=0)
     labels = collator(instances, keys=range(8))["labels"]
     chosen = labels != -100
@@ -171,16 +174,18 @@ def test_whole_word_masking_takes_whole_words():
 
 def test_bucketing_and_micro_batches():
     lengths = torch.randint(10, 128, (1000,)).tolist()
-    sampler = BucketBatchSampler(lengths, global_batch=32, seed=0)
-    batches = sampler.epoch_batches(0)
-    assert batches == sampler.epoch_batches(0) and batches != sampler.epoch_batches(1)
+
+    def epoch_batches(epoch, lengths=lengths):  # the run's "order" stream, keyed by the epoch
+        return bucket_rows(np.array(lengths), 32, seeds.rng(0, "order", epoch)).reshape(-1, 32).tolist()
+
+    batches = epoch_batches(0)
+    assert batches == epoch_batches(0) and batches != epoch_batches(1)
     assert all(len(b) == 32 for b in batches) and len({i for b in batches for i in b}) == 31 * 32
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
     assert spread < 20  # similar lengths share a batch
     parts = [micro_batch(batches[0], r, 2, a, 2) for r in range(2) for a in range(2)]
     assert sum(parts, []) == batches[0]
-    with pytest.raises(ValueError, match="cannot fill one global batch"):
-        BucketBatchSampler([5] * 10, global_batch=32)
+    assert epoch_batches(0, [5] * 10) == []  # too few to fill one batch: none
 
 
 def test_special_ids_need_mask():
@@ -228,7 +233,7 @@ def test_an_unreadable_cache_is_rebuilt(tmp_path):
 
 def test_exact_count_by_default_and_bernoulli_as_an_option():
     instances = create_instances(id_documents(n_docs=40), max_seq_len=128, special=SPECIAL, seed=0)[:200]
-    exact, bernoulli = MLMCollator(SPECIAL, seed=2), MLMCollator(SPECIAL, seed=2, exact=False)
+    exact, bernoulli = DictMasker(SPECIAL, seed=2), DictMasker(SPECIAL, seed=2, exact=False)
     counts, chosen, candidates = set(), 0, 0
     for k, x in enumerate(instances):
         ids = torch.tensor(x["input_ids"])
@@ -242,7 +247,7 @@ def test_exact_count_by_default_and_bernoulli_as_an_option():
 
 def test_a_continuation_piece_after_a_special_token_is_a_unit_of_its_own():
     special = SpecialIds(2, 3, 4, 0, 1000, (0, 1, 2, 3, 4))
-    collator = MLMCollator(special, whole_word=True, continuation_ids=range(500, 700))
+    collator = DictMasker(special, whole_word=True, continuation_ids=range(500, 700))
     row = torch.tensor([2, 10, 501, 3, 502, 503, 11, 3])
     assert collator._groups(row.numpy(), ~torch.isin(row, torch.tensor(special.special)).numpy()).tolist() == \
         [0, 1, 1, 0, 2, 2, 3, 0]
@@ -260,7 +265,7 @@ def _sequential_greedy(unit_inst, unit_u, sizes, budget):
 
 
 def test_the_batched_greedy_fill_is_the_sequential_one():
-    from bert.data import _greedy_fill
+    from bert.data.masking import _greedy_fill
 
     rng = np.random.default_rng(0)
     for trial in range(200):
@@ -278,7 +283,7 @@ def test_the_batched_greedy_fill_is_the_sequential_one():
 def test_a_batch_is_masked_as_each_instance_alone(whole_word):
     """mask_flat over a whole micro-batch gives each instance what masking it alone (mask) gives: masking is
     keyed per instance, never by its neighbours or its place in the batch."""
-    collator = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(21000, 21500), seed=7)
+    collator = DictMasker(SPECIAL, whole_word=whole_word, continuation_ids=range(21000, 21500), seed=7)
     instances = create_instances(id_documents(n_docs=12), max_seq_len=64, special=SPECIAL, seed=0)[:30]
     rows = [np.array(x["input_ids"]) for x in instances]
     keys = np.array([[3, 100 + i] for i in range(len(rows))], dtype=np.uint64)

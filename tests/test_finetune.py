@@ -11,7 +11,7 @@ import torch
 
 import bert
 from bert.finetune import build_parser, run
-from bert.tokenizer import save_tokenizer, train_tokenizer
+from bert.data.tokenizer import save_tokenizer, train_tokenizer
 
 NAMES = ["john", "mary", "peter", "anna"]
 CITIES = ["paris", "berlin", "tokyo", "lima"]
@@ -266,8 +266,8 @@ def test_ddp_two_processes_equal_one_process(tmp_path, still_checkpoint):
 
 
 def test_a_diverging_run_stops_with_one_line_and_writes_no_nan_model(tmp_path, checkpoint, capsys):
-    """The issue's repro: --lr 1e6 made the loss NaN from step 2, and the run exited 0 with a NaN model (and an
-    accuracy for it). Now: exit 2, one line naming the step, no model written, the step-1 checkpoint intact."""
+    """--lr 1e6 makes the loss NaN from step 2: the run exits 2 with one line naming the step, writes no model
+    (and no accuracy for one), and keeps the step-1 checkpoint intact."""
     from bert.finetune import main
 
     train, dev = sentiment_files(tmp_path, n=64)
@@ -280,7 +280,7 @@ def test_a_diverging_run_stops_with_one_line_and_writes_no_nan_model(tmp_path, c
     assert err.startswith("bert-finetune: error: step ") and "is not finite" in err
     assert not (out / "model.safetensors").exists() and not (out / "metrics.json").exists()
     for name in os.listdir(out / "checkpoints"):
-        sd = bert.checkpoint.read_state_dict(str(out / "checkpoints" / name))
+        sd = bert.model.checkpoint.read_state_dict(str(out / "checkpoints" / name))
         assert all(torch.isfinite(t).all() for t in sd.values()), name
 
 
@@ -332,7 +332,7 @@ def test_a_second_job_on_a_busy_output_dir_is_refused_in_one_line(tmp_path, chec
 
     train, _ = sentiment_files(tmp_path, n=16)
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom bert.trainer import output_dir_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom bert.train.rundir import output_dir_lock\n"
                                "with output_dir_lock(sys.argv[1]):\n    print('locked', flush=True)\n"
                                "    time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})

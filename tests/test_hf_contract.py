@@ -1,8 +1,7 @@
-"""bert.hf.fuse changes speed, never meaning: one regression test per way it used to change what a transformers
-model means (causal LMs, gradient checkpointing, the forward signature, output positions, torch.export, float 4-D
-masks, head_dim 8). The whole of transformers' own model tests runs fused and unfused in bench/hf_suite.py."""
+"""bert.hf.fuse changes speed, never meaning: one test per way a fuser could change what a transformers model
+means (causal LMs, gradient checkpointing, the forward signature, output positions, torch.export, float 4-D masks,
+head_dim 8). The whole of transformers' own model tests runs fused and unfused in bench/hf_suite.py."""
 import copy
-import functools
 import inspect
 import warnings
 

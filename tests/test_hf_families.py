@@ -32,7 +32,7 @@ class Calls:
             def counted(*a, _name=name, _original=original, **k):
                 self.counts[_name] = self.counts.get(_name, 0) + 1
                 return _original(*a, **k)
-            # the package's name (bert.ops calls it) and the op module's own (its drop-in module calls that)
+            # the package's name (bert.model.ops calls it) and the op module's own (its drop-in module calls that)
             monkeypatch.setattr(kernels, name, counted)
             monkeypatch.setattr(sys.modules[f"kernels.{module}"], name, counted)
 
@@ -154,7 +154,7 @@ def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name):
 
 def _sentence_transformer(tmp_path, family):
     st = pytest.importorskip("sentence_transformers")
-    from bert.tokenizer import train_tokenizer
+    from bert.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer([f"word{i} and word{i + 1} went to town {i}" for i in range(50)], vocab_size=99)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",

@@ -1,7 +1,8 @@
-"""bert.instances: NSP instances as spans of the flat corpus, drawn without touching a token."""
+"""bert.data.instances: NSP instances as spans of the flat corpus, drawn without touching a token."""
 import numpy as np
 
-from bert.instances import SPAN, draw_spans, gather, materialize, span_lengths
+from bert.data.instances import SPAN, draw_spans, gather, span_lengths
+from batch_utils import materialize
 from test_pipeline import SPECIAL, corpus
 
 

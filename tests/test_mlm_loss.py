@@ -316,7 +316,7 @@ def test_strided_and_expanded_weight_and_bias(device, layout):
 def test_unvalidated_labels_outside_the_vocabulary_count_for_nothing_on_both_backends(device, backend):
     """validate=False (a packed batch): a label outside [0, V) acts as an ignored row on both backends (it was
     counted by the kernel and raised in PyTorch): the loss, hits and gradients equal those without that row."""
-    from bert import ops
+    from bert.model import ops
 
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(6, 16, generator=g).to(device).requires_grad_()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bert
-from bert.checkpoint import LoadingInfo
+from bert.model.checkpoint import LoadingInfo
 from hf_utils import TOL, assert_grads_no_worse, grad_errors, mlm_labels, random_batch, rel_err
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ def _run(tmp_path, shadow: str, code: str) -> subprocess.CompletedProcess:
 def test_a_foreign_kernels_package_is_named_at_first_use(tmp_path):
     out = _run(tmp_path, "kernels", """
         import torch, bert
-        from bert import ops
+        from bert.model import ops
         ops.layer_norm(torch.ones(2, 4), None, None, 1e-5, backend="torch")  # the PyTorch path needs no kernels
         try:
             ops._kernels()

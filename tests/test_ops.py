@@ -1,10 +1,12 @@
-"""bert.ops, the one backend switch: its PyTorch paths against plain float64 references."""
+"""bert.model.ops, the one backend switch: its PyTorch paths against plain float64 references."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bert import ops
-from bert.padding import packed_layout
+from bert.model import ops
+from bert.data.batch import packed_layout
 
 
 def test_resolve_backend():
@@ -15,8 +17,15 @@ def test_resolve_backend():
 
 
 def test_backend_for_follows_where_the_kernels_run():
-    # The suite runs Triton's interpreter on the CPU (conftest): the kernels run there.
-    assert ops.backend_for(torch.zeros(1)) == "triton"
+    """CPU tensors take the kernels only under Triton's interpreter (conftest sets it on a machine without CUDA);
+    CUDA tensors always do."""
+    from kernels._common import INTERPRET
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning (tests/test_hf.py checks it)
+        assert ops.backend_for(torch.zeros(1)) == ("triton" if INTERPRET else "torch")
+    if torch.cuda.is_available():
+        assert ops.backend_for(torch.zeros(1, device="cuda")) == "triton"
 
 
 def _reference_attention(q, k, v, cu):

@@ -1,10 +1,10 @@
-"""bert.optim: BERT's decay groups, AdamW as each trainer wants it, learning-rate types that never read the
+"""bert.train.optim: BERT's decay groups, AdamW as each trainer wants it, learning-rate types that never read the
 device."""
 import pytest
 import torch
 
 import bert
-from bert.optim import adamw, linear_schedule, param_groups, set_lr_types
+from bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
 
 
 def test_no_weight_decay_on_biases_and_layer_norms_and_none_for_frozen_parameters():

@@ -1,12 +1,13 @@
-"""bert.packing: best-fit packing into fixed token budgets, and packed micro-batches of fixed shapes."""
+"""bert.data.packing: best-fit packing into fixed token budgets, and packed micro-batches of fixed shapes."""
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from bert.data import MLMCollator, SpecialIds
-from bert.packing import PackedShapes, PackingCollator, efficiency, pack
+from bert.data.masking import SpecialIds
+from bert.data.packing import PackedShapes, efficiency, pack
+from batch_utils import DictMasker, DictPacker
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
 
@@ -48,10 +49,10 @@ def instance(n, rng, nsp):
 @pytest.mark.parametrize("whole_word", [False, True])
 def test_packed_micro_batch_has_fixed_shapes_aligned_rows_and_exact_label_counts(whole_word):
     rng = random.Random(1)
-    masker = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=3)
+    masker = DictMasker(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=3)
     shapes = PackedShapes.for_rows(rows=3, max_seqlen=48, per_row=2, mlm_probability=0.15)
     assert (shapes.tokens, shapes.sequences, shapes.labels) == (144, 9, 22 + 3)
-    collate = PackingCollator(masker, shapes)
+    collate = DictPacker(masker, shapes)
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
     rows = [[insts[0]], [insts[1], insts[2]]]  # the third row is unused
     b = collate(rows, keys=[10, 11, 12])
@@ -87,7 +88,7 @@ def test_labels_past_the_bound_are_undone_as_bert_caps_them():
     rng = random.Random(3)
     insts = [instance(n, rng, 0) for n in (40, 44)]
     shapes = PackedShapes.for_rows(rows=2, max_seqlen=48, per_row=1, mlm_probability=0.15)
-    b = PackingCollator(MLMCollator(SPECIAL, mlm_probability=0.5, seed=1), shapes)([[insts[0]], [insts[1]]],
+    b = DictPacker(DictMasker(SPECIAL, mlm_probability=0.5, seed=1), shapes)([[insts[0]], [insts[1]]],
                                                                                   keys=[0, 1])
     original = torch.zeros(96, dtype=torch.long)
     original[:40], original[48:92] = torch.tensor(insts[0]["input_ids"]), torch.tensor(insts[1]["input_ids"])
@@ -99,7 +100,7 @@ def test_labels_past_the_bound_are_undone_as_bert_caps_them():
 
 
 def test_epoch_rows_are_deterministic_rows_of_every_instance():
-    from bert.packing import epoch_rows
+    from bert.data.packing import epoch_rows
 
     rng = random.Random(2)
     lengths = np.array([rng.choice([rng.randint(5, 60), 128]) for _ in range(500)])
@@ -112,16 +113,19 @@ def test_epoch_rows_are_deterministic_rows_of_every_instance():
 
 
 def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
-    from bench.packing import main
-    from bert.tokenizer import train_tokenizer
+    from bench.packing import main, measure
+    from bert.data.tokenizer import train_tokenizer
     from corpus_utils import topic_documents, write_corpus
 
     corpus = write_corpus(tmp_path / "c.txt", n_docs=40, sentences=12)
     train_tokenizer(topic_documents(40, 12), vocab_size=200, output_dir=str(tmp_path / "tok"))
     assert main([str(corpus), "--tokenizer", str(tmp_path / "tok")]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128") or
-            line.startswith("| 512")]
-    assert len(rows) == 2 and all(line.count("%") == 2 for line in rows)
+    printed = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 128", "| 512"))]
+    measured = measure(str(corpus), str(tmp_path / "tok"))
+    assert [r["seq_len"] for r in measured] == [128, 512] and len(printed) == 2
+    for cells, r in zip(printed, measured):  # the table prints what was measured: both shares, in [0, 1)
+        assert 0 <= r["padded_padding_share"] < 1 and 0 <= r["packed_padding_share"] < 1
+        assert cells[3] == f"{r['padded_padding_share']:.1%}" and cells[5] == f"{r['packed_padding_share']:.1%} |"
 
 
 def padded_twin(b):
@@ -150,12 +154,10 @@ def padded_twin(b):
 def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
     """The same instances, packed (fixed shapes, an empty slot, filler) or padded: same losses and gradients,
     float32; the filler tokens get no gradient and leave everything finite."""
-    import bert
-
     rng = random.Random(4)
     insts = [instance(n, rng, nsp) for n, nsp in ((30, 0), (7, 1), (19, 1))]
-    masker = MLMCollator(SPECIAL, seed=5)
-    b = PackingCollator(masker, PackedShapes.for_rows(3, 32, 2, 0.15))([[insts[0]], [insts[1], insts[2]]],
+    masker = DictMasker(SPECIAL, seed=5)
+    b = DictPacker(masker, PackedShapes.for_rows(3, 32, 2, 0.15))([[insts[0]], [insts[1], insts[2]]],
                                                                      keys=[1, 2, 3])
     assert_same_step(backend, {**b, "validate": True}, padded_twin(b))
 
@@ -252,7 +254,7 @@ def _model_and_batch(backend="torch"):
     rng = random.Random(2)
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
     shapes = PackedShapes.for_rows(rows=2, max_seqlen=48, per_row=2, mlm_probability=0.15)
-    batch = PackingCollator(MLMCollator(SPECIAL, seed=3), shapes)([[insts[0]], [insts[1], insts[2]]], keys=[1, 2, 3])
+    batch = DictPacker(DictMasker(SPECIAL, seed=3), shapes)([[insts[0]], [insts[1], insts[2]]], keys=[1, 2, 3])
     return model, batch
 
 
@@ -297,14 +299,15 @@ def test_unchecked_slots_outside_the_tokens_or_vocabulary_count_for_nothing_on_b
     """Where values go unchecked (a GPU batch without validate; here the CPU's free check switched off), a slot
     whose position or label is out of range is ignored alike on both backends: never a read out of bounds, an
     error inside a kernel, or a different loss."""
-    import bert.model
+    import bert.model.modeling
+    import bert.model.padding
 
     model, batch = _model_and_batch(backend)
     reference = model(**batch)
     used = (batch["mlm_labels"] != -100).nonzero().squeeze(1)
     dropped = _with(batch, mlm_labels=(used[:2], -100))
-    monkeypatch.setattr(bert.model, "checks_are_free", lambda t: False)
-    monkeypatch.setattr(bert.padding, "checks_are_free", lambda t: False)
+    monkeypatch.setattr(bert.model.modeling, "checks_are_free", lambda t: False)
+    monkeypatch.setattr(bert.model.padding, "checks_are_free", lambda t: False)
     expected = model(**dropped)
     for change in (dict(mlm_positions=(used[:2], torch.tensor([-7, 10**6]))),
                    dict(mlm_labels=(used[:2], torch.tensor([1000, -3])))):
@@ -326,7 +329,7 @@ def test_packed_max_seqlen_may_be_a_numpy_integer_or_a_zero_d_tensor():
 
 def test_collator_and_pack_check_their_inputs():
     rng = random.Random(0)
-    collate = PackingCollator(MLMCollator(SPECIAL, seed=0), PackedShapes.for_rows(2, 48, 2, 0.15))
+    collate = DictPacker(DictMasker(SPECIAL, seed=0), PackedShapes.for_rows(2, 48, 2, 0.15))
     good = instance(20, rng, 1)
     cases = [
         (([[good, good]], [1]), "2 instances but 1 masking keys"),
@@ -339,7 +342,7 @@ def test_collator_and_pack_check_their_inputs():
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
             collate(rows, keys)
     with pytest.raises(ValueError, match=r"instance 0 of the batch has next_sentence_label 5"):
-        MLMCollator(SPECIAL)([{**good, "next_sentence_label": 5}])
+        DictMasker(SPECIAL)([{**good, "next_sentence_label": 5}])
     with pytest.raises(ValueError, match="pack: max_seqs must be at least 1, got 0"):
         pack([3, 4], budget=10, max_seqs=0)
     with pytest.raises(ValueError, match=r"pack: instance 1 has a negative length \(-4 tokens\)"):
@@ -349,13 +352,13 @@ def test_collator_and_pack_check_their_inputs():
 @pytest.mark.parametrize("whole_word", [False, True])
 def test_an_instance_is_masked_the_same_padded_and_packed(whole_word):
     """One masking algorithm: with the same key an instance gets the same labels and ids in a padded batch
-    (MLMCollator) as in a packed one (PackingCollator), as training and evaluation of either layout rely on."""
+    (DictMasker) as in a packed one (DictPacker), as training and evaluation of either layout rely on."""
     rng = random.Random(4)
-    masker = MLMCollator(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=9)
+    masker = DictMasker(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=9)
     insts = [instance(n, rng, 1) for n in (40, 9, 31, 20)]
     keys = [(2, 5), (2, 6), (2, 7), (2, 8)]
     padded = masker(insts, keys=keys)
-    packed = PackingCollator(masker, PackedShapes.for_rows(rows=2, max_seqlen=64, per_row=2, mlm_probability=0.15))(
+    packed = DictPacker(masker, PackedShapes.for_rows(rows=2, max_seqlen=64, per_row=2, mlm_probability=0.15))(
         [insts[:2], insts[2:]], keys=keys)
     starts = packed.cu_seqlens.tolist()
     for i, x in enumerate(insts):
@@ -368,14 +371,14 @@ def test_an_instance_is_masked_the_same_padded_and_packed(whole_word):
         assert torch.equal(packed.mlm_positions[used][at] - s, (labels != -100).nonzero().squeeze(1))
         assert torch.equal(packed.mlm_labels[used][at], labels[labels != -100])
     with pytest.raises(ValueError, match="packed batches need exact-count masking"):
-        PackingCollator(MLMCollator(SPECIAL, exact=False), PackedShapes.for_rows(2, 64, 2, 0.15))
+        DictPacker(DictMasker(SPECIAL, exact=False), PackedShapes.for_rows(2, 64, 2, 0.15))
 
 
 def test_one_per_row_is_a_padded_batch_in_the_packed_layout():
-    from bert.packing import one_per_row
+    from batch_utils import one_per_row
 
     rng = random.Random(5)
-    masker = MLMCollator(SPECIAL, seed=2)
+    masker = DictMasker(SPECIAL, seed=2)
     insts = [instance(n, rng, n % 2) for n in (13, 30, 4)]
     b = one_per_row(masker, insts, [(0, 1), (0, 2), (0, 3)])
     padded = masker(insts, keys=[(0, 1), (0, 2), (0, 3)])  # the same masks, padded to 32 as well

@@ -1,7 +1,7 @@
-"""bert.padding: packing kept tokens and scattering them back, for any mask pattern."""
+"""bert.model.padding: packing kept tokens and scattering them back, for any mask pattern."""
 import torch
 
-from bert.padding import pad, unpad, unpad_mask
+from bert.model.padding import pad, unpad, unpad_mask
 
 
 def test_unpad_and_pad_round_trip_with_left_padding_and_holes():
@@ -26,7 +26,7 @@ def test_empty_batch():
 def test_static_layout_has_value_independent_shapes_and_the_kept_tokens_in_order():
     """torch.export's layout: every token of the [batch, seq] input, each row's kept tokens first as one
     sequence, its padding after as another; holes, empty and full rows included."""
-    from bert.padding import static_layout
+    from bert.model.padding import static_layout
 
     keep = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 1]]).bool()
     p = static_layout(keep)

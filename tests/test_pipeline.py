@@ -1,14 +1,15 @@
-"""bert.pipeline: shard-streamed epochs, the same under any ranks x accumulation steps, resumable, parallel."""
+"""bert.data.pipeline: shard-streamed epochs, the same under any ranks x accumulation steps, resumable, parallel."""
 import numpy as np
 import pytest
 import torch
 
-import bert.pipeline as pipeline
-from bert.corpus import TokenisedCorpus
-from bert.data import MLMCollator, SpecialIds
-from bert.instances import materialize, span_lengths
-from bert.packing import PackedShapes
-from bert.pipeline import Layout, Planner, StepCollator, StepSampler, shard_starts, step_work
+import bert.data.pipeline as pipeline
+from bert.data.corpus import TokenisedCorpus
+from bert.data.masking import SpecialIds
+from batch_utils import DictMasker, materialize
+from bert.data.instances import span_lengths
+from bert.data.packing import PackedShapes
+from bert.data.pipeline import Layout, Planner, StepCollator, StepSampler, shard_starts, step_work
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=30_000, special=(0, 1, 2, 3, 4))
 
@@ -35,7 +36,7 @@ def planner(parts, packed=True, seed=5, c=None) -> Planner:
 
 
 def batches(p: Planner, epoch, rank, accum, first=0, processes=0, workers=0):
-    masker = MLMCollator(SPECIAL, seed=3)
+    masker = DictMasker(SPECIAL, seed=3)
     loader = torch.utils.data.DataLoader(StepCollator(p.corpus, masker, p.layout), batch_size=None,
                                          sampler=StepSampler(p, epoch, rank, accum, first, processes),
                                          num_workers=workers, collate_fn=lambda x: x)
@@ -97,7 +98,7 @@ def test_collated_batches_hold_the_planned_instances(small_shards):
     p = planner(parts=1)
     plan = next(p.plans(0))
     (work,) = step_work(plan, 0, 0, p.layout, rank=0, accum=1)
-    (b,) = StepCollator(p.corpus, MLMCollator(SPECIAL, seed=3), p.layout)[[work]]
+    (b,) = StepCollator(p.corpus, DictMasker(SPECIAL, seed=3), p.layout)[[work]]
     instances = materialize(p.corpus, work.spans, SPECIAL.cls, SPECIAL.sep)
     assert b.lengths == [len(x["input_ids"]) for x in instances]
     starts = b.cu_seqlens.tolist()
@@ -140,7 +141,7 @@ def test_closing_the_loader_with_planners_blocked_mid_send_returns_within_a_boun
     processes when the loader closes after the last step. Closing returns, and no planner or worker is left."""
     import time
 
-    from bert.pipeline import EpochStream
+    from bert.data.pipeline import EpochStream
 
     n_tokens = 4 << 20  # four shards of the minimum size
     tokens = np.random.default_rng(0).integers(5, 29_000, n_tokens).astype(np.uint16)
@@ -150,7 +151,7 @@ def test_closing_the_loader_with_planners_blocked_mid_send_returns_within_a_boun
     p = Planner(big, np.arange(len(big)), layout, 0)
     assert p.shards == 4
     before = _children()
-    items = iter(EpochStream(p, MLMCollator(SPECIAL, seed=0), 0, 0, 1, processes=3).loader(0, 1, False))
+    items = iter(EpochStream(p, DictMasker(SPECIAL, seed=0), 0, 0, 1, processes=3).loader(0, 1, False))
     next(items)
     time.sleep(2.0)  # the planners of the later shards are done and blocked writing their plans
     started = _children() - before

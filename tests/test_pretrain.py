@@ -196,7 +196,7 @@ def test_resume_from_an_earlier_checkpoint_rewrites_the_later_log_rows(tmp_path,
 
 
 def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path, corpus):
-    from bert.tokenizer import load_tokenizer
+    from bert.data.tokenizer import load_tokenizer
 
     train(args_for(tmp_path, corpus, "--steps", "2", out="x"))
     train(args_for(tmp_path, corpus, "--steps", "2", out="y"))
@@ -276,7 +276,7 @@ def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, c
     assert line.startswith("bert-pretrain: error: step ") and "is not finite" in line and "Traceback" not in err
     assert not (tmp_path / "run" / "model.safetensors").exists()
     for name in os.listdir(tmp_path / "run" / "checkpoints"):
-        sd = bert.checkpoint.read_state_dict(str(tmp_path / "run" / "checkpoints" / name))
+        sd = bert.model.checkpoint.read_state_dict(str(tmp_path / "run" / "checkpoints" / name))
         assert all(torch.isfinite(t).all() for t in sd.values()), name
 
 
@@ -285,20 +285,22 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     """Evaluation runs in the run's own layout: packed micro-batches of its fixed shapes for a packed run, one
     instance per row otherwise. The held-out instances and their masking are the same either way, so both layouts
     give one loss."""
-    from types import SimpleNamespace
 
-    from bert.corpus import TokenisedCorpus
-    from bert.data import MLMCollator, SpecialIds
-    from bert.packing import PackedBatch, PackedShapes
-    from bert.pretrain import eval_batches, evaluate
+    from bert.data.corpus import TokenisedCorpus
+    from batch_utils import DictMasker
+    from bert.data.masking import SpecialIds
+    from bert.data.batch import PackedBatch
+    from bert.data.packing import PackedShapes
+    from bert.data.pipeline import held_out_batches
+    from bert.pretrain import evaluate
 
     special = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=300, special=(0, 1, 2, 3, 4))
     docs = [[[5 + (7 * d + s + j) % 290 for j in range(6 + s % 5)] for s in range(8)] for d in range(6)]
-    corpus = SimpleNamespace(corpus=TokenisedCorpus.from_documents(docs), eval_ids=np.arange(6), max_seq_len=32,
-                             special=special, seed=4)
-    collator = MLMCollator(special, seed=4)
+    corpus = TokenisedCorpus.from_documents(docs)
+    collator = DictMasker(special, seed=4)
     shapes = PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15)
-    padded, packed = list(eval_batches(corpus, collator, None, 6, 3)), list(eval_batches(corpus, collator, shapes, 6, 3))
+    padded, packed = (list(held_out_batches(corpus, np.arange(6), 32, 4, collator, layout, 6, 3))
+                      for layout in (None, shapes))
     assert all(isinstance(b, PackedBatch) for b in padded + packed)  # one batch type, two layouts
     assert [len(b.lengths) for b in padded] == [6, 6, 6]  # one instance per row
     assert sum(len(b.lengths) for b in packed) == 18 and all(b.slots == 4 * 32 for b in packed)  # the run's shapes
@@ -357,7 +359,7 @@ def test_a_slow_rank_0_is_waited_for_as_long_as_dist_timeout_says(tmp_path, corp
 def test_wikipedia_jsonl_trains_and_the_log_says_how_long_steps_waited_for_data(tmp_path, monkeypatch, capsys):
     """A corpus in the schema of hf:wikimedia/wikipedia trains; every log row has data_wait_ms, the first one the
     pipeline's start-up (data_start_s); a pipeline slower than the steps is warned about, once."""
-    from bert import pipeline
+    from bert.data import pipeline
     from corpus_utils import write_wikipedia_jsonl
 
     wiki = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=40, sentences=12)
@@ -417,7 +419,7 @@ def _command(data, out, *extra):
 
 
 def _saved_tokenizer(path, docs=6, vocab=120, seed=0):
-    from bert.tokenizer import train_tokenizer
+    from bert.data.tokenizer import train_tokenizer
     from corpus_utils import topic_documents
 
     train_tokenizer(topic_documents(docs, 4, seed=seed), vocab_size=vocab, output_dir=str(path))
@@ -474,7 +476,7 @@ def test_sigterm_while_preparing_ends_the_run_at_once_leaving_no_file_and_no_pro
 def test_a_killed_run_leaves_no_process_behind_and_no_lock(tmp_path, corpus):
     """SIGKILL of the training process (no handler, no finaliser): its planners and collating workers exit on
     their own, and the output directory's lock is free for --resume."""
-    from bert.trainer import output_dir_lock
+    from bert.train.rundir import output_dir_lock
 
     out = tmp_path / "run"
     proc = subprocess.Popen(_command(corpus, out, "--train-tokenizer", "200", "--steps", "100000", "--num-proc", "2",

@@ -1,9 +1,9 @@
-"""bert.seeds: one root seed, independent named streams, keys that are what they say."""
+"""bert.common.seeds: one root seed, independent named streams, keys that are what they say."""
 import numpy as np
 import pytest
 import torch
 
-from bert import seeds
+from bert.common import seeds
 
 
 def test_streams_are_deterministic_and_independent():

@@ -1,4 +1,4 @@
-"""bert.static and the packed training step at static shapes: traced whole by torch.compile, no host sync, and
+"""bert.train.static and the packed training step at static shapes: traced whole by torch.compile, no host sync, and
 (on a GPU) captured in a CUDA graph."""
 import random
 
@@ -6,10 +6,12 @@ import pytest
 import torch
 
 import bert
-from bert.data import MLMCollator, SpecialIds
-from bert.optim import adamw
-from bert.packing import PackedShapes, PackingCollator
-from bert.static import GraphedStep, HostSyncError, forbid_host_sync
+from bert.data.masking import SpecialIds
+from bert.train.optim import adamw
+from bert.data.packing import PackedShapes
+from bert.train.static import GraphedStep
+from batch_utils import DictMasker, DictPacker
+from sync_utils import HostSyncError, forbid_host_sync
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
 BACKENDS = ["torch", "triton"]
@@ -26,7 +28,7 @@ def packed_batch(rows=((30,), (7, 19)), seed=4):
             insts[-1].append({"input_ids": ids, "token_type_ids": [0] * (n // 2) + [1] * (n - n // 2),
                               "next_sentence_label": n % 2})
     shapes = PackedShapes.for_rows(3, 32, 2, 0.15)
-    return PackingCollator(MLMCollator(SPECIAL, seed=5), shapes)(insts, keys=range(sum(map(len, rows))))
+    return DictPacker(DictMasker(SPECIAL, seed=5), shapes)(insts, keys=range(sum(map(len, rows))))
 
 
 def tiny(backend, dropout=0.1):

@@ -1,4 +1,4 @@
-"""bert.trainer's guarantees on a tiny classification job: non-finite steps never update or get saved, one job
+"""bert.train's guarantees on a tiny classification job: non-finite steps never update or get saved, one job
 per output directory, a failed checkpoint write says so and leaves the earlier ones, log windows restart at
 checkpoints, and the warm-up follows transformers."""
 import json
@@ -13,10 +13,13 @@ import pytest
 import torch
 
 import bert
-from bert.trainer import Job, NonFiniteError, OutputDirBusy, Settings, Trainer, latest_checkpoint, output_dir_lock, \
-    warmup_steps
-from bert.checkpoint import read_state_dict
-from bert.optim import linear_schedule
+from bert.data.pipeline import step_loader
+from bert.train.loop import Job, Trainer, warmup_steps
+from bert.train.health import NonFiniteError
+from bert.train.rundir import OutputDirBusy, latest_checkpoint, output_dir_lock
+from bert.train.settings import Settings
+from bert.model.checkpoint import read_state_dict
+from bert.train.optim import linear_schedule
 
 POISON = float("nan")
 
@@ -28,6 +31,22 @@ class Poisonable(bert.BertForSequenceClassification):
         out = super().forward(**batch)
         out.loss = out.loss * poison
         return out
+
+
+class Steps(torch.utils.data.Dataset):
+    """A job's epoch as the trainer reads it: item i is global step i's micro-batches (bert.data.pipeline's loader)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __getitem__(self, i):
+        return self.steps[i]
+
+    def loader(self, first, num_workers, pin_memory):
+        return step_loader(self, range(first, len(self)), num_workers, pin_memory)
 
 
 class TinyJob(Job):
@@ -49,7 +68,7 @@ class TinyJob(Job):
                            "attention_mask": torch.ones(4, 8, dtype=torch.long),
                            "labels": torch.randint(0, 2, (4,), generator=g),
                            "poison": torch.tensor(POISON if bad else 1.0)}])
-        return steps
+        return Steps(steps)
 
     def counts(self, batch):
         return {"task": 4.0}
@@ -65,7 +84,7 @@ def settings(out, **kw):
 
 
 def fit(job, s):
-    trainer = Trainer(job, s, torch.device("cpu"), bert.trainer.Dist())
+    trainer = Trainer(job, s, torch.device("cpu"), bert.train.distributed.Dist())
     return trainer, trainer.fit()
 
 
@@ -81,7 +100,7 @@ def weights(model):
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_saves_nothing_after_it(tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(TinyJob(poisoned={3}), settings(out, save_every=2, log_every=4), torch.device("cpu"),
-                      bert.trainer.Dist())
+                      bert.train.distributed.Dist())
     with pytest.raises(NonFiniteError, match=r"step 3: the loss \(nan\).*not finite.*step-00000002"):
         trainer.fit()
     assert latest_checkpoint(str(out)).endswith("step-00000002")  # the window was read before step 4's checkpoint
@@ -99,9 +118,9 @@ def test_a_skipped_step_changes_nothing_and_the_run_goes_on(tmp_path):
     assert last["step"] == 5 and [r["nonfinite_steps"] for r in rows(tmp_path / "a")] == [0, 0, 1, 0, 0]
     assert all(torch.isfinite(t).all() for t in read_state_dict(str(tmp_path / "a")).values())
 
-    ref = Trainer(TinyJob(), settings(tmp_path / "b", steps=5), torch.device("cpu"), bert.trainer.Dist())
+    ref = Trainer(TinyJob(), settings(tmp_path / "b", steps=5), torch.device("cpu"), bert.train.distributed.Dist())
     steps = ref.job.epoch_steps(0, 0, ref.d, 1)
-    window = bert.trainer._Window()
+    window = bert.train.health.Window()
     for i in range(5):
         if i == 2:  # what a skipped step still does: the learning-rate schedule moves on
             ref.scheduler.step()
@@ -118,7 +137,7 @@ def test_more_non_finite_steps_in_a_row_than_allowed_stop_the_run(tmp_path):
 
 def test_weights_that_are_not_finite_are_never_written(tmp_path):
     job = TinyJob()
-    trainer = Trainer(job, settings(tmp_path, steps=1), torch.device("cpu"), bert.trainer.Dist())
+    trainer = Trainer(job, settings(tmp_path, steps=1), torch.device("cpu"), bert.train.distributed.Dist())
     with torch.no_grad():
         next(trainer.model.parameters())[0, 0] = float("inf")
     with pytest.raises(NonFiniteError, match="not finite.*nothing saved"):
@@ -172,7 +191,7 @@ def test_warm_up_follows_transformers():
 
 LOCK_HOLDER = """
 import sys, time
-from bert.trainer import output_dir_lock
+from bert.train.rundir import output_dir_lock
 with output_dir_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(60)
@@ -196,22 +215,22 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_holder_leaves
 
 
 def test_both_commands_take_the_trainer_options_from_one_group():
-    """bert-pretrain and bert-finetune declare the trainer's options once (Settings.add_arguments), each with its
-    own defaults, and build Settings from them the same way."""
+    """bert-pretrain and bert-finetune take the trainer's options as declared (Settings), each with its own
+    defaults, and build Settings from them the same way."""
     from bert import finetune, pretrain
 
     parsers = {"pretrain": pretrain.build_parser(), "finetune": finetune.build_parser()}
-    groups = {name: next(g for g in p._action_groups if g.title == "training") for name, p in parsers.items()}
-    flags = {name: [a.option_strings[0] for a in g._group_actions] for name, g in groups.items()}
-    assert flags["pretrain"] == flags["finetune"]
-    dests = {a.dest for a in groups["pretrain"]._group_actions}
-    assert set(Settings.OPTIONS) <= dests and {"overwrite", "no_progress"} <= dests
+    helps = {name: p.format_help().split("\ntraining:\n")[1].split("\n\n")[0] for name, p in parsers.items()}
+    flags = {name: re.findall(r"^  (--[a-z-]+)", text, re.M) for name, text in helps.items()}
+    assert flags["pretrain"] == flags["finetune"] == [
+        (o.flag.get("flags") or (f"--{f.name.replace('_', '-')}",))[0] for f, o in Settings.options()]
     pre = parsers["pretrain"].parse_args(["--data", "x.txt", "--lr", "2e-4", "--no-progress"])
     fine = parsers["finetune"].parse_args(["classify", "--model", "m", "--resume"])
     assert (pre.lr, pre.save_every, fine.lr, fine.save_every, fine.resume) == (2e-4, 500, 3e-5, 0, "latest")
     s = Settings.from_arguments(pre, 7, {"a": 1}, adam_eps=1e-6)
-    assert (s.steps, s.lr, s.progress, s.run_settings, s.adam_eps, s.output_dir) == (7, 2e-4, False, {"a": 1}, 1e-6,
-                                                                                     "runs/pretrain")
+    assert (s.steps, s.lr, s.progress, s.adam_eps, s.output_dir) == (7, 2e-4, False, 1e-6, "runs/pretrain")
+    assert s.run_settings == {"lr": 2e-4, "warmup": 0.01, "weight_decay": 0.01, "grad_accum": 1,
+                              "max_grad_norm": 1.0, "precision": "auto", "seed": 0, "a": 1}
     for flag, value, message in (("lr", 0.0, "--lr must be positive"), ("warmup", -1.0, "--warmup must be 0 or more"),
                                  ("keep_checkpoints", 0, "--keep-checkpoints must be positive")):
         bad = parsers["finetune"].parse_args(["classify", "--model", "m"])
@@ -220,21 +239,42 @@ def test_both_commands_take_the_trainer_options_from_one_group():
             Settings.check_arguments(bad)
 
 
+def test_a_trainer_option_is_one_declaration():
+    """A field declared with option() is a flag of the group, checked, and compared on --resume: nothing else."""
+    import argparse
+    import dataclasses
+
+    from bert.train.settings import option
+
+    @dataclasses.dataclass
+    class More(Settings):
+        label_smoothing: float = option(0.0, "smoothing (default %(default)s)", check="non_negative", resumed=True)
+
+    parser = argparse.ArgumentParser()
+    More.add_arguments(parser, lr=5e-5)
+    args = parser.parse_args(["--label-smoothing", "0.1"])
+    assert (args.label_smoothing, args.lr) == (0.1, 5e-5)
+    assert More.from_arguments(args, 3, {}).run_settings["label_smoothing"] == 0.1
+    args.label_smoothing = -1.0
+    with pytest.raises(ValueError, match="--label-smoothing must be 0 or more"):
+        More.check_arguments(args)
+    with pytest.raises(TypeError, match="not trainer options"):
+        More.add_arguments(argparse.ArgumentParser(), steps=3)
+
+
 # ---- signals and faults: each test bounded by its own timeout -------------------------------------------------
 import threading  # noqa: E402
 
-from bert.trainer import DataWorkerDied, truncate_log  # noqa: E402
+from bert.train.rundir import truncate_log  # noqa: E402
 
 
-class SlowSteps(torch.utils.data.Dataset):
+class SlowSteps(Steps):
     """TinyJob's steps, where step `slow` (1-based) takes a minute to arrive (a shard being planned) and step
     `fatal`, in a DataLoader worker, kills that worker (the OOM killer)."""
 
     def __init__(self, steps, slow=None, fatal=None, started=None):
-        self.steps, self.slow, self.fatal, self.started = steps, slow, fatal, started
-
-    def __len__(self):
-        return len(self.steps)
+        super().__init__(steps.steps)
+        self.slow, self.fatal, self.started = slow, fatal, started
 
     def __getitem__(self, i):
         if i + 1 == self.fatal and torch.utils.data.get_worker_info() is not None:
@@ -294,9 +334,9 @@ def test_sigterm_while_evaluating_abandons_it_and_checkpoints(tmp_path):
 KILLED_WORKER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from bert import cli
+from bert.common import commands
 from test_trainer import SlowJob, fit, settings
-sys.exit(cli.run("train", lambda: fit(SlowJob(fatal=3), settings(sys.argv[2], steps=10, num_workers=1)) and 0))
+sys.exit(commands.run("train", lambda: fit(SlowJob(fatal=3), settings(sys.argv[2], steps=10, num_workers=1)) and 0))
 """
 
 

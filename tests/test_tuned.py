@@ -94,18 +94,21 @@ def test_forced_config_reaches_the_launcher_and_gives_the_same_result(device):
     assert "layer_norm.fwd" not in tuned._forced
 
 
-def test_committed_tables_are_valid():
-    """Every committed table parses, and each entry only sets fields its launcher lets the table tune."""
+def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path):
+    """The tuner's own table passes the check, a table setting a field its launcher may not tune fails it, and
+    every committed table (one per GPU measured) passes."""
     import glob
     import os
 
-    from bench.tune import candidates, default_launch
+    from bench.tune import candidates, table_problems, write_table
 
+    good = write_table(str(tmp_path), "sm_90", {"layer_norm.fwd": {"bfloat16/768/all": {
+        "config": candidates("layer_norm.fwd")[0], "ms": 0.1}}}, {"gpu": "test"})
+    assert table_problems(good) == []
+    bad = tmp_path / "sm_80.json"
+    bad.write_text(json.dumps({"format": tuned.FORMAT, "kernels": {"layer_norm.fwd": {
+        "bfloat16/768/all": {"config": {"BLOCK_N": 64}}, "768": {"config": {}}}}}))
+    assert len(table_problems(str(bad))) == 2
     for path in glob.glob(os.path.join(os.path.dirname(tuned.__file__), "configs", "*.json")):
-        table = json.load(open(path))
-        assert table["format"] == tuned.FORMAT
-        for kernel, entries in table["kernels"].items():
-            for key, entry in entries.items():
-                dtype, size, seq_bucket = key.split("/")
-                assert set(entry["config"]) <= set(candidates(kernel)[0]), (path, kernel, key)
-                default_launch(kernel, getattr(torch, dtype), int(size))._replace(**entry["config"])
+        assert table_problems(path) == [], path
+

@@ -1,6 +1,6 @@
 """The pre-training input pipeline: tokenised corpus -> shards -> NSP spans -> rows -> micro-batches on the device.
 
-Nothing here grows with the corpus but its three memory-mapped arrays (bert.corpus) and the training documents'
+Nothing here grows with the corpus but its three memory-mapped arrays (bert.data.corpus) and the training documents'
 ids, and nothing waits for a pass over the whole corpus:
 
 - **Shards.** The training documents (in the order of the run's "split" stream) are cut into shards of
@@ -8,16 +8,16 @@ ids, and nothing waits for a pass over the whole corpus:
   leaves over (below) is little. An epoch visits the shards in an order of its own (the "order" stream, keyed
   by the epoch).
 - **Planning** a shard (`plan_shard`, a pure function of the shard, the epoch and the seed) draws its NSP spans
-  (bert.instances; a random B may come from any training document; the "nsp" stream keyed by epoch and shard),
-  packs them into rows (bert.packing.pack, linear time) or, without packing, buckets them into padded batches by
+  (bert.data.instances; a random B may come from any training document; the "nsp" stream keyed by epoch and shard),
+  packs them into rows (bert.data.packing.pack, linear time) or, without packing, buckets them into padded batches by
   length, shuffles (the "order" stream keyed by epoch and shard), and cuts the rows into global steps of
   P = ranks x accumulation steps micro-batches. The rows that do not fill a last step are left out (on average
   half a step per shard: at most 1/64 of the data at the default shard size). `--num-proc` background
-  processes (at least one) plan shards ahead of training, in order (bert.workers.ordered_map), so the training
+  processes (at least one) plan shards ahead of training, in order (bert.common.workers.ordered_map), so the training
   process never stops to plan.
 - **Collation** of a step's micro-batches (`StepCollator`) runs in the DataLoader's workers: the sampler (this
   process) hands each worker its rank's share of one step as spans, the worker gathers their tokens from the
-  memory-mapped array, masks the whole micro-batch at once (MLMCollator.mask_flat) and lays it out packed
+  memory-mapped array, masks the whole micro-batch at once (Masker.mask_flat) and lays it out packed
   (PackingCollator.collate) or one instance per row; pinned, then copied to the device without blocking.
 
 A step is micro-batches t P ... t P + P - 1 of its shard, rank r taking r A ... r A + A - 1, and an instance is
@@ -27,6 +27,7 @@ re-plans the shards before it: time, not state).
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,14 +36,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import seeds
-from .corpus import TokenisedCorpus
-from .data import MLMCollator, bucket_rows
-from .instances import draw_spans, gather, span_lengths
-from .packing import FlatInstances, PackedShapes, PackingCollator, epoch_rows, one_per_row_flat
-from .workers import ordered_map, worker_init
+from bert.common import seeds
+from bert.common.workers import ordered_map, worker_init
+from bert.data.corpus import TokenisedCorpus
+from bert.data.instances import SPAN, draw_spans, gather, iter_spans, span_lengths
+from bert.data.masking import Masker
+from bert.data.packing import FlatInstances, PackedShapes, PackingCollator, bucket_rows, epoch_rows, one_per_row, pack
 
 MIN_SHARD_TOKENS = 1 << 20
+
+
 STEPS_PER_SHARD = 64
 
 
@@ -181,10 +184,10 @@ class StepSampler:
 
 
 class StepCollator(torch.utils.data.Dataset):
-    """Collates a step's work (a list of MicroBatchWork) into bert.packing.PackedBatch micro-batches, masked by
-    the run's `stream` (bert.seeds; evaluation collates its held-out instances here too, by its own)."""
+    """Collates a step's work (a list of MicroBatchWork) into bert.data.packing.PackedBatch micro-batches, masked by
+    the run's `stream` (bert.common.seeds; evaluation collates its held-out instances here too, by its own)."""
 
-    def __init__(self, corpus: TokenisedCorpus, masker: MLMCollator, layout: Layout, stream: str = "masking"):
+    def __init__(self, corpus: TokenisedCorpus, masker: Masker, layout: Layout, stream: str = "masking"):
         self.corpus, self.masker, self.layout, self.stream = corpus, masker, layout, stream
         self.packer = PackingCollator(masker, layout.shapes) if layout.shapes else None
 
@@ -197,26 +200,50 @@ class StepCollator(torch.utils.data.Dataset):
         flat = FlatInstances(ids, types, span_lengths(w.spans), w.spans["label"].astype(np.int64))
         if self.packer:
             return self.packer.collate(flat, w.per_row, w.keys.astype(np.uint64), self.stream)
-        return one_per_row_flat(self.masker, flat, w.keys.astype(np.uint64), self.stream)
+        return one_per_row(self.masker, flat, w.keys.astype(np.uint64), self.stream)
+
+
+def held_out_batches(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, seed: int, masker: Masker,
+                     shapes: PackedShapes | None, batch_size: int, batches: int) -> Iterator:
+    """Evaluation's micro-batches: the held-out documents' first `batches` x `batch_size` instances (the run's
+    "eval_nsp" stream) collated as training collates them (StepCollator), one per row in batches of `batch_size`,
+    or packed into micro-batches of the run's fixed `shapes`. Each instance is masked by the "eval_masking" stream
+    keyed by its index: the same at every evaluation, and the same either way."""
+    draws = iter_spans(corpus, doc_ids, max_seq_len, seeds.integer(seed, "eval_nsp"))
+    spans = np.array(list(itertools.islice(draws, batches * batch_size)), dtype=SPAN)
+    layout = Layout(max_seq_len, 1, shapes, batch_size)
+    collator = StepCollator(corpus, masker, layout, "eval_masking")
+    rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
+            else pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row))
+    for first in range(0, len(rows), layout.rows_per_micro):
+        yield collator.collate(micro_batch_work(spans, rows[first:first + layout.rows_per_micro]))
+
+
+def as_is(item):
+    """The loaders' collate function: a step's micro-batches pass as built (the default one would turn typed
+    batches, bert.data.batch.PackedBatch, into plain dicts)."""
+    return item
+
+
+def step_loader(dataset, sampler, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """A DataLoader of whole steps, the one kind a trainer reads: `dataset[item]` for each item of `sampler`, as
+    built, pinned when asked. Its workers are forked, whatever the default start method (spawn inside a spawned
+    process; forkserver from Python 3.14): they start at once, sharing the parent's imported modules and mapped
+    corpus. Its own generator: the loader never draws from the global RNG, which dropout uses."""
+    context = "fork" if num_workers and "fork" in multiprocessing.get_all_start_methods() else None
+    return torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=num_workers,
+                                       collate_fn=as_is, pin_memory=pin_memory, generator=torch.Generator(),
+                                       multiprocessing_context=context, worker_init_fn=worker_init)
 
 
 class EpochStream:
     """An epoch of pre-training steps for this rank, as the trainer reads it (`loader`)."""
 
-    def __init__(self, planner: Planner, masker: MLMCollator, epoch: int, rank: int, accum: int, processes: int = 1):
+    def __init__(self, planner: Planner, masker: Masker, epoch: int, rank: int, accum: int, processes: int = 1):
         self.planner, self.masker, self.epoch, self.rank, self.accum = planner, masker, epoch, rank, accum
         self.processes = processes
 
     def loader(self, first: int, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
         sampler = StepSampler(self.planner, self.epoch, self.rank, self.accum, first, self.processes)
-        # Forked workers, whatever the default start method (spawn inside a spawned process; forkserver from
-        # Python 3.14): they start at once, sharing the parent's imported modules and mapped corpus.
-        context = "fork" if num_workers and "fork" in multiprocessing.get_all_start_methods() else None
-        return torch.utils.data.DataLoader(StepCollator(self.planner.corpus, self.masker, self.planner.layout),
-                                           batch_size=None, sampler=sampler, num_workers=num_workers,
-                                           collate_fn=_as_is, pin_memory=pin_memory, generator=torch.Generator(),
-                                           multiprocessing_context=context, worker_init_fn=worker_init)
-
-
-def _as_is(item):
-    return item
+        return step_loader(StepCollator(self.planner.corpus, self.masker, self.planner.layout), sampler, num_workers,
+                           pin_memory)

@@ -33,9 +33,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
-from .cli import ExpectedError
+from bert.common.errors import ExpectedError
 
 CLOSE_TIMEOUT = 5.0  # seconds a worker is given to exit on SIGTERM before it is killed
+
+
 _STOPS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -71,6 +73,7 @@ def _libc():
 
 
 _LIBC = _libc()
+
 
 # Descriptors a forked worker must not keep open: an output directory's flock is held while any copy of its
 # descriptor lives, so a worker outliving its run would keep the next run out.

@@ -5,7 +5,7 @@ each other and of their keys: changing how many evaluation batches run, say, mov
 are non-negative integers (an epoch, a shard of the training documents, an instance's index in it), which is
 what makes a run the same under any number of ranks or accumulation steps and after a resume: an instance is
 masked by (epoch, shard, index), wherever and whenever it is collated. Masking hashes its keys with the token's
-position (bert.data.MLMCollator.mask_flat), so a whole micro-batch is masked at once.
+position (bert.data.masking.Masker.mask_flat), so a whole micro-batch is masked at once.
 
 | stream        | what it decides                                                   | keys            |
 |---------------|-------------------------------------------------------------------|-----------------|

@@ -8,8 +8,8 @@ memory-mapped by every process that reads it, so opening it costs nothing whatev
     sentences   [n_sentences + 1]  int64: sentence i is tokens[sentences[i]:sentences[i + 1]]
     documents   [n_documents + 1]  int64: document d is sentences documents[d] ... documents[d + 1] - 1
 
-`tokenize_corpus` builds it: documents are read as text in this process (bert.data.iter_document_texts), split
-into sentences and encoded by `num_proc` worker processes (bert.workers.ordered_map), and appended to the arrays
+`tokenize_corpus` builds it: documents are read as text in this process (bert.data.text.iter_document_texts), split
+into sentences and encoded by `num_proc` worker processes (bert.common.workers.ordered_map), and appended to the arrays
 in order, so memory stays bounded by the tasks in flight. For BERT's tokenizers each distinct whitespace-separated
 word is encoded once and then looked up (`WordCache`: the tokenizer's own result, exactly, at twice its speed on
 running text); other tokenizers get one call per batch of documents. The result is cached under `cache_dir`,
@@ -34,13 +34,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checkpoint import atomic_write_text
-from .data import corpus_files, iter_document_texts, text_sentences
-from .workers import ordered_map
+from bert.common.files import atomic_write_text
+from bert.common.workers import ordered_map
+from bert.data.text import corpus_files, iter_document_texts, text_sentences
 
 FORMAT = 2
+
+
 _ARRAYS = ("tokens", "sentences", "documents")
+
+
 CHECK_BLOCK = 1 << 23  # offsets per block of TokenisedCorpus.check
+
+
 TASK_BYTES = 1 << 21   # text per tokenising task: large enough to amortise a call, small enough to stay bounded
 
 
@@ -190,10 +196,16 @@ def _read_meta(path: str) -> dict:
 
 # ---- tokenising ------------------------------------------------------------------------------------
 _TOKENIZER = None
+
+
 _WORDS: "WordCache | None" = None
+
+
 # What BERT's normaliser and pre-tokeniser treat as whitespace: each splits words and yields no token (checked
 # against the tokenizer over every code point; \x0b, \x0c, \x1c-\x1f and \x85 are control characters it deletes).
 _BERT_SPACE = re.compile("[\t\n\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
+
+
 CACHE_WORDS = 1 << 19  # ~120 MB a process
 
 
@@ -350,7 +362,7 @@ def _write_json(path: str, value: dict) -> None:
 
 def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_proc: int = 1,
                     max_documents: int | None = None, text_field: str = "text") -> TokenisedCorpus:
-    """The tokenised corpus of `source` (bert.data.iter_document_texts): from the cache under `cache_dir` when it
+    """The tokenised corpus of `source` (bert.data.text.iter_document_texts): from the cache under `cache_dir` when it
     is there and readable, else built by `num_proc` processes and cached (without `cache_dir`: built in memory,
     nothing written). Building removes what killed builds left in `cache_dir` (remove_stale) and, once done,
     the caches of this source and settings that an edit of the corpus made stale."""

@@ -1,6 +1,6 @@
-"""Training steps at static shapes: proving a step never waits for the device, and capturing it in a CUDA graph.
+"""Training steps at static shapes, captured in a CUDA graph.
 
-A packed pre-training step (bert.packing, BertForPreTraining's packed call) has fixed shapes and asks the host
+A packed pre-training step (bert.data.packing, BertForPreTraining's packed call) has fixed shapes and asks the host
 nothing, so the whole iteration - forward, backward, gradient clipping and the fused AdamW step - can be
 recorded once as a CUDA graph and replayed: one launch per step instead of thousands, and no Python between
 kernels. NVIDIA's MLPerf BERT does the same (its `full_iteration` graph). `GraphedStep` does the recording:
@@ -11,52 +11,10 @@ kernels. NVIDIA's MLPerf BERT does the same (its `full_iteration` graph). `Graph
 - the optimizer must be capturable (its step count and learning rate live on the device; the scheduler writes
   the learning rate into that tensor, which the graph reads);
 - the outputs the trainer keeps (loss terms and statistics) are cloned after each replay.
-
-`forbid_host_sync` is the check: inside it, any Python-level read of a tensor's value (item, tolist, bool,
-int, float, nonzero) raises, and on a GPU torch's own sync debug mode raises for the rest.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-class HostSyncError(RuntimeError):
-    """A tensor's value was read on the host where no host-device synchronisation is allowed."""
-
-
-_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
-
-
-@contextlib.contextmanager
-def forbid_host_sync(device: torch.device | None = None):
-    """Within the block, reading a tensor's value on the host raises HostSyncError (Tensor.item, .tolist,
-    .nonzero, torch.nonzero, bool(), int(), float(), use as an index), and on a CUDA device
-    torch.cuda.set_sync_debug_mode("error") catches the synchronisations made inside torch's C++ code too."""
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
-    saved_nonzero = torch.nonzero
-
-    def refuse(name):
-        def read(*args, **kwargs):
-            raise HostSyncError(f"Tensor.{name} reads a value on the host (a device sync) inside forbid_host_sync")
-        return read
-
-    cuda = device is not None and torch.device(device).type == "cuda"
-    old_mode = torch.cuda.get_sync_debug_mode() if cuda else None
-    try:
-        for name in _READS:
-            setattr(torch.Tensor, name, refuse(name))
-        torch.nonzero = refuse("nonzero")
-        if cuda:
-            torch.cuda.set_sync_debug_mode("error")
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-        torch.nonzero = saved_nonzero
-        if cuda:
-            torch.cuda.set_sync_debug_mode(old_mode)
 
 
 def record_cuda_graph(fn, warmup: int, prepare):
@@ -83,7 +41,7 @@ class GraphedStep:
 
     Every call must bring micro-batches of the same count, keys, shapes and dtypes (a packed batch's) and the
     same non-tensor values; `denominators` maps names to floats (or device scalars), which are copied into the
-    graph's inputs. The optimizer must be capturable, its learning rate a device tensor (bert.optim.adamw).
+    graph's inputs. The optimizer must be capturable, its learning rate a device tensor (bert.train.optim.adamw).
     `record` does the warm-up and capture (`record_cuda_graph`; tests pass a stand-in that runs on a CPU)."""
 
     def __init__(self, step_fn, model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 3,

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
+from bert.common.files import atomic_write, atomic_write_text
+
 logger = logging.getLogger("bert")
+
 
 # Keys that alias another parameter (the MLM decoder is tied to the word embeddings and the head's bias);
 # HF leaves them out of saved files, and so do we.
@@ -25,40 +27,6 @@ TIED_ALIASES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias"
 class LoadingInfo:
     missing_keys: list[str] = field(default_factory=list)      # initialised fresh (e.g. a new task head)
     unexpected_keys: list[str] = field(default_factory=list)   # in the checkpoint, unused by this model
-
-
-def default_file_mode() -> int:
-    """The permissions open() gives a new file under the current umask (mkstemp's are 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def atomic_write(path: str, write) -> None:
-    """Call write(tmp_path), then rename tmp_path to path; the temporary file is removed on failure. The file
-    gets the permissions any other new file would."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, default_file_mode())
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """`text` as the UTF-8 file `path`, atomically (atomic_write)."""
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, write)
 
 
 def _load_file(path: str) -> dict[str, torch.Tensor]:
@@ -113,7 +81,7 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **config_overrides):
         """Build the model from an HF directory. Keyword arguments override config fields (e.g. backend="torch")."""
-        from .config import BertConfig
+        from bert.model.config import BertConfig
 
         path = os.fspath(path)
         if not os.path.isdir(path):

@@ -2,7 +2,8 @@
 
 Module and parameter names follow Hugging Face's `modeling_bert.py`, so state_dicts load both ways. Padding is
 removed once after validating the inputs; every layer then works on [total_tokens, hidden]; outputs are padded
-back at the end. The hot ops go through `bert.ops`, which picks PyTorch or the Triton kernels by `config.backend`.
+back at the end. The hot ops go through `bert.model.ops`, which picks PyTorch or the Triton kernels by
+`config.backend`.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
-from .checkpoint import PretrainedMixin
-from .config import BertConfig
-from .padding import Packed, checks_are_free, kept, pad, read_values, to_tokens, unpad
+from bert.data.batch import Packed, check_packed_labels, checks_are_free
+from bert.model import ops
+from bert.model.checkpoint import PretrainedMixin
+from bert.model.config import BertConfig
+from bert.model.padding import kept, pad, to_tokens, unpad
 
 
 # ---- outputs (HF's field names) ------------------------------------------------------------------
@@ -293,7 +295,7 @@ class BertModel(BertPreTrainedModel):
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, cu_seqlens=None,
                max_seqlen=None, row_aligned: bool = False, validate: bool = False):
-        """The model's one edge (bert.padding.to_tokens): a padded call or a packed one (cu_seqlens and
+        """The model's one edge (bert.model.padding.to_tokens): a padded call or a packed one (cu_seqlens and
         max_seqlen), checked once, then the encoder on packed tokens. Returns (hidden [T, hidden], Packed)."""
         weight = self.embeddings.word_embeddings.weight
         if isinstance(input_ids, torch.Tensor) and input_ids.device != weight.device:
@@ -360,7 +362,7 @@ def _nsp_loss(p: Packed, logits, next_sentence_label):
 class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
     """BERT with the MLM head (decoder tied to the word embeddings) and the NSP head.
 
-    A padded call (HF's) or a packed one (bert.padding; bert.packing.PackingCollator builds them): labelled tokens
+    A padded call (HF's) or a packed one (bert.model.padding; bert.data.packing.PackingCollator builds them): labelled tokens
     are then mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
     unused slots, and a sequence whose next_sentence_label is -100 is filler (a row's tail, an unused slot). The
     same instances packed (any cu_seqlens) or padded give the same losses and gradients. A packed call has every
@@ -398,44 +400,6 @@ class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
         losses = [l for l in (out.mlm_loss, out.nsp_loss) if l is not None]
         out.loss = sum(losses) if losses else None
         return out
-
-
-def check_packed_labels(config, p: Packed, positions, labels, nsp, check_values: bool) -> None:
-    """The label side of a packed batch: shapes and dtypes always; with check_values (one read) that every used
-    MLM slot (label != -100) has a label in the vocabulary and a position inside a sequence (in [0, T), before
-    cu_seqlens[-1], and, given NSP labels, in a sequence with one), no position twice, and NSP labels in
-    {0, 1, -100}, none on an empty sequence. nsp None: an MLM-only batch."""
-    sequences, total = p.sequences, p.tokens
-    named = [("mlm_positions", positions, None if labels is None else labels.shape),
-             ("mlm_labels", labels, None if positions is None else positions.shape)]
-    for name, t, shape in named + ([("next_sentence_label", nsp, (sequences,))] if nsp is not None else []):
-        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool or t.dim() != 1 \
-                or tuple(t.shape) != tuple(shape) or t.device != p.cu_seqlens.device:
-            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
-            raise ValueError(f"packed {name} must be a 1-D integer tensor of shape {tuple(shape or ('R',))} on "
-                             f"{p.cu_seqlens.device}, got {what}")
-    if not check_values:
-        return
-    nsp = torch.zeros(sequences, dtype=torch.long, device=positions.device) if nsp is None else nsp
-    used, nsp_used = labels != -100, nsp != -100
-    lens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
-    inside = (positions >= 0) & (positions < total) & (positions < p.cu_seqlens[-1].long())
-    # Each position's sequence (from the layout; positions outside are counted apart), and whether it is labelled.
-    seq = p.seq[positions.clamp(0, max(total - 1, 0))] if total else torch.zeros_like(positions)
-    in_instance = nsp_used[seq.clamp(max=max(sequences - 1, 0))] if sequences else torch.zeros_like(used)
-    key = torch.where(used, positions, -1 - torch.arange(positions.numel(), device=positions.device)).sort().values
-    counts = read_values(torch.stack([
-        (used & ((labels < 0) | (labels >= config.vocab_size))).sum(), (used & ~inside).sum(),
-        (used & inside & ~in_instance).sum(), (key[1:] == key[:-1]).sum(),
-        (nsp_used & ((nsp < 0) | (nsp > 1))).sum(), (nsp_used & (lens <= 0)).sum()]))
-    problems = [f"{n} {message}" for n, message in zip(counts, (
-        f"mlm_labels outside [0, {config.vocab_size}) (and not -100)",
-        f"mlm_positions outside the sequences of the {total} tokens (negative, past cu_seqlens[-1] or the tokens)",
-        "mlm_positions in filler (a sequence whose next_sentence_label is -100)",
-        "mlm_positions given twice", "next_sentence_label(s) outside {0, 1, -100}",
-        "next_sentence_label(s) on an empty sequence")) if n]
-    if problems:
-        raise ValueError("packed batch: " + "; ".join(problems))
 
 
 class BertForMaskedLM(_MLMMixin, BertPreTrainedModel):

@@ -7,12 +7,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from bert.common.files import read_json_object
+
 BACKENDS = ("auto", "torch", "triton")
+
+
 # HF activation names we implement, mapped to the GeLU flavour the kernels take.
 ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 
+
 # Keys HF writes that mean nothing for an encoder-only BERT; dropped on read, not carried in `extra`.
 _HF_BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures", "model_type"}
+
 
 _PRESETS = {
     # The paper's two models.
@@ -22,18 +28,6 @@ _PRESETS = {
     "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
 }
-
-
-def read_json_object(path) -> dict:
-    """A JSON object from a file; an error naming the file when it is empty, not JSON or not an object."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 @dataclass

@@ -6,24 +6,16 @@ number of rows: T = rows x L tokens. Every packed batch then has the same shapes
 almost no token is padding. Packing (`pack`) is shortest-pack-first histogram packing, as Krell et al. do: best
 fit decreasing computed on the histogram of lengths rather than instance by instance, so an epoch packs in one
 pass linear in its instances (millions a second) and ~99% full at 128 tokens on WikiText-2. A micro-batch is
-collated in a few array operations over all its instances (`PackingCollator.collate`), from dicts or straight
-from the spans of the tokenised corpus (bert.pipeline).
+collated in a few array operations over all its instances (`PackingCollator.collate`), straight from the
+spans of the tokenised corpus (bert.data.pipeline).
 
 Rows matter for one reason: no sequence crosses a row boundary, so attention without a variable-length kernel
 (the PyTorch path) runs as [rows, L, L] with a block-diagonal mask, at the cost of a padded batch of `rows`
 sequences, not of one padded slot per sequence. The Triton kernel reads cu_seqlens and never sees rows.
 
-A packed micro-batch (`PackingCollator`) holds, every shape fixed by (T, S, R):
-    input_ids, token_type_ids, position_ids   [T]     row r at [r L, (r + 1) L): its instances, then filler
-    cu_seqlens                                [S + 1] int32: each instance is a sequence, and so is each row's
-                                                      filler tail (a sequence nobody reads); unused slots are
-                                                      empty sequences at the end
-    mlm_positions, mlm_labels                 [R]     the labelled tokens (indices into [T]); -100 in unused slots
-    next_sentence_label                       [S]     -100 for filler sequences and unused slots
-    max_seqlen                                int     L (a Python int, the same for every batch of the run)
-    row_aligned                               True    no sequence crosses a row (the PyTorch attention's shortcut)
+A packed micro-batch (bert.data.batch.PackedBatch, whose docstring gives its layout) has
 S = rows x (instances per row + 1). Masking chooses exactly round(p * candidates) tokens of each instance (at
-least one), as the original BERT code does, 80/10/10 as usual, keyed per instance like MLMCollator. That is
+least one), as the original BERT code does, 80/10/10 as usual, keyed per instance (bert.data.masking). That is
 about p * (real tokens) per micro-batch; R = ceil(p * T) + rows leaves room for the rounding, and in the rare
 pack that still chooses more, the last instances' extra choices are undone (their tokens restored, unlabelled),
 as BERT's max_predictions_per_seq cap does.
@@ -36,14 +28,14 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .data import MLMCollator, check_instance, key_array, token_index
+from bert.data.batch import PackedBatch
+from bert.data.instances import token_index
+from bert.data.masking import Masker
 
 
 def pack(lengths, budget: int, max_seqs: int) -> np.ndarray:
@@ -145,92 +137,25 @@ class PackedShapes(NamedTuple):
         return self.tokens // self.max_seqlen
 
 
-@dataclass
-class PackedBatch(Mapping):
-    """A packed pre-training micro-batch (the module docstring's layout), as the packer builds it and the job, the
-    trainer and the benchmark read it. A Mapping of BertForPreTraining's keyword arguments: `model(**batch)`."""
-    input_ids: torch.Tensor            # [T]
-    token_type_ids: torch.Tensor       # [T]
-    position_ids: torch.Tensor         # [T]
-    cu_seqlens: torch.Tensor           # [S + 1] int32
-    mlm_positions: torch.Tensor        # [R]
-    mlm_labels: torch.Tensor           # [R], -100 in unused slots
-    next_sentence_label: torch.Tensor  # [S], -100 for filler and unused slots
-    max_seqlen: int
-    row_aligned: bool = True           # no sequence crosses a row of max_seqlen tokens
-
-    def __getitem__(self, key):
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return (f.name for f in fields(self))
-
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
-
-    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
-        return replace(self, **{k: v.to(device, non_blocking=non_blocking) for k, v in self.items()
-                                if isinstance(v, torch.Tensor)})
-
-    def pin_memory(self) -> "PackedBatch":
-        """Pinned host copies (the DataLoader's pin_memory calls this, keeping the type)."""
-        return replace(self, **{k: v.pin_memory() for k, v in self.items() if isinstance(v, torch.Tensor)})
-
-    @property
-    def lengths(self) -> list[int]:
-        """Of the instances: not the rows' filler tails or the unused slots (their NSP label is -100)."""
-        cu, nsp = self.cu_seqlens.tolist(), self.next_sentence_label.tolist()
-        return [b - a for a, b, label in zip(cu, cu[1:], nsp) if label != -100]
-
-    @property
-    def labelled(self) -> int:
-        return int((self.mlm_labels != -100).sum())
-
-    @property
-    def slots(self) -> int:
-        """Tokens in the budget, filler included."""
-        return self.input_ids.numel()
-
-
 class FlatInstances(NamedTuple):
     """Instances laid end to end, as a micro-batch is collated from: the dicts of a list (`from_dicts`) or the
-    spans of the tokenised corpus (bert.instances.gather)."""
+    spans of the tokenised corpus (bert.data.instances.gather)."""
     ids: np.ndarray          # int64 [tokens]
     types: np.ndarray        # int64 [tokens]
     lengths: np.ndarray      # int64 [instances]
     nsp: np.ndarray          # int64 [instances]
 
-    @classmethod
-    def from_dicts(cls, instances: list[dict], names) -> "FlatInstances":
-        """`names(i)` says where instance i is, in an error (every instance is checked: check_instance)."""
-        ids = [check_instance(x, np.iinfo(np.int64).max, names(i)).numpy() for i, x in enumerate(instances)]
-        empty = np.zeros(0, np.int64)
-        return cls(np.concatenate(ids) if ids else empty,
-                   np.concatenate([np.asarray(x["token_type_ids"], np.int64) for x in instances]) if ids else empty,
-                   np.array([len(i) for i in ids], dtype=np.int64),
-                   np.array([x["next_sentence_label"] for x in instances], dtype=np.int64))
 
 
 class PackingCollator:
     """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring), every step over the
     whole micro-batch at once."""
 
-    def __init__(self, masker: MLMCollator, shapes: PackedShapes):
+    def __init__(self, masker: Masker, shapes: PackedShapes):
         if not getattr(masker, "exact", True):
-            raise ValueError("packed batches need exact-count masking (MLMCollator(exact=True)): their labelled "
+            raise ValueError("packed batches need exact-count masking (Masker(exact=True)): their labelled "
                              "tokens must stay within a fixed bound")
         self.masker, self.shapes = masker, shapes
-
-    def __call__(self, rows: list[list[dict]], keys, stream: str = "masking") -> PackedBatch:
-        """rows: lists of instances; keys: one masking key per instance, in order. Every instance is checked
-        (bert.data.check_instance), so the batch passes the model's packed validation."""
-        per_row = np.array([len(row) for row in rows], dtype=np.int64)
-        where = np.repeat(np.arange(len(rows)), per_row)
-        flat = FlatInstances.from_dicts([x for row in rows for x in row],
-                                        lambda i: f"instance {i - int(per_row[:where[i]].sum())} of row {where[i]}")
-        return self.collate(flat, per_row, key_array(keys, len(flat.lengths)), stream)
 
     def _check(self, per_row: np.ndarray, row_tokens: np.ndarray) -> None:
         L, n = self.shapes.max_seqlen, self.shapes.per_row
@@ -304,20 +229,25 @@ def _sequences(out: PackedBatch, ends: np.ndarray, nsp: np.ndarray, row_tokens: 
     out.next_sentence_label[:n] = torch.from_numpy(labels[order])
 
 
-def one_per_row(masker: MLMCollator, instances: list[dict], keys, stream: str = "masking",
-                multiple: int = 8) -> PackedBatch:
-    """A padded batch in the packed layout: instance i alone in row i, the rows as long as the longest instance
-    rounded up to `multiple`. Masked as packed batches are (same keys, same masks); no label is ever capped,
-    since exact masking chooses at most p x length + 1/2 tokens of an instance."""
-    if not instances:
-        raise ValueError("one_per_row: no instances")
-    flat = FlatInstances.from_dicts(instances, lambda i: f"instance {i} of row {i}")
-    return one_per_row_flat(masker, flat, key_array(keys, len(instances)), stream, multiple)
-
-
-def one_per_row_flat(masker: MLMCollator, flat: FlatInstances, keys: np.ndarray, stream: str = "masking",
+def one_per_row(masker: Masker, flat: FlatInstances, keys: np.ndarray, stream: str = "masking",
                      multiple: int = 8) -> PackedBatch:
     """`one_per_row` of instances laid end to end."""
     longest = int(flat.lengths.max())
     shapes = PackedShapes.for_rows(len(flat.lengths), -(-longest // multiple) * multiple, 1, masker.p)
     return PackingCollator(masker, shapes).collate(flat, np.ones(len(flat.lengths), dtype=np.int64), keys, stream)
+
+
+def bucket_rows(lengths: np.ndarray, batch: int, rng: np.random.Generator, pool: int = 50) -> np.ndarray:
+    """Instances in batches of similar length, as int64 [batches x batch, 1] (one instance a row): shuffled, cut
+    into pools of `pool` batches, each pool sorted by length and cut into batches (an incomplete one dropped),
+    the batches shuffled."""
+    order = rng.permutation(len(lengths))
+    span = batch * pool
+    batches = []
+    for start in range(0, len(order), span):
+        chunk = order[start:start + span]
+        chunk = chunk[np.argsort(np.asarray(lengths)[chunk], kind="stable")]
+        batches += [chunk[i:i + batch] for i in range(0, len(chunk) - batch + 1, batch)]
+    if not batches:
+        return np.zeros((0, 1), dtype=np.int64)
+    return np.concatenate([batches[i] for i in rng.permutation(len(batches))]).reshape(-1, 1).astype(np.int64)

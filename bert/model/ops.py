@@ -11,8 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .padding import Packed
-
+from bert.data.batch import Packed
 
 # Looked up once, without importing triton (a constant, so torch.compile traces resolve_backend away).
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -34,8 +33,7 @@ def resolve_backend(name: str) -> str:
 
 def _kernels():
     import kernels  # lazy: pulls in triton
-
-    from . import ours
+    from bert.common.packages import ours
 
     return ours("kernels", kernels)  # ours, not another distribution's package of the same name
 

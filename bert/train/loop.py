@@ -1,4 +1,5 @@
-"""The training loop shared by pre-training and fine-tuning: `Trainer(job, settings).fit()`.
+"""The loop shared by pre-training and fine-tuning: `Trainer(job, settings, device, dist).fit()`, and `Job`, what
+each supplies.
 
 The trainer owns everything the two have in common: the device and torchrun/DDP set-up, mixed precision
 (bf16 autocast, or fp16 with a gradient scaler), gradient accumulation and clipping, AdamW (fused on CUDA; no
@@ -23,82 +24,29 @@ back from the device inside a step: step statistics are summed on the device and
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
-import fcntl
 import json
 import math
 import os
 import shutil
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from .checkpoint import atomic_write_text
-from .cli import ExpectedError, StopRun, StopSignals, stop_signals
-from .optim import adamw, linear_schedule, param_groups, set_lr_types
-from .workers import parent_only, release, worker_init
-
-
-# ---- distributed -------------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    timeout_minutes: float = 0.0   # of the process group's collectives (--dist-timeout)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def main_first(self, fn):
-        """fn() on rank 0 first, which fills a cache on disk, then on the other ranks, which read it from there
-        instead of racing rank 0 to write it."""
-        if self.main:
-            out = fn()
-        try:
-            self.barrier()
-        except RuntimeError as e:  # the process group's timeout (DistBackendError), or rank 0 failed meanwhile
-            raise RankTimeout(f"rank {self.rank} waited for rank 0 and gave up ({_first_line(e)}); if rank 0 was "
-                              f"still at work (tokenising a large corpus), raise --dist-timeout (now "
-                              f"{self.timeout_minutes:g} minutes)") from None
-        if not self.main:
-            out = fn()
-        return out
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
-
-
-DIST_TIMEOUT_MINUTES = 120.0
-
-
-def setup_device(timeout_minutes: float = DIST_TIMEOUT_MINUTES) -> tuple[torch.device, Dist]:
-    """The device (this rank's GPU, or the CPU) and the process group under torchrun (NCCL on GPU, gloo on CPU).
-    Collectives wait up to `timeout_minutes` for the slowest rank (`--dist-timeout`): long enough for rank 0 to
-    tokenise a large corpus while the others wait, where NCCL's default of 10 minutes is not."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return device, Dist()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
-    return device, Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
-                        timeout_minutes)
+from bert.common.errors import StopRun, StopSignals, first_line, stop_signals
+from bert.train.distributed import Dist
+from bert.train.health import HEALTH, NonFiniteError, Window, grad_norm, say, worker_deaths
+from bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
+from bert.train.rundir import (
+    check_resumed_settings,
+    checkpoint_dir,
+    checkpoint_path,
+    latest_checkpoint,
+    save_model,
+    truncate_log,
+)
+from bert.train.settings import Settings
 
 
 # ---- what a job supplies -----------------------------------------------------------------------
@@ -108,10 +56,9 @@ class Job:
     model: torch.nn.Module
 
     def epoch_steps(self, epoch: int, steps_before: int, d: Dist, accum: int):
-        """A sequence (len, getitem) whose item i is the list of this rank's `accum` micro-batches (dicts of CPU
-        tensors) of global step i of `epoch`; steps_before = global steps of the earlier epochs. Or a stream whose
-        length is known only at its end: an object with loader(first, num_workers, pin_memory), an iterable of
-        those lists from step `first` of the epoch on (bert.pipeline.EpochStream)."""
+        """This epoch's steps: an object whose loader(first, num_workers, pin_memory) iterates, from step `first`
+        of `epoch` on, the list of this rank's `accum` micro-batches (CPU tensors) of each global step
+        (bert.data.pipeline.step_loader builds such loaders); steps_before = global steps of the earlier epochs."""
         raise NotImplementedError
 
     def counts(self, batch: dict) -> dict[str, float]:
@@ -152,331 +99,9 @@ class Job:
         save_model(model, getattr(self, "tokenizer", None), path)
 
 
-def save_model(model, tokenizer, path: str) -> None:
-    """A complete model directory: save_pretrained, and the tokenizer next to config.json when there is one."""
-    model.save_pretrained(path)
-    if tokenizer is not None:
-        from .tokenizer import save_tokenizer
-
-        save_tokenizer(tokenizer, path)
-
-
-@dataclass
-class Settings:
-    output_dir: str
-    steps: int
-    lr: float
-    warmup: float = 0.0                # a fraction of steps if < 1, else a number of steps
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    precision: str = "auto"            # auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16
-    grad_accum: int = 1
-    save_every: int = 0
-    keep_checkpoints: int = 3
-    eval_every: int = 0
-    log_every: int = 1
-    num_workers: int = 0
-    seed: int = 0
-    resume: str | None = None          # a checkpoint directory, or "latest"
-    allow_config_changes: bool = False
-    progress: bool = True
-    adam_eps: float = 1e-6
-    compile: str | None = None         # a torch.compile backend ("inductor", "aot_eager"...), or None
-    cuda_graphs: bool = False          # capture each step in a CUDA graph (static shapes, one GPU)
-    max_nonfinite_steps: int = 0       # non-finite steps in a row that are skipped before the run stops
-    run_settings: dict = field(default_factory=dict)   # what --resume compares with the checkpoint's
-
-    # The command-line options behind these fields, declared once for bert-pretrain and bert-finetune; each
-    # command passes its own defaults. (steps, adam_eps, num_workers, compile, cuda_graphs are the commands'.)
-    OPTIONS = ("output_dir", "lr", "warmup", "weight_decay", "max_grad_norm", "max_nonfinite_steps", "precision",
-               "grad_accum", "save_every", "keep_checkpoints", "eval_every", "log_every", "seed", "resume",
-               "allow_config_changes")
-
-    @staticmethod
-    def add_arguments(parser, *, output_dir: str, lr: float, warmup: float, log_every: int, save_every: int,
-                      keep_checkpoints: int, eval_every: int) -> None:
-        """The trainer's options as one argument group, with a command's defaults."""
-        g = parser.add_argument_group("training")
-        g.add_argument("--output-dir", default=output_dir, help="checkpoints, logs and the final model "
-                                                                "(default %(default)s)")
-        g.add_argument("--lr", type=float, default=lr, help="peak learning rate (default %(default)s)")
-        g.add_argument("--warmup", type=float, default=warmup,
-                       help="linear warm-up: a fraction of the steps if < 1, else a number of steps (default "
-                            "%(default)s)")
-        g.add_argument("--weight-decay", type=float, default=0.01,
-                       help="AdamW weight decay, not on biases and LayerNorm (default %(default)s)")
-        g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-        g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off "
-                                                                        "(default 1)")
-        g.add_argument("--max-nonfinite-steps", type=int, default=0, metavar="N",
-                       help="a step whose loss or gradient norm is not finite never changes the weights; allow up "
-                            "to N such steps in a row (skipped, like a loss scaler's) before the run stops with an "
-                            "error (default 0: stop at the first)")
-        g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                       help="auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default auto)")
-        g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-        g.add_argument("--log-every", type=int, default=log_every,
-                       help="a log row (OUTPUT_DIR/log.jsonl, TensorBoard) every N steps; statistics are summed on "
-                            "the device in between, with no per-step host sync (default %(default)s)")
-        g.add_argument("--eval-every", type=int, default=eval_every,
-                       help="evaluate every N steps; 0: not during training (default %(default)s)")
-        g.add_argument("--save-every", type=int, default=save_every,
-                       help="checkpoint every N steps; 0: at the end only (default %(default)s)")
-        g.add_argument("--keep-checkpoints", type=int, default=keep_checkpoints,
-                       help="keep the last K checkpoints (default %(default)s)")
-        g.add_argument("--resume", nargs="?", const="latest", default=None,
-                       help="continue from a checkpoint directory, or from the latest one in OUTPUT_DIR if no path")
-        g.add_argument("--overwrite", action="store_true",
-                       help="start a fresh run in an OUTPUT_DIR that already holds one (its log and checkpoints "
-                            "are deleted)")
-        g.add_argument("--allow-config-changes", action="store_true",
-                       help="with --resume: continue although settings differ from the saved run's (listed)")
-        g.add_argument("--no-progress", action="store_true", help="no progress bar")
-        g.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_MINUTES, metavar="MINUTES",
-                       help="under torchrun: how long a rank waits for the others at a collective, e.g. while rank 0 "
-                            "tokenises the corpus for all (default %(default)s; NCCL's own is 10 minutes)")
-
-    @staticmethod
-    def check_arguments(args) -> None:
-        """The checks of those options, each error naming its flag (before any work)."""
-        from .cli import check_numbers
-
-        check_numbers(args, positive=("lr", "grad_accum", "log_every", "keep_checkpoints", "dist_timeout"),
-                      non_negative=("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every",
-                                    "max_nonfinite_steps"))
-        if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
-            raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
-
-    @classmethod
-    def from_arguments(cls, args, steps: int, run_settings: dict, **command) -> "Settings":
-        """Settings from parsed options: the shared ones, `steps`, and the command's own fields."""
-        return cls(steps=steps, progress=not args.no_progress, run_settings=run_settings,
-                   **{name: getattr(args, name) for name in cls.OPTIONS}, **command)
-
-
-# ---- checkpoints -------------------------------------------------------------------------------
-def checkpoint_dir(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
-
-
-def checkpoint_path(output_dir: str, step: int) -> str:
-    return os.path.join(checkpoint_dir(output_dir), f"step-{step:08d}")
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    root = checkpoint_dir(output_dir)
-    names = sorted(n for n in os.listdir(root) if n.startswith("step-")) if os.path.isdir(root) else []
-    return os.path.join(root, names[-1]) if names else None
-
-
-# Run settings that are digests of content: what a changed one means, in words.
-DIGESTS = {"data_sha256": "the content of the --data corpus", "tokenizer_sha256": "the tokenizer",
-           "train_examples_sha256": "the training examples"}
-
-
-def check_resumed_settings(saved: dict | None, current: dict, allow: bool) -> None:
-    """Refuse to continue a run under other settings than it was started with, listing every difference."""
-    if saved is None:
-        return
-    changed = {k: (saved.get(k), v) for k, v in current.items() if k in saved and saved[k] != v}
-    if changed and not allow:
-        listed = "; ".join(f"{DIGESTS[k]} changed (sha256 {str(a)[:12]}, now {str(b)[:12]})" if k in DIGESTS else
-                           f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        raise ValueError(f"--resume: the settings differ from the saved run's: {listed}. Use the saved settings, "
-                         "or pass --allow-config-changes to continue anyway")
-
-
-def truncate_log(path: str, step: int) -> None:
-    """Drop the log rows written after the checkpoint a run resumes from (they will be written again). A last
-    row cut short (the run was killed while writing it) is dropped too; a damaged row before it is an error
-    naming its line."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [line for line in f if line.strip()]
-    rows = []
-    for i, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if i == len(lines):  # torn by a kill mid-write
-                break
-            raise ValueError(f"{path}:{i}: not a JSON log row; repair or remove that line, then --resume") from None
-        if isinstance(row, dict) and row.get("step", 0) <= step:
-            rows.append(line if line.endswith("\n") else line + "\n")
-    atomic_write_text(path, "".join(rows))
-
-
-class NonFiniteError(ExpectedError):
-    """Training produced a loss or gradient norm that is not finite (more often in a row than allowed)."""
-
-
-class RankTimeout(ExpectedError):
-    """A rank waited longer than the process group's timeout for another."""
-
-
-class OutputDirBusy(ExpectedError):
-    """Another job holds the output directory."""
-
-
-@contextlib.contextmanager
-def output_dir_lock(output_dir: str, d: "Dist | None" = None):
-    """Hold OUTPUT_DIR/.lock for the length of a job, so that a second job started on the same directory is
-    refused at once instead of interleaving its log and checkpoints with the first's. An flock, which the kernel
-    drops when its process dies: a killed job leaves no stale lock. Rank 0 alone takes it under torchrun."""
-    if d is not None and not d.main:
-        yield
-        return
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, ".lock")
-    fd = parent_only(os.open(path, os.O_RDWR | os.O_CREAT, 0o666))  # (closed in forked workers)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise OutputDirBusy(f"{output_dir} is in use by another job ({holder}); wait for it to finish or "
-                                "choose another --output-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  .encode(), 0)
-        yield
-    finally:
-        release(fd)
-        os.close(fd)  # releases the flock
-
-
-def prepare_output_dir(output_dir: str, resume, overwrite: bool) -> None:
-    """A fresh run refuses an output directory that holds another run (its log, checkpoints or model), unless
-    `overwrite`, which deletes the old log and checkpoints so that a later --resume cannot pick them up."""
-    os.makedirs(output_dir, exist_ok=True)
-    if resume:
-        return
-    old = [n for n in ("log.jsonl", "checkpoints", "model.safetensors") if os.path.exists(os.path.join(output_dir, n))]
-    if old and not overwrite:
-        raise ValueError(f"{output_dir} already holds a run ({', '.join(old)}); pass --resume to continue it "
-                         "or --overwrite to start a new one there")
-    for name in ("log.jsonl", "checkpoints", "tensorboard", "tokenizer"):
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-
-
-def slice_bounds(n: int, parts: int, j: int) -> tuple[int, int]:
-    """[start, end) of part j when n rows are cut into `parts` slices whose sizes differ by at most one."""
-    base, extra = divmod(n, parts)
-    start = j * base + min(j, extra)
-    return start, start + base + (j < extra)
-
-
-class DataWorkerDied(ExpectedError):
-    """A DataLoader worker process died (killed by the OOM killer, or by hand)."""
-
-
-@contextlib.contextmanager
-def worker_deaths(state: dict):
-    """A dead DataLoader worker as one clear error: torch reports it as a RuntimeError from its SIGCHLD handler,
-    wherever the training process is (in the backward, waiting for a batch...)."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "DataLoader worker" not in str(e):
-            raise
-        # Its traceback holds the loop's frames and with them the loader, whose workers stay registered with
-        # torch's SIGCHLD handler until it is freed: any later child's exit would raise this again, anywhere.
-        e.with_traceback(None)
-        raise DataWorkerDied(f"after step {state['step']}: {_first_line(e)} If the machine ran out of memory, give "
-                             "the run more memory or fewer --num-workers; --resume continues from the last "
-                             "checkpoint") from None
-
-
-def _as_built(item):
-    """The loader's collate function: a job's micro-batches pass as built (the default one turns typed batches,
-    bert.packing.PackedBatch, into plain dicts)."""
-    return item
-
-
-def micro_batch(global_batch, rank: int, world_size: int, accum_step: int, accum_steps: int):
-    """This rank's rows for one accumulation step of a global batch: the batch is cut into world x accum slices
-    (equal when they divide it), rank r takes slices r*accum ... r*accum + accum - 1."""
-    start, end = slice_bounds(len(global_batch), world_size * accum_steps, rank * accum_steps + accum_step)
-    return global_batch[start:end]
-
-
 def warmup_steps(warmup: float, steps: int) -> int:
     """Warm-up steps from a fraction of `steps` (rounded up, as transformers does) or a number of steps."""
     return math.ceil(warmup * steps) if warmup < 1 else int(warmup)
-
-
-# ---- the loop ----------------------------------------------------------------------------------
-class _Window:
-    """Sums of a log window: loss terms and stats on the device (read once, at the log step), item counts,
-    tokens and sequences from the CPU batches, and each step's health [non-finite flag, loss, gradient norm]."""
-
-    def __init__(self, first_step: int = 1):
-        self.device_sums: dict[str, torch.Tensor] = {}
-        self.health: list[torch.Tensor] = []
-        self.counts: dict[str, float] = {}
-        self.tokens = self.seqs = self.slots = 0.0
-        self.first_step = first_step
-        self.start = time.perf_counter()
-        self.data_wait = self.data_start = 0.0  # waiting for batches; the wait for an epoch's first, apart
-        self.waits = 0
-
-    def waited(self, seconds: float, started: bool) -> None:
-        """A step waited `seconds` for its batch: the pipeline's start-up if the loader had not `started`."""
-        if started:
-            self.data_wait, self.waits = self.data_wait + seconds, self.waits + 1
-        else:
-            self.data_start += seconds
-
-    def add(self, values: dict[str, torch.Tensor]) -> None:
-        for k, v in values.items():
-            v = v.detach().float()
-            self.device_sums[k] = self.device_sums[k] + v if k in self.device_sums else v
-
-    def add_sizes(self, tokens: float, seqs: float, slots: float) -> None:
-        self.tokens, self.seqs, self.slots = self.tokens + tokens, self.seqs + seqs, self.slots + slots
-
-    def read(self, d: Dist, device) -> "WindowValues":
-        """The window's values over every rank, in one read from the device."""
-        names = sorted(self.device_sums)
-        local = torch.stack([self.device_sums[k] for k in names]) if names else torch.zeros(0, device=device)
-        health = torch.stack(self.health) if self.health else torch.zeros((0, 3), device=device)
-        cpu = torch.tensor([*self.counts.values(), self.tokens, self.seqs, self.slots], dtype=torch.float64)
-        if d.world > 1:  # counts, tokens and sequences of every rank
-            cpu = d.all_sum(cpu.to(device)).cpu()
-            local, health = d.all_sum(local), d.all_sum(health.float()) / d.world  # (a flag > 0: some rank)
-        values = torch.cat([local.float(), health.float().flatten()]).tolist()
-        *counts, tokens, seqs, slots = cpu.tolist()
-        health_rows = [values[len(names) + 3 * i:len(names) + 3 * i + 3] for i in range(len(self.health))]
-        return WindowValues(dict(zip(names, values[:len(names)])), dict(zip(self.counts, counts)),
-                            (tokens, seqs, slots), health_rows)
-
-
-@dataclass
-class WindowValues:
-    sums: dict[str, float]
-    counts: dict[str, float]
-    sizes: tuple[float, float, float]      # real tokens, sequences, token slots
-    health: list[list[float]]              # per step: [non-finite (> 0), loss, gradient norm]
-
-
-HEALTH = "_health"  # the key of a step's [non-finite, loss, gradient norm] in what _train_step returns
-
-
-def grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """The gradients' total 2-norm (a device scalar), clipping them to max_norm when it is positive."""
-    params = [p for p in parameters if p.grad is not None]
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if not params:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
 
 
 class Trainer:
@@ -504,7 +129,7 @@ class Trainer:
             if settings.compile else self.ddp
         self.graphed = None
         if graphs:
-            from .static import GraphedStep
+            from bert.train.static import GraphedStep
 
             self.graphed = GraphedStep(self._train_step, self.model, self.optimizer)
         self.log_path = os.path.join(settings.output_dir, "log.jsonl")
@@ -533,7 +158,7 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no checkpoint in {checkpoint_dir(s.output_dir)}")
         if not path:
             return
-        from .checkpoint import read_state_dict
+        from bert.model.checkpoint import read_state_dict
 
         saved = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=True)
         check_resumed_settings(json.loads(saved.get("run_settings") or "null"), s.run_settings,
@@ -568,7 +193,7 @@ class Trainer:
             free = shutil.disk_usage(root).free
             raise OSError(errno.ENOSPC if getattr(e, "errno", None) == errno.ENOSPC else errno.EIO,
                           f"step {self.state['step']}: the checkpoint could not be written to {root} "
-                          f"({_first_line(e)}); that disk has {free / 2**20:.0f} MiB free. Earlier checkpoints are "
+                          f"({first_line(e)}); that disk has {free / 2**20:.0f} MiB free. Earlier checkpoints are "
                           "intact; free some space and --resume") from e
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -616,7 +241,7 @@ class Trainer:
 
     def _loop(self, log, writer, progress) -> dict:
         last: dict = {}
-        window = _Window(self.state["step"] + 1)
+        window = Window(self.state["step"] + 1)
         self.nonfinite_run, self.applied_steps, self.lr = 0, 0, self.scheduler.get_last_lr()[0]
         while self.state["step"] < self.s.steps and not last.get("stopped"):
             first, items, started = self.state["batch_in_epoch"], iter(self._loader()), False
@@ -641,7 +266,7 @@ class Trainer:
                 stopping = self._stopping()
                 row = self._end_of_step(window, self.lr, stopping, log, writer, progress)
                 if row is not None:
-                    last, window = row, _Window(self.state["step"] + 1)
+                    last, window = row, Window(self.state["step"] + 1)
                 if row is not None and row.get("stopped") or self.state["step"] >= self.s.steps:
                     break
             items = None  # the loader's workers and the planners are shut down here, not at some later collection
@@ -681,13 +306,7 @@ class Trainer:
         """This epoch's steps from the current one on: pinned when training on a GPU (copied without blocking)."""
         steps = self.job.epoch_steps(self.state["epoch"], self.state["steps_before_epoch"], self.d, self.s.grad_accum)
         pin, first = self.device.type == "cuda", self.state["batch_in_epoch"]
-        if hasattr(steps, "loader"):
-            return steps.loader(first, self.s.num_workers, pin)
-        subset = torch.utils.data.Subset(steps, range(first, len(steps)))
-        # Its own generator: the loader never draws from the global RNG, which dropout uses.
-        return torch.utils.data.DataLoader(subset, batch_size=None, num_workers=self.s.num_workers,
-                                           generator=torch.Generator(), collate_fn=_as_built, pin_memory=pin,
-                                           worker_init_fn=worker_init)
+        return steps.loader(first, self.s.num_workers, pin)
 
     def _denominators(self, micro_batches) -> tuple[dict, dict]:
         """(this rank's item counts per loss term, the global counts the sums are divided by). One process: plain
@@ -699,7 +318,7 @@ class Trainer:
         total = self.d.all_sum(torch.tensor(list(local.values()), dtype=torch.float32, device=self.device))
         return local, dict(zip(local, total.clamp_min(1.0).unbind()))
 
-    def _step(self, micro_batches, window: _Window) -> float:
+    def _step(self, micro_batches, window: Window) -> float:
         local, denominators = self._denominators(micro_batches)
         for batch in micro_batches:
             window.add_sizes(*self.job.sizes(batch))
@@ -720,7 +339,7 @@ class Trainer:
     def _train_step(self, batches: list[dict], denominators: dict) -> list[dict[str, torch.Tensor]]:
         """Forward and backward of every micro-batch (device tensors), then the optimizer step; returns each
         micro-batch's loss terms and stats (device scalars), the last with the step's health (HEALTH). Nothing
-        here reads the device, so that it can be captured as a CUDA graph (bert.static.GraphedStep) when the
+        here reads the device, so that it can be captured as a CUDA graph (bert.train.static.GraphedStep) when the
         batches are packed."""
         logged, step_loss = [], 0.0
         for a, batch in enumerate(batches):
@@ -809,7 +428,7 @@ class Trainer:
             say(progress, f"step {self.state['step']}: " + ", ".join(f"{k} {x:.4g}" for k, x in scores.items()))
         return scores, False
 
-    def _data_wait(self, window: _Window, elapsed: float, progress) -> dict:
+    def _data_wait(self, window: Window, elapsed: float, progress) -> dict:
         """data_wait_ms: the mean time a step of the window waited for its batch (on rank 0); data_start_s: the
         wait for an epoch's first batch, when the window has one. Once per run, a warning when the waits are
         more than 5% of the time: the input pipeline, not the device, then sets the pace."""
@@ -858,16 +477,3 @@ class Trainer:
         if progress:
             progress.update(row["step"] - progress.n)
             progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k.endswith(("loss", "acc"))})
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
-
-
-def say(progress, message: str) -> None:
-    """A console line that does not break the progress bar (and shows without one)."""
-    if progress:
-        progress.write(message)
-    else:
-        print(message, flush=True)

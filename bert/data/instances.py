@@ -1,4 +1,4 @@
-"""NSP instances as spans of the flat tokenised corpus (bert.corpus), drawn document by document.
+"""NSP instances as spans of the flat tokenised corpus (bert.data.corpus), drawn document by document.
 
 An instance, as in BERT, is [CLS] A [SEP] B [SEP]: a target length of max_seq_len - 3 tokens (10% of the time a
 shorter random one), A the first sentences of a chunk of consecutive sentences reaching the target, B the rest
@@ -8,7 +8,7 @@ of the chunk (the true continuation: label 0) or, half of the time, sentences of
 A and B are each consecutive sentences of one document, and trimming a run of tokens at its ends leaves a run,
 so an instance is five numbers (`SPAN`): where A starts and how long it is, the same for B, and the label. Drawing
 them touches only sentence offsets, never a token; the tokens are gathered when a micro-batch is collated
-(bert.packing), so an epoch's instances cost 25 bytes each, not a Python list per token.
+(bert.data.packing), so an epoch's instances cost 25 bytes each, not a Python list per token.
 """
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .corpus import TokenisedCorpus
-from .data import token_index
+from bert.data.corpus import TokenisedCorpus
+
+
+def token_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For instances `lengths` long laid end to end: each token's instance and its position in that instance
+    (int64 [sum of lengths] each)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    inst = np.repeat(np.arange(len(lengths)), lengths)
+    return inst, np.arange(len(inst)) - (np.cumsum(lengths) - lengths)[inst]
+
 
 SPAN = np.dtype([("a_start", "<i8"), ("a_len", "<i4"), ("b_start", "<i8"), ("b_len", "<i4"), ("label", "i1")])
 
@@ -100,20 +108,3 @@ def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tu
     ids = np.where(in_a | in_b, tokens, sep)
     ids[p == 0] = cls
     return ids, (p > la_t + 1).astype(np.int64)
-
-
-def materialize(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> list[dict]:
-    """Instances as dicts (input_ids, token_type_ids, next_sentence_label), as bert.packing's collators and
-    evaluation take them."""
-    ids, types = gather(corpus, spans, cls, sep)
-    ends = np.cumsum(span_lengths(spans)).tolist()
-    return [{"input_ids": ids[a:b].tolist(), "token_type_ids": types[a:b].tolist(), "next_sentence_label": int(x)}
-            for a, b, x in zip([0] + ends[:-1], ends, spans["label"].tolist())]
-
-
-def iter_instances(documents, max_seq_len: int, special, seed: int) -> Iterator[dict]:
-    """NSP instances of `documents` (a TokenisedCorpus, or documents of sentences of ids) as dicts, in order."""
-    corpus = documents if isinstance(documents, TokenisedCorpus) else TokenisedCorpus.from_documents(documents)
-    doc_ids = np.arange(len(corpus))
-    for span in iter_spans(corpus, doc_ids, max_seq_len, seed):
-        yield from materialize(corpus, np.array([span], dtype=SPAN), special.cls, special.sep)

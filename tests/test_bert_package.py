@@ -1,0 +1,66 @@
+"""bert/'s architecture: data flows one way. Every module has a place in STAGES, and no module imports (at the top
+or inside a function) from a later one; the public names stay where users import them."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Earliest first: text -> tokenised corpus -> instances -> packing -> pipeline -> model -> training -> jobs.
+STAGES = [
+    "bert.common.packages", "bert.common.errors", "bert.common.files", "bert.common.seeds", "bert.common.commands",
+    "bert.common.workers",
+    "bert.data.text", "bert.data.tokenizer", "bert.data.corpus", "bert.data.instances", "bert.data.masking",
+    "bert.data.batch", "bert.data.packing", "bert.data.pipeline",
+    "bert.model.config", "bert.model.checkpoint", "bert.model.ops", "bert.model.padding", "bert.model.modeling",
+    "bert.train.optim", "bert.train.static", "bert.train.distributed", "bert.train.settings", "bert.train.rundir",
+    "bert.train.health", "bert.train.loop",
+    "bert.tasks.metrics", "bert.tasks.readers", "bert.tasks.task",
+    "bert.hf", "bert.pretrain", "bert.finetune", "bert",
+]
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """(line, imported module) for every import of a bert module in the file, a package's modules included."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bert":
+            assert node.level == 0, f"{path}:{node.lineno}: relative import"
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                yield node.lineno, full if full in STAGES else node.module
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "bert":
+                    yield node.lineno, a.name
+
+
+def test_every_module_has_a_stage_and_imports_only_from_earlier_ones():
+    files = sorted((ROOT / "bert").rglob("*.py"))
+    modules = {_module(f) for f in files}
+    packages = {m for m in modules if (ROOT / Path(*m.split("."))).is_dir()} - {"bert"}
+    assert modules - packages == set(STAGES), "STAGES lists every module of bert/"
+    for f in files:
+        me = _module(f)
+        if me in packages:  # a package's __init__ holds a docstring only
+            assert not list(_imports(f)), me
+            continue
+        for line, imported in _imports(f):
+            assert imported in STAGES, f"{f}:{line} imports {imported}, which is not a module of bert"
+            assert STAGES.index(imported) < STAGES.index(me), f"{f}:{line}: {me} imports the later {imported}"
+
+
+def test_the_public_names_stay_where_users_import_them():
+    import bert
+    import bert.hf
+    import bert.finetune
+    import bert.pretrain
+
+    for name in ("BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
+                 "BertForTokenClassification", "BertForQuestionAnswering", "load_tokenizer"):
+        assert hasattr(bert, name), name
+    assert callable(bert.hf.fuse) and callable(bert.hf.unfuse) and callable(bert.hf.fuse_report)
+    assert callable(bert.pretrain.main) and callable(bert.finetune.main)
