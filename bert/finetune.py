@@ -1,4 +1,4 @@
-"""Fine-tuning: `bert-finetune TASK` / `python -m bert.finetune`, one task of bert.tasks.TASKS (listed below,
+"""Fine-tuning: `bert-finetune TASK` / `python -m bert.finetune`, one task of bert.tasks.task.TASKS (listed below,
 from each task class's own description).
 
 --train/--eval take local files or a Hugging Face dataset name (glue/sst2, conll2003, squad). --model is a

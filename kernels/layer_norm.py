@@ -26,7 +26,8 @@ import triton.language as tl
 from torch import nn
 
 from . import tuned
-from ._common import as_rows, backend_for, check_device, check_float, dense, dropout_keep, keep_mask, row_bands, seed_tensor
+from ._common import (as_rows, backend_for, check_device, check_float, dense, dropout_keep, keep_mask, row_bands,
+                      seed_tensor)
 
 __all__ = ["LayerNorm", "layer_norm", "layer_norm_ref", "fuse_layer_norms"]
 MAX_N = 16384

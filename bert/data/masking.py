@@ -65,11 +65,12 @@ def key_array(keys, n: int) -> np.ndarray:
 class Masker:
     """Masks pre-training instances for MLM, a whole micro-batch at once (`mask_flat`).
 
-    Each instance is masked by random numbers of its own: a hash of the run's seed, a named stream (bert.common.seeds),
-    the instance's key and the token's position. Training keys an instance by (epoch, shard, its index in the
-    shard) (bert.data.pipeline), evaluation by its index in the held-out set. So an instance is masked the same
-    way however the batch is split over ranks, packed or padded, and whether or not training resumed in between, yet differently each
-    epoch; and a whole micro-batch is masked in a few array operations (`mask_flat`), whatever its instances.
+    Each instance is masked by random numbers of its own: a hash of the run's seed, a named stream
+    (bert.common.seeds), the instance's key and the token's position. Training keys an instance by (epoch, shard,
+    its index in the shard) (bert.data.pipeline), evaluation by its index in the held-out set. So an instance is
+    masked the same way however the batch is split over ranks, packed or padded, and whether or not training resumed
+    in between, yet differently each epoch; and a whole micro-batch is masked in a few array operations
+    (`mask_flat`), whatever its instances.
     """
 
     def __init__(self, special: SpecialIds, mlm_probability=0.15, mask_prob=0.8, random_prob=0.1,

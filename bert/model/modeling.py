@@ -362,7 +362,7 @@ def _nsp_loss(p: Packed, logits, next_sentence_label):
 class BertForPreTraining(_MLMMixin, BertPreTrainedModel):
     """BERT with the MLM head (decoder tied to the word embeddings) and the NSP head.
 
-    A padded call (HF's) or a packed one (bert.model.padding; bert.data.packing.PackingCollator builds them): labelled tokens
+    A padded call (HF's) or a packed one (bert.data.batch.PackedBatch): labelled tokens
     are then mlm_positions [R] (indices into the tokens) with mlm_labels [R], next_sentence_label [S]; -100 marks
     unused slots, and a sequence whose next_sentence_label is -100 is filler (a row's tail, an unused slot). The
     same instances packed (any cu_seqlens) or padded give the same losses and gradients. A packed call has every

@@ -112,6 +112,6 @@ class Settings:
     def from_arguments(cls, args, steps: int, run_settings: dict, **command) -> "Settings":
         """Settings from parsed options: the trainer's, `steps`, the command's own fields, and what --resume
         compares: the trainer's resumed options and the command's `run_settings`."""
-        return cls(steps=steps, run_settings={**cls.resumed(args), **run_settings},
+        return cls(steps=steps, run_settings={**run_settings, **cls.resumed(args)},
                    **{f.name: getattr(args, f.name) for f, _ in cls.options()}, **command)
 
