@@ -58,7 +58,7 @@ def make_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: 
 
 
 def model_kwargs(batch, family: str = "bert") -> dict:
-    """The model's keyword arguments for a padded synthetic Batch or a packed bert.data.packing.PackedBatch."""
+    """The model's keyword arguments for a padded synthetic Batch or a packed bert.data.batch.PackedBatch."""
     return batch.kwargs(family) if isinstance(batch, Batch) else dict(batch)
 
 
@@ -76,7 +76,7 @@ class _PoolLabels:
 
 
 def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: float = 0.15):
-    """The budget of a padded [batch, seq_len] batch as `batch` rows of seq_len tokens (bert.data.packing's layout,
+    """The budget of a padded [batch, seq_len] batch as `batch` rows of seq_len tokens (bert.data.batch's layout,
     up to 3 instances a row), filled with sequences of make_batch's lengths and contents: a pool of 16 x batch
     sequences is packed into rows best-fit decreasing, and `batch` rows drawn at random from them are laid out
     by bert.data.packing.PackingCollator."""

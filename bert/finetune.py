@@ -24,7 +24,7 @@ from bert.common.commands import add_debug_flag, check_numbers, check_source
 from bert.common.errors import stop_signals
 from bert.common.files import atomic_write_text, read_json_object
 from bert.data.batch import pad_batch
-from bert.data.pipeline import step_loader
+from bert.data.pipeline import StepList
 from bert.data.tokenizer import load_tokenizer, tokenizer_digest
 from bert.tasks.readers import Features
 from bert.tasks.task import TASKS, Task
@@ -124,7 +124,7 @@ class FinetuneJob(Job):
         return self._evaluate(model) if self._evaluate else {}
 
 
-class _Steps(torch.utils.data.Dataset):
+class _Steps(StepList):
     """Item i: this rank's padded micro-batches of global step i."""
 
     def __init__(self, rows, batches, d, accum):
@@ -132,9 +132,6 @@ class _Steps(torch.utils.data.Dataset):
 
     def __len__(self):
         return len(self.batches)
-
-    def loader(self, first: int, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
-        return step_loader(self, range(first, len(self)), num_workers, pin_memory)
 
     def __getitem__(self, i):
         return [pad_batch([self.rows[j] for j in micro_batch(self.batches[i], self.d.rank, self.d.world, a,

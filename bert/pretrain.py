@@ -258,7 +258,7 @@ def evaluate(model, batches, device) -> dict:
 class PretrainJob(Job):
     """MLM + NSP on NSP instances drawn per epoch and shard, packed into micro-batches of fixed `shapes`, or
     (shapes None) length-bucketed into global batches laid out one instance per row; either way a
-    micro-batch is a bert.data.packing.PackedBatch, streamed by bert.data.pipeline (see bert.train.loop.Job)."""
+    micro-batch is a bert.data.batch.PackedBatch, streamed by bert.data.pipeline (see bert.train.loop.Job)."""
     name = "pre-training"
 
     def __init__(self, model, data: PretrainData, masker: Masker, tokenizer, device, *, batch_size: int,
@@ -368,7 +368,7 @@ def _prepare(args, device, d: Dist) -> Trainer:
     data = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = Masker(special, args.mlm_probability, whole_word=args.whole_word_masking,
-                           continuation_ids=continuation, seed=args.seed)
+                      continuation_ids=continuation, seed=args.seed)
     job = PretrainJob(BertForPreTraining(cfg), data, collator, tokenizer, device, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, eval_batches=args.eval_batches,
                       shapes=packed_shapes(args, d), num_proc=args.num_proc)

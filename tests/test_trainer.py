@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bert
-from bert.data.pipeline import step_loader
+from bert.data.pipeline import StepList
 from bert.train.loop import Job, Trainer, warmup_steps
 from bert.train.health import NonFiniteError
 from bert.train.rundir import OutputDirBusy, latest_checkpoint, output_dir_lock
@@ -33,8 +33,8 @@ class Poisonable(bert.BertForSequenceClassification):
         return out
 
 
-class Steps(torch.utils.data.Dataset):
-    """A job's epoch as the trainer reads it: item i is global step i's micro-batches (bert.data.pipeline's loader)."""
+class Steps(StepList):
+    """A job's epoch as the trainer reads it: item i is global step i's micro-batches."""
 
     def __init__(self, steps):
         self.steps = steps
@@ -44,9 +44,6 @@ class Steps(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.steps[i]
-
-    def loader(self, first, num_workers, pin_memory):
-        return step_loader(self, range(first, len(self)), num_workers, pin_memory)
 
 
 class TinyJob(Job):
@@ -222,8 +219,7 @@ def test_both_commands_take_the_trainer_options_from_one_group():
     parsers = {"pretrain": pretrain.build_parser(), "finetune": finetune.build_parser()}
     helps = {name: p.format_help().split("\ntraining:\n")[1].split("\n\n")[0] for name, p in parsers.items()}
     flags = {name: re.findall(r"^  (--[a-z-]+)", text, re.M) for name, text in helps.items()}
-    assert flags["pretrain"] == flags["finetune"] == [
-        (o.flag.get("flags") or (f"--{f.name.replace('_', '-')}",))[0] for f, o in Settings.options()]
+    assert flags["pretrain"] == flags["finetune"] == [f[0] for f in Settings.flags()]
     pre = parsers["pretrain"].parse_args(["--data", "x.txt", "--lr", "2e-4", "--no-progress"])
     fine = parsers["finetune"].parse_args(["classify", "--model", "m", "--resume"])
     assert (pre.lr, pre.save_every, fine.lr, fine.save_every, fine.resume) == (2e-4, 500, 3e-5, 0, "latest")

@@ -184,7 +184,7 @@ class StepSampler:
 
 
 class StepCollator(torch.utils.data.Dataset):
-    """Collates a step's work (a list of MicroBatchWork) into bert.data.packing.PackedBatch micro-batches, masked by
+    """Collates a step's work (a list of MicroBatchWork) into bert.data.batch.PackedBatch micro-batches, masked by
     the run's `stream` (bert.common.seeds; evaluation collates its held-out instances here too, by its own)."""
 
     def __init__(self, corpus: TokenisedCorpus, masker: Masker, layout: Layout, stream: str = "masking"):
@@ -234,6 +234,14 @@ def step_loader(dataset, sampler, num_workers: int, pin_memory: bool) -> torch.u
     return torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=num_workers,
                                        collate_fn=as_is, pin_memory=pin_memory, generator=torch.Generator(),
                                        multiprocessing_context=context, worker_init_fn=worker_init)
+
+
+class StepList(torch.utils.data.Dataset):
+    """An epoch whose steps are known up front: a subclass's item i is global step i's micro-batches (its
+    __len__ and __getitem__), read from step `first` on through `step_loader`, as EpochStream is."""
+
+    def loader(self, first: int, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+        return step_loader(self, range(first, len(self)), num_workers, pin_memory)
 
 
 class EpochStream:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
+from bert.common.commands import check_numbers
 from bert.train.distributed import DIST_TIMEOUT_MINUTES
 
 
@@ -77,27 +78,29 @@ class Settings:
         return [(f, f.metadata["option"]) for f in fields(cls) if "option" in f.metadata]
 
     @classmethod
+    def flags(cls) -> list[tuple]:
+        """The flag strings of every trainer option, in declaration order (`--<name>`, unless declared)."""
+        return [o.flag.get("flags", (f"--{f.name.replace('_', '-')}",)) for f, o in cls.options()]
+
+    @classmethod
     def add_arguments(cls, parser, **defaults) -> None:
         """The trainer's options as one argument group, with a command's `defaults` (field name -> value)."""
         unknown = set(defaults) - {f.name for f, _ in cls.options()}
         if unknown:
             raise TypeError(f"not trainer options: {sorted(unknown)}")
         g = parser.add_argument_group("training")
-        for f, o in cls.options():
+        for (f, o), flags in zip(cls.options(), cls.flags()):
             default = defaults.get(f.name, f.default)
             kwargs = {k: v for k, v in o.flag.items() if k != "flags"}
             if isinstance(f.default, bool):
                 kwargs["action"] = "store_false" if f.default else "store_true"
             elif f.default is not None and "nargs" not in kwargs:
                 kwargs.setdefault("type", type(f.default))
-            flags = o.flag.get("flags", (f"--{f.name.replace('_', '-')}",))
             g.add_argument(*flags, dest=f.name, default=default, help=o.help, **kwargs)
 
     @classmethod
     def check_arguments(cls, args) -> None:
         """The checks of those options, each error naming its flag (before any work)."""
-        from bert.common.commands import check_numbers
-
         check_numbers(args, positive=tuple(f.name for f, o in cls.options() if o.check == "positive"),
                       non_negative=tuple(f.name for f, o in cls.options() if o.check == "non_negative"))
         if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
