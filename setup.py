@@ -7,7 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["bert", "bert.*", "kernels", "kernels.*", "bench", "bench.*"]),
-    package_data={"kernels": ["configs/*.json"]},  # the launch configs measured per GPU (bench/tune.py)
+    package_data={"kernels": ["configs/*.json"]},  # the launch configs per GPU family (bench/tune.py)
     entry_points={"console_scripts": [
         "bert-bench = bench.cli:main",
         "bert-pretrain = bert.pretrain:main",

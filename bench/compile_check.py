@@ -1,13 +1,17 @@
-"""Compile one kernel variant for a GPU architecture down to a cubin, with no GPU, and judge ptxas's report.
+"""Compile one kernel variant for a GPU family down to machine code, with no GPU, and judge the compiler's report.
 
-Shared by `tests/compile_sm90.py` (every variant the launchers pick by default must pass) and `bench/tune.py`
-(candidate launch configs are pruned to those that pass before any is timed). It needs triton in compile mode:
-import it in a process where TRITON_INTERPRET was never set (it removes the variable, which only helps if triton
-was not imported yet, and raises if it was).
+Shared by `tests/compile_gpus.py` (every variant the launchers pick on a family must pass) and `bench/tune.py`
+(candidate launch configs are pruned to those that pass before any is timed, or, without a GPU, before the
+best clean one is written to a compile-checked table). It needs triton in compile mode: import it in a process
+where TRITON_INTERPRET was never set (it removes the variable, which only helps if triton was not imported yet,
+and raises if it was).
 
-Variants are specialised as the JIT specialises them at BERT shapes: pointers 16-byte aligned, and integer
-arguments marked "i32:16" (strides, hidden sizes) divisible by 16. Without those hints the compiler cannot
-vectorise loads and the register counts say little about the real kernels.
+The families are kernels.targets.TARGETS: NVIDIA from sm_75 to sm_120 (PTX, then ptxas's register report, run
+for the architecture the PTX names: "sm_90a", "sm_100a", "sm_120a"), and AMD's gfx90a and gfx942 (AMDGCN, whose
+metadata carries the VGPR and SGPR spill counts and the scratch size). Variants are specialised as the JIT
+specialises them at BERT shapes: pointers 16-byte aligned, and integer arguments marked "i32:16" (strides,
+hidden sizes) divisible by 16. Without those hints the compiler cannot vectorise loads and the register counts
+say little about the real kernels.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -24,8 +29,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels._common import INTERPRET  # noqa: E402
 from bench.record import Variant, record, records  # noqa: E402
+from kernels._common import INTERPRET  # noqa: E402
+from kernels.targets import TARGETS, Target, dots_refusal, dtype_refusal  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "
@@ -33,15 +39,30 @@ if INTERPRET:
 
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
          torch.int64: "*i64", torch.int8: "*i8"}
-MAX_SHARED = 232448  # bytes of shared memory one block may use on an H100/H200 (sm_90)
+# The tensor-core instruction of each Target.dot, as it appears in the compiled code, and the per-warp one that
+# Triton falls back to on Hopper and Blackwell when a dot's tile is too narrow for theirs.
+DOT_INSTRUCTIONS = {"mma": "mma.sync", "wgmma": "wgmma.mma_async", "tcgen05": "tcgen05.mma", "mfma": "v_mfma"}
 
 
-def target(arch: int = 90) -> GPUTarget:
-    return GPUTarget("cuda", arch, 32)
+def target_named(name: str) -> Target:
+    if name not in TARGETS:
+        raise KeyError(f"unknown GPU family {name!r}; have {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def gpu_target(t: Target) -> GPUTarget:
+    return GPUTarget(t.backend, t.arch, t.warp_size)
+
+
+class Report(NamedTuple):
+    """What the compiler says about one compiled kernel; None where a field could not be read."""
+    registers: int | None      # per thread (NVIDIA), VGPRs per lane (AMD)
+    spilled: int | None        # bytes spilled to local (scratch) memory per thread
+    sgpr_spills: int = 0       # AMD: scalar registers spilled into vector-register lanes (no memory traffic)
 
 
 def _ptxas(arch: int):
-    """Path of the ptxas triton uses, or None where this triton hides it."""
+    """Path of the ptxas triton uses for `arch`, or None where this triton hides it."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         try:
@@ -52,44 +73,69 @@ def _ptxas(arch: int):
         return None
 
 
-def register_report(ptx: str, arch: int = 90):
-    """(registers per thread, bytes of spill stores) from ptxas -v on the kernel's PTX; (None, None) if unknown."""
+def ptx_report(ptx: str, arch: int) -> Report:
+    """ptxas -v on the kernel's PTX, for the architecture its `.target` line names (the "a" variants Triton
+    emits for sm_90 and newer, which plain sm_90 would refuse)."""
     ptxas = _ptxas(arch)
-    if ptxas is None:
-        return None, None
-    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    named = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
+    if ptxas is None or named is None:
+        return Report(None, None)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        log = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(tmp, "kernel.cubin")],
-                             capture_output=True, text=True)
+        log = subprocess.run([ptxas, "-v", f"--gpu-name={named.group(1)}", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
     text = log.stdout + log.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
     if log.returncode or not regs or not spills:
-        return None, None
-    return int(regs.group(1)), int(spills.group(1))
+        return Report(None, None)
+    return Report(int(regs.group(1)), int(spills.group(1)))
+
+
+def amdgcn_report(asm: str) -> Report:
+    """The kernel metadata in AMDGCN assembly: VGPRs, VGPR spills (4 bytes each per lane) and the scratch
+    (private segment) a lane needs; spilled = the larger of the two."""
+    def field(name):
+        found = re.search(rf"\.{name}:\s*(\d+)", asm)
+        return None if found is None else int(found.group(1))
+
+    vgprs, vgpr_spills, sgpr_spills = field("vgpr_count"), field("vgpr_spill_count"), field("sgpr_spill_count")
+    scratch = field("private_segment_fixed_size")
+    if None in (vgprs, vgpr_spills, scratch):
+        return Report(None, None)
+    return Report(vgprs, max(4 * vgpr_spills, scratch), sgpr_spills or 0)
 
 
 class Compiled:
-    def __init__(self, shared: int, registers, spilled, ptx: str):
-        self.shared, self.registers, self.spilled = shared, registers, spilled
-        # Hopper's warpgroup tensor-core instruction, and the older per-warp one Triton falls back to when a
-        # dot's M side is too narrow for it.
-        self.wgmma, self.mma_sync = ptx.count("wgmma.mma_async"), ptx.count("mma.sync")
-        # Global loads and stores of one 16-bit element each: half-precision tensors moved without vectors.
-        accesses = re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*", ptx)
-        self.scalar16 = sum(1 for a in accesses if a.endswith("16") and ".v" not in a)
+    def __init__(self, shared: int, report: Report, code: str, t: Target):
+        self.shared, self.report = shared, report
+        self.registers, self.spilled = report.registers, report.spilled
+        self.dots = {kind: code.count(DOT_INSTRUCTIONS[kind]) for kind in dict.fromkeys(("mma", t.dot))
+                     if kind in DOT_INSTRUCTIONS}
+        self.scalar16 = _scalar16(code, t.backend)
+        self.target = t
 
     def __str__(self):
         regs = "?" if self.registers is None else self.registers
         spilled = "?" if self.spilled is None else self.spilled
-        return (f"shared memory {self.shared} B, {regs} registers, {spilled} B spilled, "
-                f"{self.wgmma} wgmma / {self.mma_sync} mma.sync, {self.scalar16} scalar 16-bit accesses")
+        sgpr = f", {self.report.sgpr_spills} SGPRs to VGPR lanes" if self.report.sgpr_spills else ""
+        dots = " / ".join(f"{n} {DOT_INSTRUCTIONS[k]}" for k, n in self.dots.items())
+        memory = "LDS" if self.target.backend == "hip" else "shared memory"
+        return (f"{memory} {self.shared} B, {regs} registers, {spilled} B spilled{sgpr}, {dots}, "
+                f"{self.scalar16} scalar 16-bit accesses")
 
 
-def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3, arch: int = 90) -> Compiled:
+def _scalar16(code: str, backend: str) -> int:
+    """Global loads and stores of one 16-bit element each: half-precision tensors moved without vectors."""
+    if backend == "hip":
+        return len(re.findall(r"\b(?:global|buffer|flat)_(?:load|store)_\w*short\w*", code))
+    accesses = re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*", code)
+    return sum(1 for a in accesses if a.endswith("16") and ".v" not in a)
+
+
+def compile_variant(fn, args: dict, num_warps: int, num_stages: int, t: Target) -> Compiled:
     """args: every parameter -> a torch dtype (pointer), 'i32' / 'i32:16' (divisible by 16) / 'i64' / 'fp32',
     None (absent pointer), or the value of a constexpr parameter."""
     signature, constexprs, attrs = {}, {}, {}
@@ -108,71 +154,104 @@ def compile_variant(fn, args: dict, num_warps: int, num_stages: int = 3, arch: i
     missing = set(args) - {p.name for p in fn.params}
     assert not missing, missing
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=target(arch), options={"num_warps": num_warps, "num_stages": num_stages})
+                              target=gpu_target(t), options={"num_warps": num_warps, "num_stages": num_stages})
     shared = compiled.metadata.shared
-    if shared > MAX_SHARED:  # would fail at launch with "out of resource: shared memory"
-        raise RuntimeError(f"needs {shared} bytes of shared memory; an sm_90 block gets at most {MAX_SHARED}")
-    return Compiled(shared, *register_report(compiled.asm["ptx"], arch), compiled.asm["ptx"])
+    if shared > t.shared_bytes:  # would fail at launch with "out of resource: shared memory"
+        raise RuntimeError(f"needs {shared} bytes of shared memory; a {t.name} block gets at most {t.shared_bytes}")
+    if t.backend == "hip":
+        code = compiled.asm["amdgcn"]
+        return Compiled(shared, amdgcn_report(code), code, t)
+    code = compiled.asm["ptx"]
+    return Compiled(shared, ptx_report(code, t.arch), code, t)
 
 
 def spill_limit(variant: Variant) -> int:
     """Bytes a variant may spill. Half precision, the fast path: none, since spills in the inner loop make a
-    kernel slow while it still passes every test. float32 runs its dots on the CUDA cores, where ptxas's
-    allocation shifts a few bytes either way between releases: a handful, never a loop's worth."""
+    kernel slow while it still passes every test. float32 runs its dots on the CUDA cores (vector ALUs), where
+    the register allocation shifts a few bytes either way between releases: a handful, never a loop's worth."""
     return 64 if variant.dtype == torch.float32 else 0
 
 
-def verdict(variant: Variant, result: Compiled, arch: int = 90) -> str | None:
-    """Why a compiled variant is not good enough, or None when it is. What a variant `needs` (bench/record.py)
-    is judged in half precision: every dot on wgmma, none on the slower mma.sync ("wgmma": attention, MLM loss),
-    or every global access of its tensors in 16-byte vectors, none element by element ("vectors": the
-    memory-bound LayerNorm and bias-GeLU)."""
-    if result.spilled and result.spilled > spill_limit(variant):
+def verdict(variant: Variant, result: Compiled) -> str | None:
+    """Why a compiled variant is not good enough, or None when it is: a register report that cannot be read
+    (unknown is not clean), spills past `spill_limit`, or, in half precision, what a variant `needs`
+    (bench/record.py): "tensor_cores", every dot on the family's tensor-core instruction (wgmma on sm_90,
+    tcgen05 on sm_100, with none left on the slower per-warp mma.sync; mma.sync from sm_75 to sm_89 and on
+    sm_120; MFMA on AMD), or "vectors", every global access of its tensors in 16-byte vectors, none element by
+    element (the memory-bound LayerNorm and bias-GeLU). SGPR spills on AMD go to vector-register lanes, not to
+    memory: reported, not failed."""
+    t = result.target
+    if result.spilled is None:
+        return f"the compiler's register report could not be read for {t.name} ({result})"
+    if result.spilled > spill_limit(variant):
         return f"spills registers ({result})"
     half = variant.dtype != torch.float32
-    if arch == 90 and half and variant.needs == "wgmma" and (result.mma_sync or not result.wgmma):
-        return f"has dots off wgmma ({result})"
+    if half and variant.needs == "tensor_cores" and t.tensor_core_dots:
+        fallback = result.dots.get("mma", 0) if t.dot != "mma" else 0
+        if not result.dots[t.dot] or fallback:
+            return f"has dots off {DOT_INSTRUCTIONS[t.dot]} ({result})"
     if half and variant.needs == "vectors" and result.scalar16:
         return f"moves half-precision elements one by one ({result})"
     return None
 
 
-def check(variant: Variant, arch: int = 90) -> tuple[str | None, str]:
-    """Compile one variant: (failure reason or None, report)."""
+def check(variant: Variant, t: Target) -> tuple[str | None, str]:
+    """Compile one variant for family `t`: (failure reason or None, report). A dtype the family cannot run
+    (bfloat16 on sm_75), or a half-precision dot kernel where Triton has no tensor-core dots (sm_75), is not
+    compiled: the launchers refuse it with the error reported here."""
+    op = variant.name.split()[0]
+    refusal = dtype_refusal(op, variant.dtype, t) or (
+        dots_refusal(op, variant.dtype, t) if variant.needs == "tensor_cores" else None)
+    if refusal:
+        return None, f"refused: {refusal}"
     try:
-        result = compile_variant(variant.fn, variant.args, variant.num_warps, variant.num_stages, arch=arch)
+        result = compile_variant(variant.fn, variant.args, variant.num_warps, variant.num_stages, t)
     except Exception as e:  # out of shared memory, a compiler error: the variant cannot run
         return f"does not compile: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", ""
-    return verdict(variant, result, arch), str(result)
+    return verdict(variant, result), str(result)
 
 
-# -- the variants: each kernel record's defaults, and any entry of a launch-config table --------------------------
+# -- the variants: what the launchers pick for each record's sites, and any entry of a launch-config table ----------
 
-def groups() -> dict:
-    """Group name -> variants: "<record>" (the launchers' defaults, bench/record.py) and "table" (the committed
-    sm_90 table's entries)."""
-    return dict({r.name: r.variants for r in records()}, table=table_variants)
+def launcher_variants(rec, t: Target):
+    """Each of the record's sites (bench/record.py) with the config its launcher picks on `t` (the family's table,
+    else the default)."""
+    for site in rec.sites():
+        launch = rec.tuning.config(site.part, site.dtype, site.size, t)
+        variant = rec.tuning.variant(site.part, site.dtype, site.size, launch, **site.flags)
+        if variant is not None:
+            yield variant
+
+
+def groups(t: Target) -> dict:
+    """Group name -> a function giving its variants for family `t`: "<record>" (what the launchers pick for its
+    sites) and "table" (every entry of the family's table that the lookup reads)."""
+    out = {r.name: (lambda r=r: launcher_variants(r, t)) for r in records()}
+    out["table"] = lambda: table_variants(t)
+    return out
 
 
 from .tune import default_launch  # noqa: E402  (needs no compiler: shared with the sweep)
 
 
-def variant_for(kernel: str, dtype, size: int, config: dict | None = None) -> Variant | None:
-    """The compile variant of a table entry (BERT's training flags: dropout, residual, bias on); None for a
-    launch site that chooses among implementations rather than configuring one kernel (mlm_loss.strategy)."""
-    launch = default_launch(kernel, dtype, size)._replace(**(config or {}))
-    return record(kernel).tuning.variant(kernel.split(".")[1], dtype, size, launch)
+def variants_for(kernel: str, dtype, size: int, config: dict | None, t: Target) -> list[Variant]:
+    """The compile variants of one config of table kernel `kernel` at (dtype, size) on `t`: one per flag
+    combination the record's sites give there (BERT's training flags where none matches); [] for a launch
+    site that chooses among implementations rather than configuring one kernel (mlm_loss.strategy)."""
+    rec, part = record(kernel), kernel.split(".")[1]
+    launch = default_launch(kernel, dtype, size, t)._replace(**(config or {}))
+    flags = [s.flags for s in rec.sites() if (s.part, s.dtype, s.size) == (part, dtype, size)] or [{}]
+    out = [rec.tuning.variant(part, dtype, size, launch, **f) for f in flags]
+    return [v for v in out if v is not None]
 
 
-def table_variants(arch: str = "sm_90"):
-    """Every entry of the launch-config table for `arch` that the lookup reads (the committed one, or
-    BERTFUSE_CONFIG_DIR's), as a compile variant."""
+def table_variants(t: Target):
+    """Every entry of the launch-config table for family `t` that the lookup reads (the committed one, or
+    BERTFUSE_CONFIG_DIR's), as compile variants."""
     from kernels import tuned
 
-    table = tuned.load_table(tuned.config_dir(), arch)
+    table = tuned.load_table(tuned.config_dir(), t.name)
     for kernel, entries in sorted(table.get("kernels", {}).items()):
         for key, entry in sorted(entries.items()):
             dtype, size, _ = key.split("/")
-            variant = variant_for(kernel, getattr(torch, dtype), int(size), entry["config"])
-            if variant is not None:
-                yield variant
+            yield from variants_for(kernel, getattr(torch, dtype), int(size), entry["config"], t)

@@ -22,7 +22,8 @@ Runs, from a source checkout (PYTHONPATH=., no install, no network), these stage
 Each stage gets a share of the budget (smoke 20%, tests 20%, e2e 25%, kernels 20%, tune 15%, among the stages
 chosen; time a stage leaves unused passes to the next) and is stopped when it runs over, keeping what it wrote.
 
-OUT_DIR ends up holding summary.md (targets met or not, failures, environment, the stages that were cut) and
+OUT_DIR ends up holding summary.md (targets met or not, failures, environment: the GPU, its family, e.g. sm_80 or
+gfx942, and the name its results are filed under in bench/results/, e.g. nvidia-a100-sxm4-80gb) and
 all.tar.gz (every log, CSV, JSON and plot, and the tuned table); both are rewritten after every stage. The raw
 files are in OUT_DIR/raw until then, and are removed after packing unless --keep-raw is given.
 
@@ -72,11 +73,21 @@ import torch
 env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU: " + platform.machine() + ")",
        "torch": torch.__version__, "cuda": torch.version.cuda or "none", "python": platform.python_version()}
+env["hip"] = torch.version.hip or "none"
 try:
     import triton
     env["triton"] = triton.__version__
 except ImportError:
     env["triton"] = "not installed"
+if torch.cuda.is_available():  # the GPU family whose launch-config table the kernels read, and the results' name
+    try:
+        from kernels import targets
+        t = targets.of(torch.device("cuda"))
+        env["family"] = f"{t.name} ({t.gpus})"
+    except Exception as e:  # an unsupported GPU still gets its environment written
+        env["family"] = f"unknown ({type(e).__name__}: {e})"[:200]
+    name = torch.cuda.get_device_name().lower()
+    env["results_name"] = "-".join("".join(c if c.isalnum() else " " for c in name).split())
 try:
     env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 except OSError:

@@ -7,7 +7,7 @@ themselves:
     bench.smoke           `smoke`: one check per entry, the op against its float64 reference
     bench.kernel_suite    `bench`: the shapes it is timed at, its peers, the bytes and FLOPs it must move
     bench.tune            `tuning`: the launch sites a config table may set, their candidates and problems
-    bench.compile_check   `variants` (the launchers' defaults) and `tuning.variant` (any table entry)
+    bench.compile_check   `sites` (compiled with what the launchers pick on each GPU family), `tuning.variant`
     bench.targets         `goals`: the speed and memory targets read from the benchmark rows
     bench.precompile, bert-bench, bench/test_kernels.py: the record names and `bench`
 
@@ -20,7 +20,6 @@ import itertools
 from typing import Callable, Iterable, NamedTuple
 
 import torch
-
 
 # -- smoke: the op against a float64 reference ------------------------------------------------------------------
 
@@ -93,13 +92,13 @@ class Bench(NamedTuple):
                                        # output and gradients get their relative error to it (rel_err_fp64)
 
 
-# -- launch-config tuning and the sm_90 compile check ---------------------------------------------------------------
+# -- launch-config tuning and the compile check of every GPU family ------------------------------------------------
 
 class Variant(NamedTuple):
     """A kernel specialised as the JIT would at BERT's shapes: every argument -> a torch dtype (pointer), "i32",
-    "i32:16" (divisible by 16), "fp32", None (absent pointer) or a constexpr's value. `needs`: "wgmma" (every
-    half-precision dot on Hopper's warpgroup MMA) or "vectors" (half-precision tensors moved in 16-byte vectors),
-    judged for half precision only."""
+    "i32:16" (divisible by 16), "fp32", None (absent pointer) or a constexpr's value. `needs`: "tensor_cores"
+    (every half-precision dot on the target's tensor-core instruction) or "vectors" (half-precision tensors moved
+    in 16-byte vectors), judged for half precision only."""
     name: str
     fn: object
     args: dict
@@ -107,6 +106,17 @@ class Variant(NamedTuple):
     num_stages: int = 3
     dtype: torch.dtype = torch.float32
     needs: str | None = None
+
+
+class Site(NamedTuple):
+    """One launch the compile check judges on every GPU family: launch site `part` (a tuning part, or a kernel
+    whose launch is fixed, such as attention's "preprocess") at (dtype, size), with the kernel flags `flags`
+    (keyword arguments of `Tuning.variant`) the model may set. Its config is the one the launcher picks on the
+    family checked (`Tuning.config`)."""
+    part: str
+    dtype: torch.dtype
+    size: int
+    flags: dict = {}
 
 
 class TuneShape(NamedTuple):
@@ -117,15 +127,17 @@ class TuneShape(NamedTuple):
 
 
 class Tuning(NamedTuple):
-    """The launch sites ("<record>.<part>") a config table may set. `default(part, dtype, size)` is the
-    launcher's built-in config; `candidates[part]` the configs swept (fields it may change); `variant(part, dtype,
-    size, launch)` the compile Variant with BERT's training flags (None for a part that is a choice between
-    implementations, not a kernel); `setup(shape, size, dtype, device, part)` gives (fn, inputs, {part: inputs
-    whose gradients that backward kernel writes}); parts missing there are forward kernels, timed without
-    gradients; parts in `whole` are timed forward + backward together (a strategy; a kernel that computes the
-    gradients in the forward)."""
+    """The launch sites ("<record>.<part>") a config table may set. `default(part, dtype, size, target)` is the
+    launcher's built-in config on a kernels.targets.Target (None: the interpreter); `config(part, dtype, size,
+    target)` what the launcher runs there (its table's "all" entry, else the default); `candidates[part]` the
+    configs swept (fields it may change); `variant(part, dtype, size, launch, **flags)` the compile Variant (with
+    BERT's training flags unless told; None for a part that is a choice between implementations, not a kernel);
+    `setup(shape, size, dtype, device, part)` gives (fn, inputs, {part: inputs whose gradients that backward
+    kernel writes}); parts missing there are forward kernels, timed without gradients; parts in `whole` are timed
+    forward + backward together (a strategy; a kernel that computes the gradients in the forward)."""
     parts: tuple
     default: Callable
+    config: Callable
     candidates: dict
     shapes: tuple
     setup: Callable
@@ -157,6 +169,8 @@ class Goal(NamedTuple):
     where: dict = {}
     impl: str = "ours"
     fmt: str = "{:.3g}"         # the value without a peer
+    scale: str | None = None    # an absolute bound set for an H200: on another GPU, scaled by the run's measured
+                                # peak of this name ("matmul_TFLOPs") relative to the H200's (bench/targets.py)
 
 
 def memory_bound_goals(title: str, kernel: str) -> tuple:
@@ -173,7 +187,7 @@ class Record(NamedTuple):
     bench_shapes: BenchShapes
     bench: Callable             # fn(shape, device, dtype, full) -> Iterable[Bench]
     tuning: Tuning
-    variants: Callable[[], Iterable[Variant]]
+    sites: Callable[[], Iterable[Site]]   # what the compile check compiles, on every GPU family
     goals: tuple = ()
 
 

@@ -2,10 +2,21 @@
 
 Each target reads the rows of `results.json` (`bert-bench`) and gives (value, met): met is None when the rows
 it needs were not measured (a stage cut short, a CPU run, a peer that is not installed).
+
+Most targets are relative (a share of the measured copy bandwidth, a speedup over a peer) and mean the same on
+every GPU. The absolute ones (attention TFLOP/s, training throughput) are set for an H200; on another GPU their
+bound is scaled by that run's measured matmul throughput (`meta.peaks`, bench/peaks.py) over the H200's, read from
+the H200 results committed under bench/results/ (until one is committed, they are not judged elsewhere).
 """
 from __future__ import annotations
 
+import glob
+import json
+import os
 from typing import Callable, NamedTuple
+
+REFERENCE_GPU = "H200"      # the GPU the absolute bounds are set for
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 class Target(NamedTuple):
@@ -32,21 +43,53 @@ def _ok(rows, **match):
 _OPS = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b}
 
 
+def reference_peaks(results_dir: str | None = None) -> dict:
+    """The measured peaks of the committed H200 run (its results.json's meta), {} before one is committed."""
+    pattern = os.path.join(results_dir or RESULTS, f"*{REFERENCE_GPU.lower()}*", "**", "results.json")
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                peaks = json.load(f).get("meta", {}).get("peaks")
+        except (OSError, ValueError):
+            continue
+        if peaks:
+            return peaks
+    return {}
+
+
+def scaled_bound(bound: float, scale: str | None, meta: dict, reference: dict | None = None):
+    """(the bound on this run's GPU or None where it cannot be judged, a note saying how it was scaled)."""
+    if scale is None or REFERENCE_GPU in str(meta.get("device", "")):
+        return bound, ""
+    here = meta.get("peaks", {}).get(scale)
+    there = (reference_peaks() if reference is None else reference).get(scale)
+    if not here:
+        return None, f"not judged: this run measured no {scale}"
+    if not there:
+        return None, f"not judged: set for an {REFERENCE_GPU}, whose measured {scale} is not committed yet"
+    factor = here / there
+    return bound * factor, f"scaled x{factor:.2f}: {scale} {here:.0f} here, {there:.0f} on the {REFERENCE_GPU}"
+
+
 def _goal_rows(goal, rows, impl):
     return _ok(rows, kernel=goal.kernel, impl=impl, dtype="bfloat16", **goal.where)
 
 
-def _level(goal, rows):
-    """The worst of ours' rows in the goal's field."""
+def _level(goal, rows, meta):
+    """The worst of ours' rows in the goal's field, against the bound scaled to this GPU."""
     ours = [r for r in _goal_rows(goal, rows, goal.impl) if goal.field in r]
     if not ours:
         return "", None
     worst = (max if goal.op == "<=" else min)(ours, key=lambda r: r[goal.field])
     where = f" ({worst['shape']})" if len(ours) > 1 else ""  # which of several shapes is the worst
-    return goal.fmt.format(worst[goal.field]) + where, _OPS[goal.op](worst[goal.field], goal.bound)
+    bound, how = scaled_bound(goal.bound, goal.scale, meta)
+    value = goal.fmt.format(worst[goal.field]) + where
+    if how:
+        value += f"; goal here {goal.op} {goal.fmt.format(bound)} ({how})" if bound is not None else f"; {how}"
+    return value, None if bound is None else _OPS[goal.op](worst[goal.field], bound)
 
 
-def _ratio(goal, rows):
+def _ratio(goal, rows, meta):
     """On each shape both ran: peer/ours of a time (how many times faster ours is) or ours/peer of a share."""
     peers = {r["shape"]: r for r in _goal_rows(goal, rows, goal.peer) if goal.field in r}
     pairs = [(o, peers[o["shape"]]) for o in _goal_rows(goal, rows, goal.impl) if o["shape"] in peers
@@ -68,16 +111,21 @@ def _ratio(goal, rows):
 def kernel_target(goal) -> Target:
     """A kernel record's Goal (bench/record.py) as a Target over the rows of the kernel suite."""
     judge = _ratio if goal.peer else _level
-    return Target(goal.name, goal.goal, lambda res: judge(goal, res.get("kernels", [])))
+    return Target(goal.name, goal.goal, lambda res: judge(goal, res.get("kernels", []), res.get("meta", {})))
 
 
-def _e2e(field: str, goal: float, fmt: str, variant="ours-triton", family="bert", config="base", seq_len=128):
+def _e2e(field: str, goal: float, fmt: str, variant="ours-triton", family="bert", config="base", seq_len=128,
+         scale=None):
     def evaluate(res):
         rows = [r for r in _ok(res.get("e2e", []), variant=variant, config=config, seq_len=seq_len, padding="wiki",
                                dtype="bfloat16") if r.get("family", "bert") == family]
         if not rows or field not in rows[0]:
             return "", None
-        return fmt.format(rows[0][field]), rows[0][field] >= goal
+        bound, how = scaled_bound(goal, scale, res.get("meta", {}))
+        value = fmt.format(rows[0][field])
+        if how:
+            value += f"; goal here >= {fmt.format(bound)} ({how})" if bound is not None else f"; {how}"
+        return value, None if bound is None else rows[0][field] >= bound
     return evaluate
 
 
@@ -95,12 +143,13 @@ MODEL_TARGETS = [
     Target("BERT-base step s128 wiki bf16 vs HF eager", ">= 2.5x", _e2e("speedup_vs_hf-eager", 2.5, "{:.2f}x")),
     Target("BERT-base step s128 wiki bf16 vs HF + torch.compile", ">= 1.6x",
            _e2e("speedup_vs_hf-compile", 1.6, "{:.2f}x")),
-    Target("BERT-base step s128 wiki bf16 throughput", ">= 0.8M real tokens/s",
-           _e2e("tokens_per_s", 0.8e6, "{:,.0f} tokens/s")),
+    Target("BERT-base step s128 wiki bf16 throughput", ">= 0.8M real tokens/s (H200)",
+           _e2e("tokens_per_s", 0.8e6, "{:,.0f} tokens/s", scale="matmul_TFLOPs")),
     Target("BERT-base step s128 wiki bf16, packed + CUDA graphs vs HF eager", ">= 3x",
            _e2e("speedup_vs_hf-eager", 3.0, "{:.2f}x", variant="ours-packed-graphs")),
-    Target("BERT-large step s512 wiki bf16, packed", ">= 1,000 sequences/s",
-           _e2e("seqs_per_s", 1000, "{:,.0f} sequences/s", variant="ours-packed", config="large", seq_len=512)),
+    Target("BERT-large step s512 wiki bf16, packed", ">= 1,000 sequences/s (H200)",
+           _e2e("seqs_per_s", 1000, "{:,.0f} sequences/s", variant="ours-packed", config="large", seq_len=512,
+                scale="matmul_TFLOPs")),
     Target("RoBERTa-base step s128 wiki bf16, fused HF vs HF eager", ">= 2x",
            _e2e("speedup_vs_hf-eager", 2.0, "{:.2f}x", variant="hf-fused", family="roberta")),
     Target("encode BERT-base, batch 256, wiki lengths, bf16: fused vs HF SDPA", ">= 1.5x", _encode("bert-base", 1.5)),

@@ -1,12 +1,13 @@
-"""`python -m bench.tune`: measure every kernel's launch configs on this GPU and write the winners to a table.
+"""`python -m bench.tune`: measure every kernel's launch configs on this GPU and write the winners to a table; with
+`--compile-only --arch A`, no GPU needed, write the best configs that compile clean for GPU family A instead.
 
-For each kernel at the shapes BERT uses (base and large: hidden 768/1024, intermediate 3072/4096, head_dim 64,
-sequences of 128 and 512; bfloat16, then float16), the candidates (block sizes, num_warps, num_stages; the
-launcher's default always among them) are
+On a GPU, for each kernel at the shapes BERT uses (base and large: hidden 768/1024, intermediate 3072/4096,
+head_dim 64, sequences of 128 and 512; bfloat16, then float16), the candidates (block sizes, num_warps,
+num_stages; the launcher's default always among them) are
 
-1. pruned, in parallel worker processes, to those that compile for this GPU's architecture without register
-   spills, within shared memory, with half-precision dots on wgmma and 16-byte vectors where the compile check
-   demands them (bench/compile_check.py, the rules of tests/compile_sm90.py); on a GPU the same workers then run
+1. pruned, in parallel worker processes, to those that compile for this GPU's family without register spills,
+   within shared memory, with half-precision dots on its tensor cores and 16-byte vectors where the compile check
+   demands them (bench/compile_check.py, the rules of tests/compile_gpus.py); on a GPU the same workers then run
    each survivor once, so that Triton's on-disk cache holds it before timing starts;
 2. timed one after another (triton's do_bench, median, after warm-up) through the real launcher, with the
    config forced (kernels.tuned.forced);
@@ -14,17 +15,25 @@ launcher's default always among them) are
    dropout seed (dropout masks depend on coordinates only, not on tiles); a winner that differs is dropped
    for the next best;
 
-and the winners are merged into `<output>/<arch>.json` (written to a temporary name, then renamed). Launchers
-read that table at first launch (kernels/tuned.py). The budget stops the sweep between problems: what was
-measured by then is written.
+and the winners are merged into `<output>/<family>.json` as timed entries (written to a temporary name, then
+renamed). Launchers read that table at first launch (kernels/tuned.py). The budget stops the sweep between
+problems: what was measured by then is written.
+
+With --compile-only, for each launch the compile check covers (every record's sites) the launcher's default on
+the family is kept if it compiles clean with every kernel flag the model may set, else the first clean one of
+the candidates with tiles, and tile per warp, no larger than the default's, largest first (`ranked`); the
+choices are merged as
+untimed "all" entries, and timed entries already in the table are left alone.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -84,9 +93,10 @@ def problems(names, dtypes) -> list[Problem]:
     return out
 
 
-def default_launch(kernel: str, dtype, size: int) -> NamedTuple:
-    """The launcher's built-in config for a table kernel name ("attention.fwd", "layer_norm.bwd", ...)."""
-    return _tuning(kernel).default(kernel.split(".")[1], dtype, size)
+def default_launch(kernel: str, dtype, size: int, target) -> NamedTuple:
+    """The launcher's built-in config for a table kernel name ("attention.fwd", "layer_norm.bwd", ...) on a
+    kernels.targets.Target (None: the interpreter's)."""
+    return _tuning(kernel).default(kernel.split(".")[1], dtype, size, target)
 
 
 # -- one problem on the device: build inputs, return what to time and what to compare -------------------------------
@@ -161,13 +171,18 @@ def do_bench_timer(fn) -> float:
 
 # -- pruning, in worker processes -----------------------------------------------------------------------------------
 
-def _check_candidate(problem: Problem, config: dict, arch: int, warm: bool) -> str | None:
-    """In a worker: None if the candidate compiles cleanly for `arch` (and, on a GPU, after running it once so
-    that Triton's disk cache holds it), else the reason it was pruned."""
+def _check_candidate(problem: Problem, config: dict, arch: str, warm: bool) -> str | None:
+    """In a worker: None if the candidate compiles cleanly for GPU family `arch` ("sm_90", "gfx942") with every
+    flag combination the compile check gives it (and, on a GPU, after running it once so that Triton's disk
+    cache holds it), else the reason it was pruned."""
     from . import compile_check
 
-    variant = compile_check.variant_for(problem.kernel, problem.dtype, problem.size, config)
-    failure = None if variant is None else compile_check.check(variant, arch)[0]  # None: a choice, not a kernel
+    t = compile_check.target_named(arch)
+    failure = None  # stays None for a choice between implementations, which compiles nothing
+    for variant in compile_check.variants_for(problem.kernel, problem.dtype, problem.size, config, t):
+        failure = compile_check.check(variant, t)[0]
+        if failure is not None:
+            break
     if failure is None and warm:
         try:
             run_with(problem, config, setup(problem, torch.device("cuda")), "timed")
@@ -177,16 +192,27 @@ def _check_candidate(problem: Problem, config: dict, arch: int, warm: bool) -> s
     return failure
 
 
-def prune(problem: Problem, configs: list[dict], arch: int, jobs: int, warm: bool) -> tuple[list[dict], dict]:
-    """(configs that pass, {config as JSON: reason} for those that do not), checked in `jobs` spawned processes
-    started without TRITON_INTERPRET (the compiler must be real)."""
+@contextlib.contextmanager
+def workers(jobs: int):
+    """A pool of `jobs` spawned processes started without TRITON_INTERPRET (the compiler must be real)."""
     from .e2e import environment
 
     ctx = multiprocessing.get_context("spawn")
     with environment({"TRITON_INTERPRET": None}), \
             concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        reasons = list(pool.map(_check_candidate, itertools.repeat(problem), configs, itertools.repeat(arch),
-                                itertools.repeat(warm)))
+        yield pool
+
+
+def check_all(pool, pairs: list[tuple[Problem, dict]], arch: str, warm: bool) -> list:
+    """The reason each (problem, config) fails `_check_candidate` (None: it passes), in the pool's workers."""
+    return list(pool.map(_check_candidate, [p for p, _ in pairs], [c for _, c in pairs], itertools.repeat(arch),
+                         itertools.repeat(warm)))
+
+
+def prune(problem: Problem, configs: list[dict], arch: str, jobs: int, warm: bool) -> tuple[list[dict], dict]:
+    """(configs that pass, {config as JSON: reason} for those that do not)."""
+    with workers(jobs) as pool:
+        reasons = check_all(pool, [(problem, c) for c in configs], arch, warm)
     kept = [c for c, r in zip(configs, reasons) if r is None]
     return kept, {json.dumps(c, sort_keys=True): r for c, r in zip(configs, reasons) if r is not None}
 
@@ -201,10 +227,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, configs=None) -> dict | None:
-    """The table entry for one problem: {"config", "ms", "default_ms", "candidates", "pruned"}; None if no
-    candidate survives (the default then stays)."""
-    default = default_launch(problem.kernel, problem.dtype, problem.size)._asdict()
+def pool_of(problem: Problem, target, configs=None) -> tuple[dict, list[dict]]:
+    """(the launcher's default on `target`, in the fields the sweep varies; the candidates, each completed from
+    it, without duplicates, the default last)."""
+    default = default_launch(problem.kernel, problem.dtype, problem.size, target)._asdict()
     swept = configs if configs is not None else candidates(problem.kernel)
     base = {k: default[k] for k in swept[0]}  # only the fields the sweep varies
     pool = []
@@ -212,6 +238,15 @@ def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, c
         config = dict(base, **config)
         if config not in pool:
             pool.append(config)
+    return base, pool
+
+
+def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, configs=None) -> dict | None:
+    """The table entry for one problem: {"config", "ms", "default_ms", "candidates", "pruned", "timed"}; None
+    if no candidate survives (the default then stays)."""
+    from kernels import targets
+
+    base, pool = pool_of(problem, targets.of(device), configs)
     kept, pruned = prune_fn(problem, pool) if prune_fn else (pool, {})
     if not kept:
         return None
@@ -228,7 +263,7 @@ def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, c
         outputs = run_with(problem, config, run, "outputs")
         if max(rel_err(o, r) for o, r in zip(outputs, reference)) <= TOLERANCE[problem.dtype]:
             return {"config": config, "ms": t, "default_ms": default_ms, "candidates": len(pool),
-                    "pruned": len(pruned)}
+                    "pruned": len(pruned), "timed": True}
         pruned[json.dumps(config, sort_keys=True)] = "output differs from the default config's"
     return None
 
@@ -295,6 +330,83 @@ def sweep(todo: list[Problem], device: torch.device, budget: float, timer, prune
     return results
 
 
+# -- without a GPU: the best config that compiles clean on a family -------------------------------------------------
+
+def compile_problems(names, target) -> list[Problem]:
+    """Each (launch site, dtype, size) of the named records' compile-check sites that a table may configure,
+    once, keyed for every sequence length ("all"), for family `arch`: a site the family refuses (bfloat16, or
+    half-precision dots, on sm_75) has nothing to configure."""
+    from bench.record import record
+    from kernels.targets import dots_refusal, dtype_refusal
+
+    out = []
+    for name in names:
+        rec = record(name)
+        for site in rec.sites():
+            problem = Problem(f"{name}.{site.part}", site.dtype, site.size, None, ())
+            if site.part not in rec.tuning.parts or problem in out or dtype_refusal(name, site.dtype, target):
+                continue
+            variant = rec.tuning.variant(site.part, site.dtype, site.size,
+                                         rec.tuning.default(site.part, site.dtype, site.size, target), **site.flags)
+            if variant is None or not (variant.needs == "tensor_cores" and dots_refusal(name, site.dtype, target)):
+                out.append(problem)
+    return out
+
+
+def ranked(base: dict, pool: list[dict]) -> list[dict]:
+    """The configs tried, untimed, in the order preferred: the launcher's default; then, since a default that
+    fails has spilled registers or overflowed shared memory, the candidates with tiles no larger than its and no
+    more of a tile per warp (registers per thread), the largest tiles first (the most work, and reuse, per
+    program), then more warps, then more pipeline stages. Larger ones would fail the same way (and some take
+    ptxas minutes and gigabytes to spill)."""
+    def tiles(c):
+        return math.prod(v for k, v in c.items() if k.startswith("BLOCK"))
+
+    def per_warp(c):
+        return tiles(c) / c.get("num_warps", 1)
+
+    smaller = [c for c in pool if c != base and tiles(c) <= tiles(base) and per_warp(c) <= per_warp(base)]
+    return [base] + sorted(smaller, key=lambda c: (-tiles(c), -c.get("num_warps", 0), -c.get("num_stages", 0)))
+
+
+def timed(entries: dict, problem: Problem) -> bool:
+    """Whether a table's entries ({kernel: {key: entry}}) hold a GPU-timed entry for the problem."""
+    entry = entries.get(problem.kernel, {}).get(problem.key, {})
+    return bool(entry.get("timed", "ms" in entry))
+
+
+def compile_only(arch: str, names, jobs: int, keep: dict, log=print) -> dict:
+    """{kernel: {key: entry}}: for each compile problem on family `arch`, the first of `ranked` that compiles
+    clean with every flag its sites use (bench/compile_check.py), as an untimed entry. Problems whose key is in
+    `keep` (timed entries of the table) are left alone; a problem with no clean candidate gets no entry."""
+    from kernels import tuned
+    from kernels.targets import TARGETS
+
+    t = TARGETS[arch]
+    todo = [p for p in compile_problems(names, t) if not timed(keep, p)]
+    orders = {p: ranked(*pool_of(p, t)) for p in todo}
+    results: dict = {}
+    with workers(jobs) as pool:
+        for p, failure in zip(todo, check_all(pool, [(p, orders[p][0]) for p in todo], arch, False)):
+            tried, chosen = 1, None if failure else orders[p][0]
+            for start in range(1, len(orders[p]), jobs) if failure else ():
+                batch = orders[p][start:start + jobs]
+                reasons = check_all(pool, [(p, c) for c in batch], arch, False)
+                tried += len(batch)
+                chosen = next((c for c, r in zip(batch, reasons) if r is None), None)
+                if chosen is not None:
+                    tried -= len(batch) - 1 - batch.index(chosen)
+                    break
+            if chosen is None:
+                log(f"{arch} {p}: none of {tried} configs compiles clean ({failure}); the default stays")
+                continue
+            results.setdefault(p.kernel, {})[tuned.entry_key(p.dtype, p.size, "all")] = {
+                "config": chosen, "timed": False, "candidates": tried, "pruned": tried - 1}
+            log(f"{arch} {p}: {chosen}" + ("" if tried == 1 else f" ({tried - 1} better-ranked ones do not compile "
+                                                                   "clean)"))
+    return results
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,34 +420,68 @@ def parse_args(argv=None):
                    help="leave out problems the table in --output already has (a later run continues an earlier one)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="worker processes that compile candidates")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: for each launch site the compile check covers, write the best config that "
+                        "compiles clean for --arch as an untimed entry (timed entries are kept)")
+    p.add_argument("--arch", nargs="+", choices=[*_families(), "all"],
+                   help="GPU families for --compile-only (default: this GPU's)")
     return p.parse_args(argv)
+
+
+def _families() -> list[str]:
+    from kernels.targets import TARGETS
+
+    return list(TARGETS)
+
+
+def _meta(argv) -> dict:
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m bench.tune " + " ".join(sys.argv[1:] if argv is None else argv)}
+
+
+def main_compile_only(args, argv) -> int:
+    from kernels import targets, tuned
+
+    arches = args.arch or ([targets.of(torch.device("cuda")).name] if torch.cuda.is_available() else None)
+    if not arches:
+        print("bench.tune: --compile-only needs --arch here (no GPU to read it from)", file=sys.stderr)
+        return 2
+    for arch in _families() if "all" in arches else arches:
+        keep = tuned.load_table(args.output, arch).get("kernels", {})
+        results = compile_only(arch, args.kernels, args.jobs, keep)
+        meta = {"compile_checked": dict(_meta(argv), rule="untimed: the launcher's default where it compiles "
+                                        "clean (no spill, within shared memory, dots on the tensor cores), else "
+                                        "the clean candidate with the largest tiles no larger than its")}
+        print(f"wrote {write_table(args.output, arch, results, meta)}" if results else f"{arch}: nothing written")
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_only:
+        return main_compile_only(args, argv)
     if not torch.cuda.is_available():
-        print("bench.tune: no CUDA GPU here; launch configs can only be measured on one", file=sys.stderr)
+        print("bench.tune: no GPU here; launch configs can only be timed on one (--compile-only --arch A writes "
+              "compile-checked ones without)", file=sys.stderr)
         return 2
-    from kernels import tuned
+    from kernels import targets, tuned
 
     device = torch.device("cuda")
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = tuned.arch_name(major, minor)
+    arch = targets.of(device).name
 
     def prune_fn(problem, configs):
-        return prune(problem, configs, major * 10 + minor, args.jobs, warm=True)
+        return prune(problem, configs, arch, args.jobs, warm=True)
 
     todo = problems(args.kernels, [getattr(torch, d) for d in args.dtypes])
     if args.skip_existing:
         have = tuned.load_table(args.output, arch).get("kernels", {})
-        todo = [p for p in todo if p.key not in have.get(p.kernel, {})]
+        todo = [p for p in todo if not timed(have, p)]
     print(f"# tuning {len(todo)} problems on {torch.cuda.get_device_name(device)} ({arch}), budget {args.budget:.0f} s")
     results = sweep(todo, device, args.budget, do_bench_timer, prune_fn)
-    import triton
-
-    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m bench.tune " + " ".join(sys.argv[1:] if argv is None else argv)}
+    meta = dict(_meta(argv), device=torch.cuda.get_device_name(device))
     if results:
         print(f"wrote {write_table(args.output, arch, results, meta)}")
     else:

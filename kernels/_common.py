@@ -25,10 +25,20 @@ def warn_once(message: str) -> None:
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """For a drop-in module, which holds no config: "triton" where the kernels run on t's device (CUDA; the CPU
-    under TRITON_INTERPRET=1), else "torch" (the module computes its op's plain-PyTorch reference instead), so a
-    model moved to a device the kernels cannot use still runs, with one warning."""
-    if t.is_cuda or (t.device.type == "cpu" and INTERPRET):
+    """For a drop-in module, which holds no config: "triton" where the kernels run on t's device (a CUDA or ROCm
+    GPU the kernels support; the CPU under TRITON_INTERPRET=1), else "torch" (the module computes its op's
+    plain-PyTorch reference instead), so a model moved to a device the kernels cannot use still runs, with one
+    warning."""
+    if t.is_cuda:
+        from .targets import of  # imported here: kernels.targets reads INTERPRET from this module
+
+        try:
+            of(t.device)
+        except RuntimeError as e:  # a GPU older than the kernels support
+            warn_once(str(e))
+            return "torch"
+        return "triton"
+    if t.device.type == "cpu" and INTERPRET:
         return "triton"
     warn_once(f"fused layers on {t.device.type} tensors run their PyTorch path (the Triton kernels need a CUDA "
               "device)")
@@ -43,7 +53,8 @@ def check_float(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def check_device(op: str, **tensors) -> torch.device:
-    """All given tensors on one device, and one the kernels can run on."""
+    """All given tensors on one device, one the kernels can run on, whose GPU runs their dtypes (bfloat16 needs
+    sm_80+ or MI200/MI300: kernels.targets)."""
     named = {k: v for k, v in tensors.items() if v is not None}
     devices = {k: v.device for k, v in named.items()}
     first_name, device = next(iter(devices.items()))
@@ -53,6 +64,10 @@ def check_device(op: str, **tensors) -> torch.device:
     if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
         raise ValueError(f"{op}: tensors are on {device}; the Triton kernels need a CUDA device "
                          "(or TRITON_INTERPRET=1 set before triton is imported, for CPU tensors)")
+    if any(t.dtype == torch.bfloat16 for t in named.values()):
+        from .targets import check_dtype  # imported here: kernels.targets reads INTERPRET from this module
+
+        check_dtype(op, torch.bfloat16, device)
     return device
 
 
@@ -101,8 +116,10 @@ def row_bands(device: torch.device, n_rows: int, block_m: int) -> tuple[int, int
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: exact float32 products for float32 inputs (no TF32), the default otherwise."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """tl.dot's input_precision: "ieee" for every dtype. float32 inputs get exact products (no TF32);
+    half-precision inputs go to the tensor cores whatever the setting (the same PTX on sm_90), and AMD's CDNA2
+    (gfx90a, no TF32-like mode) rejects any other value at compile time."""
+    return "ieee"
 
 
 def interpreter_upcast(*tensors):

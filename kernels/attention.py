@@ -31,9 +31,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, INTERPRET, check_device, dense, dot_precision, dropout_keep, interpreter_upcast,
-                      keep_mask, seed_tensor, unit_stride)
-from . import tuned
+from . import targets, tuned
+from ._common import (FLOAT_DTYPES, check_device, dense, dot_precision, dropout_keep, interpreter_upcast, keep_mask,
+                      seed_tensor, unit_stride)
 
 __all__ = ["varlen_attention", "varlen_attention_ref", "padded_attention"]
 MAX_HEAD_DIM = 128
@@ -289,14 +289,18 @@ class _Launch(NamedTuple):
     num_stages: int
 
 
-def _default_config(kernel: str, head_dim: int, dtype: torch.dtype) -> _Launch:
-    """The built-in config of kernel "fwd", "dkdv" or "dq". Small tiles in the interpreter, so short test
-    sequences still span several blocks. On a GPU, tiles that compile for sm_90 without register spills under
-    triton 3.6 and the newest triton, dropout's Philox included (tests/compile_sm90.py checks every one). A
-    program owns a wide block (128 queries in "fwd" and "dq", 128 keys in "dkdv"), the M side of its tensor-core
-    dots, and walks the other side in narrower ones. float32 uses exact products on the CUDA cores, whose
-    accumulators need much smaller tiles."""
-    if INTERPRET:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
+def _default_config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Target | None) -> _Launch:
+    """The built-in config of kernel "fwd", "dkdv", "dq" (or the fixed "preprocess") on `target` (None: the
+    interpreter, whose small tiles let short test sequences span several blocks). On a GPU, tiles made for
+    sm_90: a program owns a wide block (128 queries in "fwd" and "dq", 128 keys in "dkdv"), the M side of its
+    tensor-core dots, and walks the other side in narrower ones; float32 uses exact products on the CUDA cores,
+    whose accumulators need much smaller tiles. Where these spill or overflow shared memory on another family,
+    that family's table (kernels/configs/<name>.json, compile-checked by bench.tune --compile-only) replaces
+    them; tests/compile_gpus.py checks what each family ends up with."""
+    if kernel == "preprocess":
+        # A row sum of o * do, memory-bound: 16 elements a thread (on 4 warps ptxas spills on sm_100 in bf16).
+        return _Launch(64, 64, 8, 1)
+    if target is None:  # owned blocks narrower than walked ones: a grid sized by the wrong block misses rows
         return _Launch(*{"fwd": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}[kernel])
     if dtype == torch.float32:
         return _Launch(16, 16, 4, 1)
@@ -307,11 +311,14 @@ def _default_config(kernel: str, head_dim: int, dtype: torch.dtype) -> _Launch:
     return _Launch(128, 32, 8, 2)
 
 
-def _config(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device, max_seqlen: int) -> _Launch:
-    """The launch config: this GPU's measured one (kernels/tuned.py) where the table has it, else the default.
-    Dropout draws its bits in groups of 8 keys, so every block is at least 16 wide."""
-    return tuned.pick(f"attention.{kernel}", _default_config(kernel, head_dim, dtype), device, dtype, head_dim,
-                      max_seqlen)
+def _config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Target | None,
+            max_seqlen: int | None) -> _Launch:
+    """The launch config on `target`: its table's entry (kernels/tuned.py), else the default. Dropout draws its
+    bits in groups of 8 keys, so every block is at least 16 wide."""
+    default = _default_config(kernel, head_dim, dtype, target)
+    if kernel == "preprocess":
+        return default
+    return tuned.pick(f"attention.{kernel}", default, target, dtype, head_dim, max_seqlen)
 
 
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
@@ -336,6 +343,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
     check_device(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    targets.check_dots(op, q.dtype, q.device)
     if validate:
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         first, last = cu_seqlens[0], cu_seqlens[-1]
@@ -365,7 +373,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     # value (garbage there made results differ from call to call).
     o = torch.zeros_like(q)
     lse = torch.zeros((heads, total), dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, q.device, max_seqlen)
+    block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, targets.of(q.device), max_seqlen)
     if total and batch and max_seqlen:
         _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
             q, k, v, o, lse, cu_seqlens, seed,
@@ -396,14 +404,16 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if not (total and batch and max_seqlen):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
     delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
-    _attention_bwd_preprocess_kernel[(triton.cdiv(total, 64), heads)](
-        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=64, BLOCK_D=block_d(dim),
-        HEAD_DIM=dim)
+    target = targets.of(q.device)
+    pre = _config("preprocess", dim, q.dtype, target, max_seqlen)
+    _attention_bwd_preprocess_kernel[(triton.cdiv(total, pre.BLOCK_M), heads)](
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=pre.BLOCK_M,
+        BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=pre.num_warps, num_stages=pre.num_stages)
     flags = dict(HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim),
                  HEAD_DIM=dim)
 
     def launch(kernel: str):
-        block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, q.device, max_seqlen)
+        block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, target, max_seqlen)
         owned = block_n if kernel == "dkdv" else block_m
         grid = (triton.cdiv(max_seqlen, owned), batch, heads)
         return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from . import tuned
+from . import targets, tuned
 from ._common import as_rows, backend_for, check_device, check_float, dense, row_bands
 
 __all__ = ["LinearGeLU", "bias_gelu", "bias_gelu_ref"]
@@ -114,11 +114,15 @@ class _Launch(NamedTuple):
     num_warps: int
 
 
-def _config(kernel: str, x: torch.Tensor, n: int) -> _Launch:
-    """This GPU's measured config for kernel "fwd" or "bwd" (kernels/tuned.py), else the default: tiles of
-    4,096 elements, up to 1,024 columns wide."""
+def _default_config(n: int) -> _Launch:
+    """Tiles of 4,096 elements, up to 1,024 columns wide (on every GPU; a family's table may say otherwise)."""
     block_n = min(1024, triton.next_power_of_2(n))
-    return tuned.pick(f"bias_gelu.{kernel}", _Launch(max(1, 4096 // block_n), block_n, 8), x.device, x.dtype, n)
+    return _Launch(max(1, 4096 // block_n), block_n, 8)
+
+
+def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | None) -> _Launch:
+    """The config of kernel "fwd" or "bwd" on `target`: its table's entry (kernels/tuned.py), else the default."""
+    return tuned.pick(f"bias_gelu.{kernel}", _default_config(n), target, dtype, n)
 
 
 @torch.library.custom_op("bertfuse::bias_gelu_fwd", mutates_args=())
@@ -126,7 +130,7 @@ def _bias_gelu_fwd(x2: torch.Tensor, bias: torch.Tensor, approximate: str) -> to
     """gelu(x2 + bias) for rows x2 [M, N] (unit stride along N)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    block_m, block_n, num_warps = _config("fwd", x2, n)
+    block_m, block_n, num_warps = _config("fwd", x2.dtype, n, targets.of(x2.device))
     if m:
         _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x2, bias, y, x2.stride(0), y.stride(0), m, n,
@@ -145,7 +149,7 @@ def _bias_gelu_bwd(dy2: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor, appr
     """(dx, dbias) of gelu(x2 + bias)."""
     m, n = x2.shape
     dx = torch.empty_like(x2)
-    block_m, block_n, num_warps = _config("bwd", x2, n)
+    block_m, block_n, num_warps = _config("bwd", x2.dtype, n, targets.of(x2.device))
     programs, rows_per_program = row_bands(x2.device, m, block_m)
     db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
     if m:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from . import tuned
+from . import targets, tuned
 from ._common import (as_rows, backend_for, check_device, check_float, dense, dropout_keep, keep_mask, row_bands,
                       seed_tensor)
 
@@ -97,7 +97,9 @@ def _layer_norm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if HAS_WEIGHT:
+    # w, dw and db live across the row loop. From 8,192 columns on, w is reloaded (from cache) at every step
+    # instead of held: three such rows in registers spill on sm_75 (24 B at 8 warps, more at 16).
+    if HAS_WEIGHT and BLOCK_N < 8192:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -115,6 +117,8 @@ def _layer_norm_bwd_kernel(
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_WEIGHT:
+            if BLOCK_N >= 8192:
+                w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
             g = dy * w[None, :]
         else:
             g = dy
@@ -138,13 +142,17 @@ class _Launch(NamedTuple):
     num_warps: int
 
 
-def _config(kernel: str, x: torch.Tensor, n: int) -> _Launch:
-    """This GPU's measured config for kernel "fwd" or "bwd" (kernels/tuned.py), else the default: a few rows
-    per program when rows are short, more warps for wide rows."""
+def _default_config(n: int) -> _Launch:
+    """A few rows per program when rows are short, more warps for wide rows (the same on every GPU: a family
+    whose table says otherwise gets its table's)."""
     block_n = max(8, triton.next_power_of_2(n))      # dropout draws its random bits in groups of 8 columns
     block_m = max(1, min(16, 4096 // block_n))
-    default = _Launch(block_m, block_n, min(16, max(4, block_m * block_n // 1024)))
-    return tuned.pick(f"layer_norm.{kernel}", default, x.device, x.dtype, n, tunable=("BLOCK_M", "num_warps"))
+    return _Launch(block_m, block_n, min(16, max(4, block_m * block_n // 1024)))
+
+
+def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | None) -> _Launch:
+    """The config of kernel "fwd" or "bwd" on `target`: its table's entry (kernels/tuned.py), else the default."""
+    return tuned.pick(f"layer_norm.{kernel}", _default_config(n), target, dtype, n, tunable=("BLOCK_M", "num_warps"))
 
 
 def _check(x, weight, bias, residual, p):
@@ -181,7 +189,7 @@ def _layer_norm_fwd(x2: torch.Tensor, residual: torch.Tensor | None, weight: tor
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     mean = torch.empty(m, dtype=torch.float32, device=x2.device)
     rstd = torch.empty_like(mean)
-    block_m, block_n, num_warps = _config("fwd", x2, n)
+    block_m, block_n, num_warps = _config("fwd", x2.dtype, n, targets.of(x2.device))
     if m:
         _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
             x2, residual, weight, bias, y, mean, rstd, seed,
@@ -206,7 +214,7 @@ def _layer_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, residual: torch.Tensor 
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     dr = torch.empty((m, n), dtype=residual.dtype, device=x2.device) if residual is not None else None
-    block_m, block_n, num_warps = _config("bwd", x2, n)
+    block_m, block_n, num_warps = _config("bwd", x2.dtype, n, targets.of(x2.device))
     programs, rows_per_program = row_bands(x2.device, m, block_m)
     dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
     db_partial = torch.zeros_like(dw_partial)

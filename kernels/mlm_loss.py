@@ -55,9 +55,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import tuned
-from ._common import (INTERPRET, check_device, check_float, dense, dot_precision, interpreter_upcast, programs_wanted,
-                      unit_stride)
+from . import targets, tuned
+from ._common import check_device, check_float, dense, dot_precision, interpreter_upcast, programs_wanted, unit_stride
 
 __all__ = ["masked_lm_loss", "masked_lm_loss_ref"]
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
@@ -293,12 +292,13 @@ class _Tiles(NamedTuple):
     num_stages: int
 
 
-def _tiles(kernel: str, h: int, dtype: torch.dtype) -> _Tiles:
-    """Tiles per kernel ("fwd", "dhidden", "dweight"). The interpreter's cost is per tile: wide vocabulary
-    tiles, small everything else. On a GPU, the widest output chunks that compile for sm_90 without register
-    spills (tests/compile_sm90.py checks them): the backward's recomputation falls as BLOCK_HO grows.
-    float32 uses exact products on the CUDA cores and needs smaller tiles."""
-    if INTERPRET:
+def _tiles(kernel: str, h: int, dtype: torch.dtype, target: targets.Target | None) -> _Tiles:
+    """Tiles per kernel ("fwd", "dhidden", "dweight") on `target`. The interpreter's (None) cost is per tile:
+    wide vocabulary tiles, small everything else. On a GPU, the widest output chunks that compile for sm_90
+    without register spills: the backward's recomputation falls as BLOCK_HO grows. float32 uses exact products
+    on the CUDA cores and needs smaller tiles. A family where these spill has its table's instead
+    (tests/compile_gpus.py checks what each family ends up with)."""
+    if target is None:
         return _Tiles(16, 128, 16, 32, 4, 1)
     if dtype == torch.float32:
         return _Tiles(32, 64, 32, min(64, triton.next_power_of_2(h)), 4, 2)
@@ -308,12 +308,10 @@ def _tiles(kernel: str, h: int, dtype: torch.dtype) -> _Tiles:
             "dweight": _Tiles(64, 64, 64, block_ho, 8, 3)}[kernel]
 
 
-def _config(kernel: str, hidden: torch.Tensor) -> _Tiles:
-    """This GPU's measured tiles for `kernel` (kernels/tuned.py), else the defaults of `_tiles`. Every mlm_loss
-    launch site is keyed by hidden size and the bucket of the labelled row count."""
-    h = hidden.shape[1]
-    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, hidden.dtype), hidden.device, hidden.dtype, h,
-                      seqlen=hidden.shape[0])
+def _config(kernel: str, dtype: torch.dtype, h: int, target: targets.Target | None, rows: int | None) -> _Tiles:
+    """The tiles of `kernel` on `target`: its table's entry (kernels/tuned.py), else the defaults of `_tiles`.
+    Every mlm_loss launch site is keyed by hidden size and the bucket of the labelled row count."""
+    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, dtype, target), target, dtype, h, seqlen=rows)
 
 
 def _vocab_splits(device, n_row_blocks: int, vocab: int, block_v: int) -> tuple[int, int]:
@@ -334,7 +332,7 @@ def _mlm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     hidden, weight, bias = interpreter_upcast(hidden, weight, bias)
     n, h = hidden.shape
     v = weight.shape[0]
-    t = _config("fwd", hidden)
+    t = _config("fwd", hidden.dtype, h, targets.of(hidden.device), n)
     row_blocks = triton.cdiv(n, t.BLOCK_M)
     splits, per_split = _vocab_splits(hidden.device, row_blocks, v, t.BLOCK_V)
     lse_parts, target_parts, best_parts = (torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
@@ -376,12 +374,12 @@ def _mlm_loss_bwd(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tenso
     dbias = torch.zeros(v, dtype=torch.float32, device=hidden.device)
     common = dict(HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(hidden.dtype))
     if n and need_hidden:
-        t = _config("dhidden", hidden)
+        t = _config("dhidden", hidden.dtype, h, targets.of(hidden.device), n)
         _mlm_loss_bwd_dhidden_kernel[(triton.cdiv(n, t.BLOCK_M), triton.cdiv(h, t.BLOCK_HO))](
             hidden, weight, bias, labels, lse, g, dhidden, hidden.stride(0), weight.stride(0),
             dhidden.stride(0), n, v, h, **common, **t._asdict())
     if n and need_weight:
-        t = _config("dweight", hidden)
+        t = _config("dweight", hidden.dtype, h, targets.of(hidden.device), n)
         _mlm_loss_bwd_dweight_kernel[(triton.cdiv(v, t.BLOCK_V), triton.cdiv(h, t.BLOCK_HO))](
             hidden, weight, bias, labels, lse, g, dweight, dbias, hidden.stride(0), weight.stride(0),
             dweight.stride(0), n, v, h, **common, **t._asdict())
@@ -422,9 +420,16 @@ class _CE(NamedTuple):
     num_warps: int
 
 
-def _ce_default(dtype: torch.dtype) -> _CE:
-    """The interpreter pays per operation, not per element: there a whole BERT row (30,522) is one tile."""
-    return _CE(32768, 4) if INTERPRET else _CE(4096, 8 if dtype == torch.float32 else 16)
+def _ce_default(dtype: torch.dtype, target: targets.Target | None) -> _CE:
+    """The interpreter (None) pays per operation, not per element: there a whole BERT row (30,522) is one
+    tile."""
+    return _CE(32768, 4) if target is None else _CE(4096, 8 if dtype == torch.float32 else 16)
+
+
+def _ce_config(dtype: torch.dtype, h: int, target: targets.Target | None, rows: int | None) -> _CE:
+    """The row kernel's config on `target`: its table's entry (keyed by hidden size and row bucket), else the
+    default."""
+    return tuned.pick("mlm_loss.ce", _ce_default(dtype, target), target, dtype, h, seqlen=rows)
 
 
 def _chunk_bounds(n: int, vocab: int, itemsize: int, chunk_rows: int | None) -> list[tuple[int, int]]:
@@ -479,7 +484,7 @@ def _chunked_pass(hidden, weight, bias, labels, scale, chunk_rows, need_hidden=F
     chunks = _chunk_bounds(n, v, hidden.element_size(), chunk_rows)
     write = scale is not None and (need_hidden or need_weight)
     grads = _new_grads(hidden, weight, bias, write and need_hidden, write and need_weight, len(chunks) > 1)
-    t = tuned.pick("mlm_loss.ce", _ce_default(hidden.dtype), hidden.device, hidden.dtype, hidden.shape[1], seqlen=n)
+    t = _ce_config(hidden.dtype, hidden.shape[1], targets.of(hidden.device), n)
     padded_bias = None if bias is None else F.pad(bias.float(), (0, _padded(v) - v))
     for start, end in chunks:
         h = hidden[start:end]
@@ -627,7 +632,8 @@ def pick_strategy(hidden: torch.Tensor, rows: int) -> str:
     """What strategy="auto" runs for `rows` labelled rows of hidden's width and dtype on hidden's device: the
     committed launch-config table's choice for this GPU ("mlm_loss.strategy", measured by the tuner, keyed by
     the row count's bucket), else "chunked" (the CPU, or a GPU or shape the table lacks)."""
-    choice = tuned.pick("mlm_loss.strategy", _Strategy("chunked"), hidden.device, hidden.dtype, hidden.shape[1],
+    choice = tuned.pick("mlm_loss.strategy", _Strategy("chunked"), targets.of(hidden.device), hidden.dtype,
+                        hidden.shape[1],
                         seqlen=rows).strategy
     if choice not in STRATEGIES[1:]:
         tuned.warn_ignored("mlm_loss.strategy", choice)
@@ -720,6 +726,8 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     weight, bias = unit_stride(weight), dense(bias)  # the layouts the kernels index
     if strategy == "auto":
         strategy = pick_strategy(r.hidden, r.hidden.shape[0])
+    if strategy == "fused":
+        targets.check_dots("masked_lm_loss(strategy='fused')", hidden.dtype, hidden.device)
     if strategy == "chunked" and reduction != "none":
         loss, hit = _reduced_loss(r, weight, bias, reduction, chunk_rows or 0)
     else:

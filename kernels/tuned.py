@@ -1,12 +1,20 @@
-"""Launch configs measured on a GPU: one lookup per launch site, falling back to the launcher's own default.
+"""Launch configs per GPU family: one lookup per launch site, falling back to the launcher's own default.
 
-A tuner times candidate configs (block sizes, num_warps, num_stages) of every kernel at BERT's shapes on a GPU and
-writes the winners to `kernels/configs/<arch>.json` (`sm_90.json` for an H100/H200), keyed by kernel
-("attention.fwd", "layer_norm.bwd", ...), then "<dtype>/<size>/<bucket>": the dtype name, the head_dim or hidden
-size, and a sequence-length bucket ("s128", "s512", ...; "all" for kernels that do not depend on it). The table is
-data, small and committed. A launcher calls `pick` with its default config; the table's entry for the running GPU
-replaces the tunable fields, or the default stays where there is none (another GPU, another size, the interpreter).
-The choice is deterministic: no autotuning ever runs during training.
+Each GPU family the kernels are built for (kernels/targets.py: "sm_80", "sm_90", "gfx942", ...) has a table
+`kernels/configs/<name>.json`, keyed by kernel ("attention.fwd", "layer_norm.bwd", ...), then
+"<dtype>/<size>/<bucket>": the dtype name, the head_dim or hidden size, and a sequence-length bucket ("s128",
+"s512", ...; "all": every length). A table is data, small and committed, and comes two ways:
+
+* compile-checked ("timed": false): without a GPU, `python -m bench.tune --compile-only --arch <name>` keeps the
+  launcher's default where it compiles clean for that family (no register spill, within shared memory or LDS,
+  dots on its tensor cores) and otherwise the clean candidate with the largest tiles, one "all" entry per
+  dtype and size the compile check covers;
+* timed ("timed": true): `python -m bench.tune` on a GPU of the family times the candidates at BERT's shapes and
+  merges the fastest into the table, per sequence bucket; those entries win over the compile-checked ones.
+
+A launcher calls `pick` with its default config; the table's entry replaces the tunable fields, or the default
+stays where there is none (a GPU outside the list, another size, the CPU, the interpreter). The choice is
+deterministic: no autotuning ever runs during training.
 
 The environment variable BERTFUSE_CONFIG_DIR points the lookup at another folder of tables (the GPU check writes
 fresh ones outside the source tree); `forced` sets one kernel's config for a block of code (the tuner's sweep).
@@ -23,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import INTERPRET
+from .targets import Target
 
 FORMAT = 1
 _forced: dict[str, dict] = {}
@@ -31,19 +39,6 @@ _forced: dict[str, dict] = {}
 
 def config_dir() -> str:
     return os.environ.get("BERTFUSE_CONFIG_DIR") or os.path.join(os.path.dirname(__file__), "configs")
-
-
-def arch_name(major: int, minor: int) -> str:
-    return f"sm_{major}{minor}"
-
-
-@functools.lru_cache(maxsize=None)
-def _device_arch(index: int) -> str:
-    return arch_name(*torch.cuda.get_device_capability(index))
-
-
-def device_arch(device: torch.device) -> str:
-    return _device_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,16 +74,15 @@ def load_table(folder: str, arch: str) -> dict:
 
 
 def _nearest(entries: dict, dtype: str, size: int, seq_bucket: str):
-    """The entry for (dtype, size) whose sequence bucket is nearest to seq_bucket (log scale), or None."""
+    """The entry for (dtype, size) whose sequence bucket is nearest to seq_bucket (log scale), else its "all"
+    entry (one config for every length: a compile-checked table's), or None."""
     prefix = f"{dtype}/{size}/"
     if prefix + seq_bucket in entries:
         return entries[prefix + seq_bucket]
-    if seq_bucket == "all":
-        return None
-    want = math.log2(int(seq_bucket[1:]))
+    want = None if seq_bucket == "all" else math.log2(int(seq_bucket[1:]))
     near = [(abs(math.log2(int(k[len(prefix) + 1:])) - want), k) for k in entries
-            if k.startswith(prefix + "s") and k[len(prefix) + 1:].isdigit()]
-    return entries[min(near)[1]] if near else None
+            if want is not None and k.startswith(prefix + "s") and k[len(prefix) + 1:].isdigit()]
+    return entries[min(near)[1]] if near else entries.get(prefix + "all")
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,15 +114,15 @@ def warn_ignored(kernel: str, text: str) -> None:
                   "for block sizes, a known choice, only tunable fields); using the default")
 
 
-def pick(kernel: str, default: NamedTuple, device: torch.device, dtype: torch.dtype, size: int,
+def pick(kernel: str, default: NamedTuple, target: Target | None, dtype: torch.dtype, size: int,
          seqlen: int | None = None, tunable=None) -> NamedTuple:
-    """The config for one launch of `kernel`: a forced one, else this GPU's table entry, else `default`.
-    Only the fields in `tunable` (default: all of default's) may be replaced."""
+    """The config for one launch of `kernel` on `target` (kernels.targets.of(device); None: the CPU or the
+    interpreter): a forced one, else the target's table entry, else `default`. Only the fields in `tunable`
+    (default: all of default's) may be replaced."""
     tunable = default._fields if tunable is None else tunable
     config = _forced.get(kernel)
-    if config is None and device.type == "cuda" and not INTERPRET:
-        config = _table_config(kernel, config_dir(), device_arch(device), dtype_name(dtype), int(size),
-                               bucket(seqlen))
+    if config is None and target is not None:
+        config = _table_config(kernel, config_dir(), target.name, dtype_name(dtype), int(size), bucket(seqlen))
     if config is None or not _valid(kernel, config, default, tunable):
         return default
     return default._replace(**config)

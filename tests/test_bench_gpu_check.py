@@ -75,7 +75,8 @@ def rows():
                      peak_extra_MB=800.0, fwd_bwd_ms=9.0)]
     e2e = dict(family="bert", config="base", seq_len=128, padding="wiki", dtype="bfloat16", batch=256, status="ok")
     enc = dict(batch=256, dtype="bfloat16", seq_len=128, status="ok")
-    return {"kernels": kernels,
+    return {"meta": {"device": "NVIDIA H200", "peaks": {"matmul_TFLOPs": 700.0, "copy_GBps": 4000.0}},
+            "kernels": kernels,
             "e2e": [dict(e2e, variant="hf-eager", tokens_per_s=300e3),
                     dict(e2e, variant="hf-compile", tokens_per_s=500e3),
                     dict(e2e, variant="ours-triton", tokens_per_s=900e3,
@@ -115,7 +116,8 @@ def test_summary_of_a_partial_run(tmp_path):
     import json
 
     (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "results.json").write_text(json.dumps({"kernels": rows()["kernels"]}))
+    (tmp_path / "kernels" / "results.json").write_text(json.dumps({"kernels": rows()["kernels"],
+                                                                   "meta": rows()["meta"]}))
     (tmp_path / "stages.tsv").write_text("smoke\tok\t40\t72\ntests\tcut\t96\t96\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_attention.log").write_text("FAILED tests/test_attention.py::test_x - boom\n"
@@ -128,8 +130,8 @@ def test_summary_of_a_partial_run(tmp_path):
     assert "- test_attention: 1 failed, 3 passed in 9.1s" in text
     assert "FAILED tests/test_attention.py::test_x - boom" in text
     assert "- FAIL mlm_loss bfloat16: error 0.5, tolerance 0.01" in text
-    assert "| attention fwd, d64 s512 bf16 | >= 350 TFLOP/s | 400 TFLOP/s | met |" in text
-    assert "| BERT-base step s128 wiki bf16 throughput | >= 0.8M real tokens/s |  | not measured |" in text
+    assert "| attention fwd, d64 s512 bf16 | >= 350 TFLOP/s (H200) | 400 TFLOP/s | met |" in text
+    assert "| BERT-base step s128 wiki bf16 throughput | >= 0.8M real tokens/s (H200) |  | not measured |" in text
     assert "| mlm_loss | 32768 tok x H768 | (d) liger fused linear CE | 2.5 | 400 |  | ok |" in text
 
 

@@ -8,8 +8,10 @@ import torch
 pytest.importorskip("triton")
 from bench import tune  # noqa: E402
 from kernels import tuned  # noqa: E402
+from kernels.targets import TARGETS  # noqa: E402
 
 CPU = torch.device("cpu")
+SM90 = TARGETS["sm_90"]
 
 
 def fake_timer(times):
@@ -30,7 +32,7 @@ TINY = [tune.Problem("layer_norm.bwd", torch.float32, 40, None, (21, 40)),
 
 @pytest.mark.parametrize("problem", TINY, ids=str)
 def test_sweep_picks_the_fastest_verified_config(problem):
-    default = tune.default_launch(problem.kernel, problem.dtype, problem.size)._asdict()
+    default = tune.default_launch(problem.kernel, problem.dtype, problem.size, None)._asdict()
     fields = list(tune.candidates(problem.kernel)[0])
     other = {k: default[k] for k in fields}
     other["BLOCK_M"] = default["BLOCK_M"] * 2
@@ -72,12 +74,10 @@ def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir()] == ["sm_90.json"]  # no temporary left behind
     # The launcher reads it back, as on an sm_90 GPU.
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr(tuned, "INTERPRET", False)
-    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")
     tuned.clear_cache()
     try:
-        default = tune.default_launch("layer_norm.bwd", torch.float32, 40)
-        picked = tuned.pick("layer_norm.bwd", default, torch.device("cuda"), torch.float32, 40)
+        default = tune.default_launch("layer_norm.bwd", torch.float32, 40, SM90)
+        picked = tuned.pick("layer_norm.bwd", default, SM90, torch.float32, 40)
         assert picked == default._replace(num_warps=2)
     finally:
         tuned.clear_cache()
@@ -93,7 +93,7 @@ def test_problems_cover_bert_shapes_most_used_first():
                 ("mlm_loss.ce", "float16/768/s8192")]:
         assert key in keys
     for p in todo:  # every candidate set only varies what the launcher lets a table tune
-        assert set(tune.candidates(p.kernel)[0]) <= set(tune.default_launch(p.kernel, p.dtype, p.size)._fields)
+        assert set(tune.candidates(p.kernel)[0]) <= set(tune.default_launch(p.kernel, p.dtype, p.size, SM90)._fields)
 
 
 def test_pruning_compiles_candidates_for_sm90_without_a_gpu():
@@ -105,7 +105,7 @@ def test_pruning_compiles_candidates_for_sm90_without_a_gpu():
     good = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     too_big = {"BLOCK_M": 256, "BLOCK_N": 256, "num_warps": 4, "num_stages": 3}
     narrow = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    kept, pruned = tune.prune(problem, [good, too_big, narrow], 90, jobs=2, warm=False)
+    kept, pruned = tune.prune(problem, [good, too_big, narrow], "sm_90", jobs=2, warm=False)
     assert kept == [good]
     assert "shared memory" in pruned[json.dumps(too_big, sort_keys=True)]
     assert "wgmma" in pruned[json.dumps(narrow, sort_keys=True)]
@@ -115,7 +115,9 @@ def test_main_without_a_gpu_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
     assert tune.main(["--budget", "1"]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().err
+    assert "no GPU here" in capsys.readouterr().err
+    assert tune.main(["--compile-only"]) == 2
+    assert "needs --arch" in capsys.readouterr().err
 
 
 def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_path, monkeypatch):
@@ -126,7 +128,7 @@ def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_pat
 
     problem = tune.Problem("mlm_loss.strategy", torch.float32, 16, 20, (20, 16, 50))
     choices = [{"strategy": "chunked"}, {"strategy": "fused"}]
-    assert tune.prune(problem, choices, 90, jobs=1, warm=False) == (choices, {})  # nothing to compile
+    assert tune.prune(problem, choices, "sm_90", jobs=1, warm=False) == (choices, {})  # nothing to compile
     run = tune.setup(problem, CPU)
     run.timed()
     grads = run.outputs()
@@ -135,13 +137,11 @@ def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_pat
     assert entry["config"] == {"strategy": "fused"} and entry["default_ms"] == 3.0 and entry["candidates"] == 2
     tune.write_table(str(tmp_path), "sm_90", {problem.kernel: {"bfloat16/768/s8192": entry}}, {})
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr(tuned, "INTERPRET", False)
-    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")
     tuned.clear_cache()
     try:
         def pick(rows, hidden=768):
-            return tuned.pick("mlm_loss.strategy", _Strategy("chunked"), torch.device("cuda"), torch.bfloat16,
-                              hidden, seqlen=rows).strategy
+            return tuned.pick("mlm_loss.strategy", _Strategy("chunked"), SM90, torch.bfloat16, hidden,
+                              seqlen=rows).strategy
         assert pick(4915) == "fused" and pick(19660) == "fused"  # the nearest row bucket
         assert pick(4915, hidden=1024) == "chunked"               # no entry: the default
     finally:
@@ -150,8 +150,37 @@ def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_pat
 
 def test_the_chunked_row_kernel_is_timed_with_its_gradient_pass():
     problem = tune.Problem("mlm_loss.ce", torch.float16, 16, 20, (20, 16, 50))
-    default = tune.default_launch(problem.kernel, problem.dtype, problem.size)
+    default = tune.default_launch(problem.kernel, problem.dtype, problem.size, None)
     entry = tune.tune_problem(problem, CPU, fake_timer([2.0, 1.0, 3.0]),
                               configs=[{"BLOCK_V": 64, "num_warps": 4}, {"BLOCK_V": 32, "num_warps": 2}])
     assert entry["config"] == {"BLOCK_V": 32, "num_warps": 2} and entry["candidates"] == 3
     assert default.BLOCK_V not in (32, 64)  # the default, a third candidate, was timed too
+
+
+def test_untimed_configs_are_the_default_then_smaller_tiles_largest_first_more_warps_first():
+    base = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    pool = [dict(base, BLOCK_M=128), dict(base, BLOCK_N=32), dict(base, BLOCK_N=16), base,
+            dict(base, BLOCK_N=32, num_stages=3), dict(base, BLOCK_N=32, num_warps=4, num_stages=3)]
+    # Larger tiles (BLOCK_M=128), or more of a tile per warp than the default (16 wide on one warp): left out.
+    assert tune.ranked(base, pool) == [base, dict(base, BLOCK_N=32, num_stages=3), dict(base, BLOCK_N=32),
+                                       dict(base, BLOCK_N=32, num_warps=4, num_stages=3), dict(base, BLOCK_N=16)]
+    assert dict(base, BLOCK_N=16, num_warps=1) not in tune.ranked(base, pool + [dict(base, BLOCK_N=16, num_warps=1)])
+
+
+def test_compile_only_keeps_clean_defaults_untimed_and_leaves_timed_entries_alone():
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    keep = {"bias_gelu.fwd": {"bfloat16/3072/all": {"config": {"num_warps": 4}, "ms": 0.1, "timed": True}}}
+    results = tune.compile_only("sm_90", ["bias_gelu"], jobs=2, keep=keep, log=lambda *_: None)
+    assert set(results) == {"bias_gelu.fwd", "bias_gelu.bwd"}
+    assert sorted(results["bias_gelu.fwd"]) == ["float16/3072/all", "float32/3072/all"]  # the timed one stays
+    for kernel, entries in results.items():
+        for key, entry in entries.items():
+            dtype = getattr(torch, key.split("/")[0])
+            default = tune.default_launch(kernel, dtype, 3072, SM90)._asdict()
+            assert entry["timed"] is False and entry["config"] == {k: default[k] for k in entry["config"]}
+    # sm_75 refuses bfloat16, so it has nothing to configure there.
+    assert {p.dtype for p in tune.compile_problems(["bias_gelu"], TARGETS["sm_75"])} == {torch.float16,
+                                                                                          torch.float32}

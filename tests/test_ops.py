@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert.model import ops
 from bert.data.batch import packed_layout
+from bert.model import ops
 
 
 def test_resolve_backend():
@@ -14,6 +14,32 @@ def test_resolve_backend():
     assert ops.resolve_backend("auto") == ("triton" if torch.cuda.is_available() else "torch")
     with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton'"):
         ops.resolve_backend("cuda")
+
+
+def test_auto_backend_skips_gpus_older_than_the_kernels_support(monkeypatch):
+    monkeypatch.setattr(ops, "_HAS_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, backend in (((7, 0), "torch"), ((7, 5), "triton"), ((9, 0), "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert ops.resolve_backend("auto") == backend, capability
+
+
+def test_half_precision_attention_runs_in_pytorch_where_triton_has_no_tensor_core_dots(monkeypatch):
+    """On an sm_75 GPU (faked here) the Triton attention would run its dots on the CUDA cores: the model's
+    attention takes the PyTorch path there, with one warning; float32 keeps the kernel."""
+    kernels = pytest.importorskip("kernels")
+    from kernels.targets import TARGETS
+
+    monkeypatch.setattr(kernels.targets, "of", lambda device: TARGETS["sm_75"])
+    monkeypatch.setattr(ops, "warn_once", lambda message: warnings.warn(message))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    p = packed_layout(cu, 12, 7, False)
+    q, k, v = (torch.randn(12, 2, 16, generator=torch.Generator().manual_seed(i)).half() for i in range(3))
+    with pytest.warns(UserWarning, match="no tensor-core dots on sm_75.*PyTorch"):
+        out = ops.varlen_attention(q, k, v, p, backend="triton")
+    torch.testing.assert_close(out, ops.varlen_attention(q, k, v, p, backend="torch"), rtol=0, atol=0)
+    assert kernels.targets.dots_refusal("attention", torch.float32, TARGETS["sm_75"]) is None
 
 
 def test_backend_for_follows_where_the_kernels_run():

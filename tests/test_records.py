@@ -8,8 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 from bench import ops  # noqa: E402
-from bench.record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, grid,  # noqa: E402
-                             randn, record)
+from bench.record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, grid, randn, record  # noqa: E402
 
 CPU = torch.device("cpu")
 PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 1.0, "matmul_dtype": "float32"}
@@ -35,13 +34,14 @@ DOUBLE = Record(
                                             ["y", "dx"])},
     bench_shapes=BenchShapes(quick=[(64,)], full=[(64,), (128,)], tiny=[(8,)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, size: _Launch(4),
+    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, size, target: _Launch(4),
+                  config=lambda part, dtype, size, target: _Launch(4),
                   candidates={"fwd": grid(num_warps=[2, 4]), "bwd": grid(num_warps=[2, 4])},
                   shapes=(TuneShape(16, None, (16,)),),
                   setup=lambda shape, size, dtype, device, part: (_double, (x := randn(*shape, grad=True),),
                                                                   {"bwd": (x,)}),
                   variant=None),
-    variants=lambda: [],
+    sites=lambda: [],
     goals=(Goal("double vs eager", "faster", "double", "fwd_bwd_ms", ">", 1.0, peer="torch-eager"),),
 )
 

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 import bert
+from bert.common.errors import ExpectedError
 from bert.data.pipeline import StepList
-from bert.train.loop import Job, Trainer, warmup_steps
+from bert.model.checkpoint import read_state_dict
 from bert.train.health import NonFiniteError
+from bert.train.loop import Job, Trainer, amp_precision, warmup_steps
+from bert.train.optim import linear_schedule
 from bert.train.rundir import OutputDirBusy, latest_checkpoint, output_dir_lock
 from bert.train.settings import Settings
-from bert.model.checkpoint import read_state_dict
-from bert.train.optim import linear_schedule
 
 POISON = float("nan")
 
@@ -372,3 +373,24 @@ def test_a_torn_last_log_row_is_dropped_on_resume_and_a_damaged_earlier_one_name
     log.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"log.jsonl:2: not a JSON log row"):
         truncate_log(str(log), 2)
+
+
+def fake_cuda(monkeypatch, major, minor, name, hip=None):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(major=major, minor=minor, name=name))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    return torch.device("cuda", 0)
+
+
+def test_auto_precision_is_bf16_where_the_gpu_has_it_and_fp16_where_not(monkeypatch):
+    assert amp_precision("auto", torch.device("cpu")) == "fp32"
+    assert amp_precision("bf16", torch.device("cpu")) == "bf16"  # CPU autocast has bfloat16
+    assert amp_precision("auto", fake_cuda(monkeypatch, 8, 0, "NVIDIA A100")) == "bf16"
+    assert amp_precision("auto", fake_cuda(monkeypatch, 9, 4, "AMD Instinct MI300X", hip="6.2")) == "bf16"
+    t4 = fake_cuda(monkeypatch, 7, 5, "Tesla T4")
+    assert amp_precision("auto", t4) == "fp16" and amp_precision("fp16", t4) == "fp16"
+    assert amp_precision("fp32", t4) == "fp32"
+    with pytest.raises(ExpectedError, match=r"--precision bf16: the Tesla T4 \(sm_75\) has no bfloat16.*fp16"):
+        amp_precision("bf16", t4)

@@ -6,15 +6,14 @@ import torch
 
 kernels = pytest.importorskip("kernels")
 from kernels import tuned  # noqa: E402
-from kernels.layer_norm import _config as ln_config  # noqa: E402
+from kernels.layer_norm import _default_config as ln_default  # noqa: E402
+from kernels.targets import TARGETS  # noqa: E402
 
 
 @pytest.fixture
 def table_dir(tmp_path, monkeypatch):
-    """A table folder for an 'sm_90' GPU that the lookup reads as if a CUDA device were present."""
+    """A table folder the lookup reads, for an sm_90 GPU."""
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr(tuned, "INTERPRET", False)
-    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")
     tuned.clear_cache()
     yield tmp_path
     tuned.clear_cache()
@@ -24,7 +23,7 @@ def write(folder, kernels_entries, fmt=tuned.FORMAT):
     (folder / "sm_90.json").write_text(json.dumps({"format": fmt, "arch": "sm_90", "kernels": kernels_entries}))
 
 
-CUDA = torch.device("cuda")  # never used for memory: the lookup only reads its type
+SM90 = TARGETS["sm_90"]
 
 
 def test_buckets_and_keys():
@@ -34,41 +33,56 @@ def test_buckets_and_keys():
 
 
 def test_table_entry_replaces_the_tunable_fields(table_dir):
-    default = ln_config("fwd", torch.empty(1, 768, device="meta"), 768)
+    default = ln_default(768)
     write(table_dir, {"layer_norm.fwd": {"bfloat16/768/all": {"config": {"BLOCK_M": 2, "num_warps": 16}}}})
-    picked = tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768, tunable=("BLOCK_M", "num_warps"))
+    picked = tuned.pick("layer_norm.fwd", default, SM90, torch.bfloat16, 768, tunable=("BLOCK_M", "num_warps"))
     assert picked == default._replace(BLOCK_M=2, num_warps=16)
-    # Another size, dtype, kernel or a CPU tensor: the default.
-    assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 1024) == default
-    assert tuned.pick("layer_norm.fwd", default, CUDA, torch.float16, 768) == default
-    assert tuned.pick("layer_norm.bwd", default, CUDA, torch.bfloat16, 768) == default
-    assert tuned.pick("layer_norm.fwd", default, torch.device("cpu"), torch.bfloat16, 768) == default
+    # Another size, dtype, kernel, GPU family, or a CPU tensor (no target): the default.
+    assert tuned.pick("layer_norm.fwd", default, SM90, torch.bfloat16, 1024) == default
+    assert tuned.pick("layer_norm.fwd", default, SM90, torch.float16, 768) == default
+    assert tuned.pick("layer_norm.bwd", default, SM90, torch.bfloat16, 768) == default
+    assert tuned.pick("layer_norm.fwd", default, TARGETS["sm_80"], torch.bfloat16, 768) == default
+    assert tuned.pick("layer_norm.fwd", default, None, torch.bfloat16, 768) == default
 
 
 def test_nearest_sequence_bucket(table_dir):
     entries = {"bfloat16/64/s128": {"config": {"BLOCK_M": 64}}, "bfloat16/64/s512": {"config": {"BLOCK_M": 128}}}
     write(table_dir, {"attention.fwd": entries})
-    default = kernels.attention._default_config("fwd", 64, torch.bfloat16)._replace(BLOCK_M=16)
-    pick = lambda n: tuned.pick("attention.fwd", default, CUDA, torch.bfloat16, 64, n).BLOCK_M  # noqa: E731
+    default = kernels.attention._default_config("fwd", 64, torch.bfloat16, SM90)._replace(BLOCK_M=16)
+    pick = lambda n: tuned.pick("attention.fwd", default, SM90, torch.bfloat16, 64, n).BLOCK_M  # noqa: E731
     assert [pick(n) for n in (40, 128, 200, 300, 512, 4096)] == [64, 64, 64, 128, 128, 128]
+    assert pick(None) == 16  # no length given and no "all" entry: the default
+
+
+def test_an_all_entry_serves_every_length_and_timed_buckets_win(table_dir):
+    """A compile-checked table's "all" entries apply at any sequence length; a GPU-timed bucket for the same
+    dtype and size wins wherever it exists."""
+    write(table_dir, {"attention.fwd": {"bfloat16/64/all": {"config": {"BLOCK_M": 32}, "timed": False}}})
+    default = kernels.attention._default_config("fwd", 64, torch.bfloat16, SM90)
+    pick = lambda n: tuned.pick("attention.fwd", default, SM90, torch.bfloat16, 64, n).BLOCK_M  # noqa: E731
+    assert [pick(n) for n in (None, 40, 512)] == [32, 32, 32]
+    write(table_dir, {"attention.fwd": {"bfloat16/64/all": {"config": {"BLOCK_M": 32}, "timed": False},
+                                        "bfloat16/64/s512": {"config": {"BLOCK_M": 64}, "timed": True}}})
+    tuned.clear_cache()
+    assert [pick(n) for n in (None, 40, 512)] == [32, 64, 64]
 
 
 def test_bad_entries_and_tables_fall_back_with_a_warning(table_dir):
-    default = ln_config("fwd", torch.empty(1, 768, device="meta"), 768)
+    default = ln_default(768)
     write(table_dir, {"layer_norm.fwd": {"bfloat16/768/all": {"config": {"BLOCK_M": 3}},
                                          "float16/768/all": {"config": {"BLOCK_N": 64}}}})
     with pytest.warns(UserWarning, match="ignoring the launch config"):
-        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768, tunable=("BLOCK_M",)) == default
+        assert tuned.pick("layer_norm.fwd", default, SM90, torch.bfloat16, 768, tunable=("BLOCK_M",)) == default
     with pytest.warns(UserWarning, match="ignoring the launch config"):  # BLOCK_N is fixed by the row width
-        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.float16, 768, tunable=("BLOCK_M",)) == default
+        assert tuned.pick("layer_norm.fwd", default, SM90, torch.float16, 768, tunable=("BLOCK_M",)) == default
     write(table_dir, {}, fmt=99)
     tuned.clear_cache()
     with pytest.warns(UserWarning, match="ignoring launch-config table"):
-        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768) == default
+        assert tuned.pick("layer_norm.fwd", default, SM90, torch.bfloat16, 768) == default
     (table_dir / "sm_90.json").write_text("{not json")
     tuned.clear_cache()
     with pytest.warns(UserWarning, match="ignoring launch-config table"):
-        assert tuned.pick("layer_norm.fwd", default, CUDA, torch.bfloat16, 768) == default
+        assert tuned.pick("layer_norm.fwd", default, SM90, torch.bfloat16, 768) == default
 
 
 def test_forced_config_reaches_the_launcher_and_gives_the_same_result(device):

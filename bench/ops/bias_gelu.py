@@ -2,9 +2,10 @@
 import torch
 import torch.nn.functional as F
 
-from kernels.bias_gelu import _bias_gelu_bwd_kernel, _bias_gelu_fwd_kernel, _config, _Launch, bias_gelu, bias_gelu_ref
+from kernels.bias_gelu import (_bias_gelu_bwd_kernel, _bias_gelu_fwd_kernel, _config, _default_config, bias_gelu,
+                               bias_gelu_ref)
 
-from ..record import Bench, BenchShapes, Case, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals, randn
+from ..record import Bench, BenchShapes, Case, Record, Site, TuneShape, Tuning, Variant, grid, memory_bound_goals, randn
 
 
 def _smoke(s, device, approximate="none") -> Case:
@@ -37,15 +38,11 @@ def _variant(part: str, dtype, n: int, launch, tanh=False) -> Variant:
     return Variant(f"bias_gelu {part} {dtype} tanh={tanh}", fn, args, launch.num_warps, dtype=dtype, needs="vectors")
 
 
-def _default(part: str, dtype, n: int) -> _Launch:
-    return _config(part, torch.empty((1, n), dtype=dtype, device="meta"), n)
-
-
-def _variants():
-    for dtype in (torch.bfloat16, torch.float32):
+def _sites():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for tanh in (False, True):
             for part in ("fwd", "bwd"):
-                yield _variant(part, dtype, 3072, _default(part, dtype, 3072), tanh)
+                yield Site(part, dtype, 3072, dict(tanh=tanh))
 
 
 def _tune_setup(shape, size, dtype, device, part=None):
@@ -63,9 +60,10 @@ RECORD = Record(
     bench_shapes=BenchShapes(quick=[(16384, 3072), (16384, 4096)],
                              full=[(t, i) for t in (8192, 32768, 65536) for i in (3072, 4096)], tiny=[(16, 40)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=_default, candidates={"fwd": _TILES, "bwd": _TILES},
+    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, n, target: _default_config(n), config=_config,
+                  candidates={"fwd": _TILES, "bwd": _TILES},
                   shapes=(TuneShape(3072, None, (16384, 3072)), TuneShape(4096, None, (16384, 4096), rank=1)),
                   setup=_tune_setup, variant=_variant),
-    variants=_variants,
+    sites=_sites,
     goals=memory_bound_goals("bias-GeLU", "bias_gelu"),
 )

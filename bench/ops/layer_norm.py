@@ -2,11 +2,11 @@
 import torch
 from torch import nn
 
-from kernels.layer_norm import (_config, _Launch, _layer_norm_bwd_kernel, _layer_norm_fwd_kernel, dropout_mask,
+from kernels.layer_norm import (_config, _default_config, _layer_norm_bwd_kernel, _layer_norm_fwd_kernel, dropout_mask,
                                 layer_norm, layer_norm_ref)
 
-from ..record import (Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, memory_bound_goals,
-                      optional_peer, randn)
+from ..record import (Bench, BenchShapes, Case, Goal, Record, Site, TuneShape, Tuning, Variant, grid,
+                      memory_bound_goals, optional_peer, randn)
 
 
 def _smoke(s, device) -> Case:
@@ -73,16 +73,12 @@ def _variant(part: str, dtype, n: int, launch, residual=True, dropout=True, affi
     return Variant(name, fn, args, launch.num_warps, dtype=dtype, needs="vectors")
 
 
-def _default(part: str, dtype, n: int) -> _Launch:
-    return _config(part, torch.empty((1, n), dtype=dtype, device="meta"), n)
-
-
-def _variants():
+def _sites():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for n in (768, 8192):
             for flags in ((True, True, True), (False, False, False)):
                 for part in ("fwd", "bwd"):
-                    yield _variant(part, dtype, n, _default(part, dtype, n), *flags)
+                    yield Site(part, dtype, n, dict(zip(("residual", "dropout", "affine"), flags)))
 
 
 def _tune_setup(shape, size, dtype, device, part=None):
@@ -102,10 +98,11 @@ RECORD = Record(
     bench_shapes=BenchShapes(quick=[(16384, 768), (16384, 1024)],
                              full=[(t, h) for t in (8192, 32768, 65536) for h in (768, 1024)], tiny=[(16, 48)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=_default, candidates={"fwd": _ROWS, "bwd": _ROWS},
+    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, n, target: _default_config(n), config=_config,
+                  candidates={"fwd": _ROWS, "bwd": _ROWS},
                   shapes=(TuneShape(768, None, (16384, 768)), TuneShape(1024, None, (16384, 1024), rank=1)),
                   setup=_tune_setup, variant=_variant),
-    variants=_variants,
+    sites=_sites,
     goals=(*memory_bound_goals("LayerNorm+residual+dropout", "layer_norm+residual+dropout"),
            Goal("LayerNorm+residual vs Liger-Kernel's LayerNorm", "faster", "layer_norm+residual", "fwd_bwd_ms", ">",
                 1.0, peer="liger-layer_norm")),

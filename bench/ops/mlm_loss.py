@@ -2,11 +2,14 @@
 import torch
 import torch.nn.functional as F
 
+from kernels import tuned
 from kernels._common import dot_precision
-from kernels.mlm_loss import (_ce_default, _ce_rows_kernel, _mlm_loss_bwd_dhidden_kernel, _mlm_loss_bwd_dweight_kernel,
-                              _mlm_loss_fwd_kernel, _Strategy, _tiles, masked_lm_loss, masked_lm_loss_ref)
+from kernels.mlm_loss import (_ce_config, _ce_default, _ce_rows_kernel, _config, _mlm_loss_bwd_dhidden_kernel,
+                              _mlm_loss_bwd_dweight_kernel, _mlm_loss_fwd_kernel, _Strategy, _tiles, masked_lm_loss,
+                              masked_lm_loss_ref)
 
-from ..record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, Variant, grid, optional_peer, randn
+from ..record import (Bench, BenchShapes, Case, Goal, Record, Site, TuneShape, Tuning, Variant, grid, optional_peer,
+                      randn)
 
 
 def _smoke_case(strategy: str):
@@ -99,25 +102,32 @@ def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant | None:
         fn = _mlm_loss_bwd_dweight_kernel
         args.update(G=torch.float32, BLOCK_HO=tiles.BLOCK_HO, DW=dtype, DB=torch.float32, stride_dw_v="i32:16")
     name = f"mlm_loss {'fwd' if part == 'fwd' else 'bwd ' + part} {dtype} H={h} bias={bias}"
-    return Variant(name, fn, args, tiles.num_warps, tiles.num_stages, dtype, "wgmma")
+    return Variant(name, fn, args, tiles.num_warps, tiles.num_stages, dtype, "tensor_cores")
 
 
-def _default(part: str, dtype, h: int):
+def _default(part: str, dtype, h: int, target):
     if part == "ce":
-        return _ce_default(dtype)
+        return _ce_default(dtype, target)
     if part == "strategy":
         return _Strategy("chunked")
-    return _tiles(part, h, dtype)
+    return _tiles(part, h, dtype, target)
 
 
-def _variants():
-    for dtype in (torch.bfloat16, torch.float32):
+def _launcher_config(part: str, dtype, h: int, target):
+    if part == "ce":
+        return _ce_config(dtype, h, target, None)
+    if part == "strategy":
+        return tuned.pick("mlm_loss.strategy", _Strategy("chunked"), target, dtype, h)
+    return _config(part, dtype, h, target, None)
+
+
+def _sites():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for h in (768, 1024):
             for bias in (True, False):
                 for part in ("fwd", "dhidden", "dweight"):
-                    yield _variant(part, dtype, h, _tiles(part, h, dtype), bias)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        yield _variant("ce", dtype, 768, _ce_default(dtype))
+                    yield Site(part, dtype, h, dict(bias=bias))
+        yield Site("ce", dtype, 768)
 
 
 # The strategy a tuning part measures: the fused kernels' parts run "fused", the row kernel's "chunked", and the
@@ -146,11 +156,15 @@ RECORD = Record(
                              tiny=[(256, 768)], cpu=[(4096, 768)]),
     bench=_bench,
     tuning=Tuning(parts=("fwd", "dhidden", "dweight", "ce", "strategy"), default=_default,
+                  config=_launcher_config,
                   candidates={"fwd": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128, 256], BLOCK_H=[64], num_warps=[4, 8],
                                           num_stages=[3]),
                               "dhidden": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
                                               num_warps=[8], num_stages=[2, 3])
-                              + grid(BLOCK_M=[64], BLOCK_V=[32], BLOCK_HO=[512], num_warps=[8], num_stages=[2]),
+                              + grid(BLOCK_M=[64], BLOCK_V=[32], BLOCK_HO=[512], num_warps=[8], num_stages=[2])
+                              # float32's exact products on the CUDA cores hold their accumulators in registers
+                              + grid(BLOCK_M=[16, 32], BLOCK_V=[32, 64], BLOCK_HO=[32, 64], num_warps=[4],
+                                     num_stages=[2]),
                               "dweight": grid(BLOCK_M=[32, 64], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
                                               num_warps=[8], num_stages=[2, 3])
                               + grid(BLOCK_M=[64], BLOCK_V=[64], BLOCK_HO=[512], num_warps=[8], num_stages=[2]),
@@ -160,7 +174,7 @@ RECORD = Record(
                   shapes=(TuneShape(768, 4915, (4915, 768, 30522)),
                           TuneShape(1024, 19660, (19660, 1024, 30522), rank=1)),
                   setup=_tune_setup, variant=_variant, whole=("ce", "strategy")),
-    variants=_variants,
+    sites=_sites,
     goals=(_mlm_goal("MLM loss extra memory vs full logits, H768", "<= 1%", "peak_extra_MB", "<=", 0.01,
                      "(a) full logits", share=True, where=dict(hidden=768)),
            _mlm_goal("MLM loss time vs gather + linear + CE", ">= 1x", "fwd_bwd_ms", ">=", 1.0,

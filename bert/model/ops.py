@@ -17,13 +17,21 @@ from bert.data.batch import Packed
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def _kernels_gpu() -> bool:
+    """A GPU the kernels support: a ROCm one, or NVIDIA sm_75 (Turing) and newer."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.version.hip is not None or torch.cuda.get_device_capability() >= (7, 5)
+
+
 def resolve_backend(name: str) -> str:
-    """'auto' -> 'triton' when CUDA and triton are available, else 'torch'."""
+    """'auto' -> 'triton' when triton and a GPU the kernels support (CUDA sm_75+, or ROCm) are here, else
+    'torch'."""
     has_triton = _HAS_TRITON
     if name == "torch":
         return "torch"
     if name == "auto":
-        return "triton" if has_triton and torch.cuda.is_available() else "torch"
+        return "triton" if has_triton and _kernels_gpu() else "torch"
     if name == "triton":
         if not has_triton:
             raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
@@ -95,6 +103,12 @@ def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch"):
     if backend == "triton" and not _kernels().attention.supports_head_dim(q.shape[-1]):
         warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
                    "this model's attention runs in PyTorch")
+        backend = "torch"
+    targets = _kernels().targets if backend == "triton" else None
+    if targets and targets.dots_refusal("attention", q.dtype, targets.of(q.device)):
+        target = targets.of(q.device)
+        warn_once(f"Triton runs no tensor-core dots on {target.name} ({target.gpus}): this model's attention runs "
+                  f"in PyTorch (SDPA), which does, in {q.dtype}")
         backend = "torch"
     if backend == "triton":
         # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.

@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from bert.common.errors import StopRun, StopSignals, first_line, stop_signals
+from bert.common.errors import ExpectedError, StopRun, StopSignals, first_line, stop_signals
 from bert.train.distributed import Dist
 from bert.train.health import HEALTH, NonFiniteError, Window, grad_norm, say, worker_deaths
 from bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
@@ -104,14 +104,30 @@ def warmup_steps(warmup: float, steps: int) -> int:
     return math.ceil(warmup * steps) if warmup < 1 else int(warmup)
 
 
+def amp_precision(requested: str, device: torch.device) -> str:
+    """The precision a run trains in: `requested`, or for "auto" bf16 autocast on a GPU with bfloat16 tensor
+    cores (sm_80 and newer, AMD's MI200/MI300), fp16 with a gradient scaler on one without (sm_75: T4, RTX 20xx),
+    fp32 on the CPU. bf16 asked of a GPU without it is one clear error naming the GPU and what to use."""
+    if device.type != "cuda":
+        return "fp32" if requested == "auto" else requested
+    props = torch.cuda.get_device_properties(device)
+    bf16 = torch.version.hip is not None or props.major >= 8
+    if requested == "auto":
+        return "bf16" if bf16 else "fp16"
+    if requested == "bf16" and not bf16:
+        raise ExpectedError(f"--precision bf16: the {props.name} (sm_{props.major}{props.minor}) has no bfloat16 "
+                            "tensor cores (sm_80+ and AMD MI200/MI300 have them); use --precision fp16 (autocast "
+                            "with a gradient scaler) or fp32")
+    return requested
+
+
 class Trainer:
     """Runs a Job under Settings on `device` (see the module docstring)."""
 
     def __init__(self, job: Job, settings: Settings, device: torch.device, d: Dist):
         self.job, self.s, self.device, self.d = job, settings, device, d
         self.model = job.model.to(device)
-        precision = settings.precision if settings.precision != "auto" else \
-            ("bf16" if device.type == "cuda" else "fp32")
+        precision = amp_precision(settings.precision, device)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         graphs = settings.cuda_graphs and self._graphs_possible()

@@ -44,8 +44,9 @@ class Settings:
         0, "a step whose loss or gradient norm is not finite never changes the weights; allow up to N such steps in "
            "a row (skipped, like a loss scaler's) before the run stops with an error (default 0: stop at the first)",
         check="non_negative", metavar="N")
-    precision: str = option("auto", "auto: bf16 autocast on GPU, fp32 on CPU; fp16 uses a gradient scaler (default "
-                                    "auto)", resumed=True, choices=["auto", "fp32", "bf16", "fp16"])
+    precision: str = option("auto", "auto: bf16 autocast on a GPU with bf16 (sm_80+, MI200/MI300), fp16 on one "
+                                    "without (sm_75: T4), fp32 on CPU; fp16 uses a gradient scaler (default auto)",
+                            resumed=True, choices=["auto", "fp32", "bf16", "fp16"])
     seed: int = option(0, "random seed (default 0)", resumed=True)
     log_every: int = option(1, "a log row (OUTPUT_DIR/log.jsonl, TensorBoard) every N steps; statistics are summed "
                                "on the device in between, with no per-step host sync (default %(default)s)",

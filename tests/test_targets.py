@@ -1,0 +1,102 @@
+"""kernels.targets: which GPU family a device is, what it refuses, and that each family's committed launch-config
+table is what the launchers read on a (fake) device of that family."""
+import glob
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+kernels = pytest.importorskip("kernels")
+from kernels import targets, tuned  # noqa: E402
+from kernels.targets import TARGETS  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(tuned.__file__), "configs")
+
+
+def cuda_props(major, minor, name="GPU", **kw):
+    return SimpleNamespace(major=major, minor=minor, name=name, **kw)
+
+
+def test_devices_map_to_their_family():
+    assert targets.from_properties(cuda_props(8, 0, "NVIDIA A100"), hip=False) is TARGETS["sm_80"]
+    assert targets.from_properties(cuda_props(7, 5, "Tesla T4"), hip=False) is TARGETS["sm_75"]
+    rocm = SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-", name="AMD Instinct MI300X", major=9, minor=4)
+    assert targets.from_properties(rocm, hip=True) is TARGETS["gfx942"]  # not "sm_94" from the capability
+    # A family outside the list: built from what the device reports, with no table.
+    orin = targets.from_properties(cuda_props(8, 7, "Orin", shared_memory_per_block_optin=166912), hip=False)
+    assert (orin.name, orin.shared_bytes, orin.bf16, orin.dot) == ("sm_87", 166912, True, "mma")
+    navi = targets.from_properties(SimpleNamespace(gcnArchName="gfx1100", name="RX 7900", warp_size=32), hip=True)
+    assert (navi.name, navi.backend, navi.warp_size) == ("gfx1100", "hip", 32)
+    with pytest.raises(RuntimeError, match="sm_70.*sm_75"):
+        targets.from_properties(cuda_props(7, 0, "Tesla V100"), hip=False)
+
+
+def test_every_family_is_described_consistently():
+    for name, t in TARGETS.items():
+        assert t.name == name and t.backend in ("cuda", "hip") and t.shared_bytes >= 64 * 1024
+        assert t.warp_size == (64 if t.backend == "hip" else 32)
+        assert t.bf16 == (name != "sm_75") and t.tensor_core_dots == (name != "sm_75")
+
+
+def test_cpu_and_interpreter_have_no_target():
+    assert targets.of(torch.device("cpu")) is None
+
+
+def fake_gpu(monkeypatch, name: str) -> torch.device:
+    """A CUDA device of family `name` as the launchers see it (no GPU is touched)."""
+    monkeypatch.setattr(targets, "INTERPRET", False)
+    monkeypatch.setattr(targets, "_device_target", lambda index: TARGETS[name])
+    return torch.device("cuda", 0)
+
+
+def test_bf16_and_half_precision_dots_are_refused_clearly_on_sm75(monkeypatch):
+    device = fake_gpu(monkeypatch, "sm_75")
+    with pytest.raises(TypeError, match=r"layer_norm: bfloat16 needs .*sm_75.*float16"):
+        kernels._common.check_device("layer_norm", x=SimpleNamespace(device=device, dtype=torch.bfloat16))
+    kernels._common.check_device("layer_norm", x=SimpleNamespace(device=device, dtype=torch.float16))
+    with pytest.raises(TypeError, match="no tensor-core dots on sm_75"):
+        targets.check_dots("varlen_attention", torch.float16, device)
+    targets.check_dots("varlen_attention", torch.float32, device)  # exact float32 dots: CUDA cores everywhere
+    device = fake_gpu(monkeypatch, "sm_80")
+    kernels._common.check_device("layer_norm", x=SimpleNamespace(device=device, dtype=torch.bfloat16))
+    targets.check_dots("varlen_attention", torch.bfloat16, device)
+
+
+def committed_tables():
+    return sorted(glob.glob(os.path.join(CONFIGS, "*.json")))
+
+
+def test_a_compile_checked_table_is_committed_for_every_family():
+    assert sorted(os.path.basename(p)[:-5] for p in committed_tables()) == sorted(TARGETS)
+    for path in committed_tables():
+        table = json.load(open(path))
+        assert "compile_checked" in table and table["kernels"], path
+        assert all("timed" in e for entries in table["kernels"].values() for e in entries.values()), path
+
+
+def test_the_launchers_read_each_tables_choice_on_a_device_of_that_family(monkeypatch):
+    """Each entry of each committed table, looked up through the launcher's own config function for a fake
+    device of the table's family, comes back as the table's config (and a table is never read for another)."""
+    from bench.record import record
+
+    monkeypatch.delenv("BERTFUSE_CONFIG_DIR", raising=False)
+    tuned.clear_cache()
+    checked = 0
+    for path in committed_tables():
+        name = os.path.basename(path)[:-5]
+        device = fake_gpu(monkeypatch, name)
+        for kernel, entries in json.load(open(path))["kernels"].items():
+            rec, part = record(kernel), kernel.split(".")[1]
+            for key, entry in entries.items():
+                dtype, size, bucket = key.split("/")
+                if bucket != "all":
+                    continue
+                dtype, size = getattr(torch, dtype), int(size)
+                got = rec.tuning.config(part, dtype, size, targets.of(device))
+                default = rec.tuning.default(part, dtype, size, targets.of(device))
+                assert got == default._replace(**entry["config"]), (name, kernel, key)
+                checked += 1
+    assert checked > 0
+    tuned.clear_cache()
