@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from bench.record import Variant, record, records  # noqa: E402
 from kernels._common import INTERPRET  # noqa: E402
-from kernels.targets import TARGETS, Target, dots_refusal, dtype_refusal  # noqa: E402
+from kernels.targets import Target, refusal  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "
@@ -42,12 +42,6 @@ TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"
 # The tensor-core instruction of each Target.dot, as it appears in the compiled code, and the per-warp one that
 # Triton falls back to on Hopper and Blackwell when a dot's tile is too narrow for theirs.
 DOT_INSTRUCTIONS = {"mma": "mma.sync", "wgmma": "wgmma.mma_async", "tcgen05": "tcgen05.mma", "mfma": "v_mfma"}
-
-
-def target_named(name: str) -> Target:
-    if name not in TARGETS:
-        raise KeyError(f"unknown GPU family {name!r}; have {', '.join(TARGETS)}")
-    return TARGETS[name]
 
 
 def gpu_target(t: Target) -> GPUTarget:
@@ -111,15 +105,14 @@ def amdgcn_report(asm: str) -> Report:
 class Compiled:
     def __init__(self, shared: int, report: Report, code: str, t: Target):
         self.shared, self.report = shared, report
-        self.registers, self.spilled = report.registers, report.spilled
         self.dots = {kind: code.count(DOT_INSTRUCTIONS[kind]) for kind in dict.fromkeys(("mma", t.dot))
                      if kind in DOT_INSTRUCTIONS}
         self.scalar16 = _scalar16(code, t.backend)
         self.target = t
 
     def __str__(self):
-        regs = "?" if self.registers is None else self.registers
-        spilled = "?" if self.spilled is None else self.spilled
+        regs = "?" if self.report.registers is None else self.report.registers
+        spilled = "?" if self.report.spilled is None else self.report.spilled
         sgpr = f", {self.report.sgpr_spills} SGPRs to VGPR lanes" if self.report.sgpr_spills else ""
         dots = " / ".join(f"{n} {DOT_INSTRUCTIONS[k]}" for k, n in self.dots.items())
         memory = "LDS" if self.target.backend == "hip" else "shared memory"
@@ -181,9 +174,9 @@ def verdict(variant: Variant, result: Compiled) -> str | None:
     element (the memory-bound LayerNorm and bias-GeLU). SGPR spills on AMD go to vector-register lanes, not to
     memory: reported, not failed."""
     t = result.target
-    if result.spilled is None:
+    if result.report.spilled is None:
         return f"the compiler's register report could not be read for {t.name} ({result})"
-    if result.spilled > spill_limit(variant):
+    if result.report.spilled > spill_limit(variant):
         return f"spills registers ({result})"
     half = variant.dtype != torch.float32
     if half and variant.needs == "tensor_cores" and t.tensor_core_dots:
@@ -199,11 +192,9 @@ def check(variant: Variant, t: Target) -> tuple[str | None, str]:
     """Compile one variant for family `t`: (failure reason or None, report). A dtype the family cannot run
     (bfloat16 on sm_75), or a half-precision dot kernel where Triton has no tensor-core dots (sm_75), is not
     compiled: the launchers refuse it with the error reported here."""
-    op = variant.name.split()[0]
-    refusal = dtype_refusal(op, variant.dtype, t) or (
-        dots_refusal(op, variant.dtype, t) if variant.needs == "tensor_cores" else None)
-    if refusal:
-        return None, f"refused: {refusal}"
+    refused = refusal(variant.name.split()[0], variant.dtype, t, variant.needs == "tensor_cores")
+    if refused:
+        return None, f"refused: {refused}"
     try:
         result = compile_variant(variant.fn, variant.args, variant.num_warps, variant.num_stages, t)
     except Exception as e:  # out of shared memory, a compiler error: the variant cannot run

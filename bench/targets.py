@@ -71,6 +71,15 @@ def scaled_bound(bound: float, scale: str | None, meta: dict, reference: dict | 
     return bound * factor, f"scaled x{factor:.2f}: {scale} {here:.0f} here, {there:.0f} on the {REFERENCE_GPU}"
 
 
+def _judge(measured: float, text: str, op: str, bound: float, scale: str | None, meta: dict, fmt: str):
+    """(text, met) of a measured value against a bound scaled to this run's GPU; the text says how it was
+    scaled, and met is None where it cannot be judged here."""
+    bound, how = scaled_bound(bound, scale, meta)
+    if how:
+        text += f"; goal here {op} {fmt.format(bound)} ({how})" if bound is not None else f"; {how}"
+    return text, None if bound is None else _OPS[op](measured, bound)
+
+
 def _goal_rows(goal, rows, impl):
     return _ok(rows, kernel=goal.kernel, impl=impl, dtype="bfloat16", **goal.where)
 
@@ -82,11 +91,8 @@ def _level(goal, rows, meta):
         return "", None
     worst = (max if goal.op == "<=" else min)(ours, key=lambda r: r[goal.field])
     where = f" ({worst['shape']})" if len(ours) > 1 else ""  # which of several shapes is the worst
-    bound, how = scaled_bound(goal.bound, goal.scale, meta)
-    value = goal.fmt.format(worst[goal.field]) + where
-    if how:
-        value += f"; goal here {goal.op} {goal.fmt.format(bound)} ({how})" if bound is not None else f"; {how}"
-    return value, None if bound is None else _OPS[goal.op](worst[goal.field], bound)
+    return _judge(worst[goal.field], goal.fmt.format(worst[goal.field]) + where, goal.op, goal.bound, goal.scale,
+                  meta, goal.fmt)
 
 
 def _ratio(goal, rows, meta):
@@ -121,11 +127,7 @@ def _e2e(field: str, goal: float, fmt: str, variant="ours-triton", family="bert"
                                dtype="bfloat16") if r.get("family", "bert") == family]
         if not rows or field not in rows[0]:
             return "", None
-        bound, how = scaled_bound(goal, scale, res.get("meta", {}))
-        value = fmt.format(rows[0][field])
-        if how:
-            value += f"; goal here >= {fmt.format(bound)} ({how})" if bound is not None else f"; {how}"
-        return value, None if bound is None else rows[0][field] >= bound
+        return _judge(rows[0][field], fmt.format(rows[0][field]), ">=", goal, scale, res.get("meta", {}), fmt)
     return evaluate
 
 

@@ -22,8 +22,7 @@ problems: what was measured by then is written.
 With --compile-only, for each launch the compile check covers (every record's sites) the launcher's default on
 the family is kept if it compiles clean with every kernel flag the model may set, else the first clean one of
 the candidates with tiles, and tile per warp, no larger than the default's, largest first (`ranked`); the
-choices are merged as
-untimed "all" entries, and timed entries already in the table are left alone.
+choices are merged as untimed "all" entries, and timed entries already in the table are left alone.
 """
 from __future__ import annotations
 
@@ -175,9 +174,11 @@ def _check_candidate(problem: Problem, config: dict, arch: str, warm: bool) -> s
     """In a worker: None if the candidate compiles cleanly for GPU family `arch` ("sm_90", "gfx942") with every
     flag combination the compile check gives it (and, on a GPU, after running it once so that Triton's disk
     cache holds it), else the reason it was pruned."""
+    from kernels.targets import named
+
     from . import compile_check
 
-    t = compile_check.target_named(arch)
+    t = named(arch)
     failure = None  # stays None for a choice between implementations, which compiles nothing
     for variant in compile_check.variants_for(problem.kernel, problem.dtype, problem.size, config, t):
         failure = compile_check.check(variant, t)[0]
@@ -334,21 +335,21 @@ def sweep(todo: list[Problem], device: torch.device, budget: float, timer, prune
 
 def compile_problems(names, target) -> list[Problem]:
     """Each (launch site, dtype, size) of the named records' compile-check sites that a table may configure,
-    once, keyed for every sequence length ("all"), for family `arch`: a site the family refuses (bfloat16, or
+    once, keyed for every sequence length ("all"), on family `target`: a site the family refuses (bfloat16, or
     half-precision dots, on sm_75) has nothing to configure."""
     from bench.record import record
-    from kernels.targets import dots_refusal, dtype_refusal
+    from kernels.targets import refusal
 
     out = []
     for name in names:
         rec = record(name)
         for site in rec.sites():
             problem = Problem(f"{name}.{site.part}", site.dtype, site.size, None, ())
-            if site.part not in rec.tuning.parts or problem in out or dtype_refusal(name, site.dtype, target):
+            if site.part not in rec.tuning.parts or problem in out:
                 continue
             variant = rec.tuning.variant(site.part, site.dtype, site.size,
                                          rec.tuning.default(site.part, site.dtype, site.size, target), **site.flags)
-            if variant is None or not (variant.needs == "tensor_cores" and dots_refusal(name, site.dtype, target)):
+            if variant is None or not refusal(name, site.dtype, target, variant.needs == "tensor_cores"):
                 out.append(problem)
     return out
 
@@ -380,30 +381,28 @@ def compile_only(arch: str, names, jobs: int, keep: dict, log=print) -> dict:
     clean with every flag its sites use (bench/compile_check.py), as an untimed entry. Problems whose key is in
     `keep` (timed entries of the table) are left alone; a problem with no clean candidate gets no entry."""
     from kernels import tuned
-    from kernels.targets import TARGETS
+    from kernels.targets import named
 
-    t = TARGETS[arch]
+    t = named(arch)
     todo = [p for p in compile_problems(names, t) if not timed(keep, p)]
     orders = {p: ranked(*pool_of(p, t)) for p in todo}
     results: dict = {}
     with workers(jobs) as pool:
         for p, failure in zip(todo, check_all(pool, [(p, orders[p][0]) for p in todo], arch, False)):
-            tried, chosen = 1, None if failure else orders[p][0]
-            for start in range(1, len(orders[p]), jobs) if failure else ():
-                batch = orders[p][start:start + jobs]
-                reasons = check_all(pool, [(p, c) for c in batch], arch, False)
-                tried += len(batch)
-                chosen = next((c for c, r in zip(batch, reasons) if r is None), None)
+            order = orders[p]
+            chosen = 0 if failure is None else None  # the index in `order` of the first clean config
+            for start in range(1, len(order), jobs) if failure else ():
+                reasons = check_all(pool, [(p, c) for c in order[start:start + jobs]], arch, False)
+                chosen = next((start + i for i, r in enumerate(reasons) if r is None), None)
                 if chosen is not None:
-                    tried -= len(batch) - 1 - batch.index(chosen)
                     break
             if chosen is None:
-                log(f"{arch} {p}: none of {tried} configs compiles clean ({failure}); the default stays")
+                log(f"{arch} {p}: none of {len(order)} configs compiles clean ({failure}); the default stays")
                 continue
             results.setdefault(p.kernel, {})[tuned.entry_key(p.dtype, p.size, "all")] = {
-                "config": chosen, "timed": False, "candidates": tried, "pruned": tried - 1}
-            log(f"{arch} {p}: {chosen}" + ("" if tried == 1 else f" ({tried - 1} better-ranked ones do not compile "
-                                                                   "clean)"))
+                "config": order[chosen], "timed": False, "candidates": chosen + 1, "pruned": chosen}
+            log(f"{arch} {p}: {order[chosen]}" + (f" ({chosen} better-ranked ones do not compile clean)"
+                                                   if chosen else ""))
     return results
 
 

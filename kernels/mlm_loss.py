@@ -628,13 +628,16 @@ class _Strategy(NamedTuple):
     strategy: str
 
 
+def _strategy_config(dtype: torch.dtype, h: int, target: targets.Target | None, rows: int | None) -> _Strategy:
+    """The strategy entry of `target`'s table (keyed by hidden size and row bucket), else "chunked"."""
+    return tuned.pick("mlm_loss.strategy", _Strategy("chunked"), target, dtype, h, seqlen=rows)
+
+
 def pick_strategy(hidden: torch.Tensor, rows: int) -> str:
     """What strategy="auto" runs for `rows` labelled rows of hidden's width and dtype on hidden's device: the
     committed launch-config table's choice for this GPU ("mlm_loss.strategy", measured by the tuner, keyed by
     the row count's bucket), else "chunked" (the CPU, or a GPU or shape the table lacks)."""
-    choice = tuned.pick("mlm_loss.strategy", _Strategy("chunked"), targets.of(hidden.device), hidden.dtype,
-                        hidden.shape[1],
-                        seqlen=rows).strategy
+    choice = _strategy_config(hidden.dtype, hidden.shape[1], targets.of(hidden.device), rows).strategy
     if choice not in STRATEGIES[1:]:
         tuned.warn_ignored("mlm_loss.strategy", choice)
         return "chunked"

@@ -118,6 +118,20 @@ def dots_refusal(op: str, dtype: torch.dtype, target: Target | None) -> str | No
             "run on the CUDA cores, slower than PyTorch: use PyTorch's op on this GPU (bert's model does), or float32")
 
 
+def refusal(op: str, dtype: torch.dtype, target: Target | None, dots: bool) -> str | None:
+    """Why `target` refuses `op` in `dtype` (None when it runs it): `dtype_refusal`, then, for a kernel built on
+    half-precision dots (`dots`), `dots_refusal`. The compile check and the compile-only tuner ask this of every
+    launch, the launchers check the same two things on their inputs."""
+    return dtype_refusal(op, dtype, target) or (dots_refusal(op, dtype, target) if dots else None)
+
+
+def named(name: str) -> Target:
+    """The family called `name` ("sm_80", "gfx942"), or a KeyError listing the families."""
+    if name not in TARGETS:
+        raise KeyError(f"unknown GPU family {name!r}; have {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
 def check_dtype(op: str, dtype: torch.dtype, device: torch.device) -> None:
     """One clear error, before any kernel is compiled, for a dtype the device's GPU cannot run."""
     refusal = dtype_refusal(op, dtype, of(device))

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.pop("TRITON_INTERPRET", None)
 
 from bench import compile_check  # noqa: E402
-from kernels.targets import TARGETS  # noqa: E402
+from kernels.targets import TARGETS, named  # noqa: E402
 
 
 def _key(variant) -> tuple:
@@ -35,7 +35,7 @@ def _key(variant) -> tuple:
 
 def variants(arch: str, names: list[str]) -> list:
     """The variants of the named groups (all by default) for one family, each once."""
-    groups = compile_check.groups(compile_check.target_named(arch))
+    groups = compile_check.groups(named(arch))
     seen, out = set(), []
     for name, group in groups.items():
         if name in (names or groups):
@@ -47,7 +47,7 @@ def variants(arch: str, names: list[str]) -> list:
 
 
 def run(arch: str, names: list[str], shard: int, shards: int) -> int:
-    t = compile_check.target_named(arch)
+    t = named(arch)
     failures = 0
     for variant in variants(arch, names)[shard::shards]:
         failure, report = compile_check.check(variant, t)

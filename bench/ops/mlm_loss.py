@@ -2,11 +2,10 @@
 import torch
 import torch.nn.functional as F
 
-from kernels import tuned
 from kernels._common import dot_precision
 from kernels.mlm_loss import (_ce_config, _ce_default, _ce_rows_kernel, _config, _mlm_loss_bwd_dhidden_kernel,
-                              _mlm_loss_bwd_dweight_kernel, _mlm_loss_fwd_kernel, _Strategy, _tiles, masked_lm_loss,
-                              masked_lm_loss_ref)
+                              _mlm_loss_bwd_dweight_kernel, _mlm_loss_fwd_kernel, _Strategy, _strategy_config, _tiles,
+                              masked_lm_loss, masked_lm_loss_ref)
 
 from ..record import (Bench, BenchShapes, Case, Goal, Record, Site, TuneShape, Tuning, Variant, grid, optional_peer,
                       randn)
@@ -117,7 +116,7 @@ def _launcher_config(part: str, dtype, h: int, target):
     if part == "ce":
         return _ce_config(dtype, h, target, None)
     if part == "strategy":
-        return tuned.pick("mlm_loss.strategy", _Strategy("chunked"), target, dtype, h)
+        return _strategy_config(dtype, h, target, None)
     return _config(part, dtype, h, target, None)
 
 
