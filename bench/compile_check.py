@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from bench.record import Variant, record, records  # noqa: E402
 from kernels._common import INTERPRET  # noqa: E402
-from kernels.targets import Target, refusal  # noqa: E402
+from kernels.targets import Target  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "
@@ -192,7 +192,7 @@ def check(variant: Variant, t: Target) -> tuple[str | None, str]:
     """Compile one variant for family `t`: (failure reason or None, report). A dtype the family cannot run
     (bfloat16 on sm_75), or a half-precision dot kernel where Triton has no tensor-core dots (sm_75), is not
     compiled: the launchers refuse it with the error reported here."""
-    refused = refusal(variant.name.split()[0], variant.dtype, t, variant.needs == "tensor_cores")
+    refused = variant.refusal(t)
     if refused:
         return None, f"refused: {refused}"
     try:

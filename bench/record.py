@@ -107,6 +107,13 @@ class Variant(NamedTuple):
     dtype: torch.dtype = torch.float32
     needs: str | None = None
 
+    def refusal(self, target) -> str | None:
+        """Why family `target` refuses to run this variant's op in its dtype (kernels.targets.refusal, for a dot
+        kernel where it `needs` tensor cores); None where it runs it."""
+        from kernels.targets import refusal  # imported here: kernels imports triton
+
+        return refusal(self.name.split()[0], self.dtype, target, self.needs == "tensor_cores")
+
 
 class Site(NamedTuple):
     """One launch the compile check judges on every GPU family: launch site `part` (a tuning part, or a kernel

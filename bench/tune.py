@@ -338,7 +338,6 @@ def compile_problems(names, target) -> list[Problem]:
     once, keyed for every sequence length ("all"), on family `target`: a site the family refuses (bfloat16, or
     half-precision dots, on sm_75) has nothing to configure."""
     from bench.record import record
-    from kernels.targets import refusal
 
     out = []
     for name in names:
@@ -349,7 +348,7 @@ def compile_problems(names, target) -> list[Problem]:
                 continue
             variant = rec.tuning.variant(site.part, site.dtype, site.size,
                                          rec.tuning.default(site.part, site.dtype, site.size, target), **site.flags)
-            if variant is None or not refusal(name, site.dtype, target, variant.needs == "tensor_cores"):
+            if variant is None or not variant.refusal(target):
                 out.append(problem)
     return out
 

@@ -65,9 +65,9 @@ def check_device(op: str, **tensors) -> torch.device:
         raise ValueError(f"{op}: tensors are on {device}; the Triton kernels need a CUDA device "
                          "(or TRITON_INTERPRET=1 set before triton is imported, for CPU tensors)")
     if any(t.dtype == torch.bfloat16 for t in named.values()):
-        from .targets import check_dtype  # imported here: kernels.targets reads INTERPRET from this module
+        from .targets import check  # imported here: kernels.targets reads INTERPRET from this module
 
-        check_dtype(op, torch.bfloat16, device)
+        check(op, torch.bfloat16, device)
     return device
 
 

@@ -730,7 +730,7 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if strategy == "auto":
         strategy = pick_strategy(r.hidden, r.hidden.shape[0])
     if strategy == "fused":
-        targets.check_dots("masked_lm_loss(strategy='fused')", hidden.dtype, hidden.device)
+        targets.check("masked_lm_loss(strategy='fused')", hidden.dtype, hidden.device, dots=True)
     if strategy == "chunked" and reduction != "none":
         loss, hit = _reduced_loss(r, weight, bias, reduction, chunk_rows or 0)
     else:

@@ -121,7 +121,7 @@ def dots_refusal(op: str, dtype: torch.dtype, target: Target | None) -> str | No
 def refusal(op: str, dtype: torch.dtype, target: Target | None, dots: bool) -> str | None:
     """Why `target` refuses `op` in `dtype` (None when it runs it): `dtype_refusal`, then, for a kernel built on
     half-precision dots (`dots`), `dots_refusal`. The compile check and the compile-only tuner ask this of every
-    launch, the launchers check the same two things on their inputs."""
+    launch; the launchers raise it on their inputs (`check`)."""
     return dtype_refusal(op, dtype, target) or (dots_refusal(op, dtype, target) if dots else None)
 
 
@@ -132,15 +132,10 @@ def named(name: str) -> Target:
     return TARGETS[name]
 
 
-def check_dtype(op: str, dtype: torch.dtype, device: torch.device) -> None:
-    """One clear error, before any kernel is compiled, for a dtype the device's GPU cannot run."""
-    refusal = dtype_refusal(op, dtype, of(device))
-    if refusal:
-        raise TypeError(refusal)
-
-
-def check_dots(op: str, dtype: torch.dtype, device: torch.device) -> None:
-    """One clear error for a dot kernel in half precision on a GPU where Triton has no tensor-core dots."""
-    refusal = dots_refusal(op, dtype, of(device))
-    if refusal:
-        raise TypeError(refusal)
+def check(op: str, dtype: torch.dtype, device: torch.device, dots: bool = False) -> None:
+    """One clear error, before any kernel is compiled, where the device's GPU refuses `op` in `dtype`
+    (`refusal`: a dtype it cannot run; with `dots`, a half-precision dot kernel where Triton has no tensor-core
+    dots)."""
+    reason = refusal(op, dtype, of(device), dots)
+    if reason:
+        raise TypeError(reason)

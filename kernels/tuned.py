@@ -79,10 +79,13 @@ def _nearest(entries: dict, dtype: str, size: int, seq_bucket: str):
     prefix = f"{dtype}/{size}/"
     if prefix + seq_bucket in entries:
         return entries[prefix + seq_bucket]
-    want = None if seq_bucket == "all" else math.log2(int(seq_bucket[1:]))
-    near = [(abs(math.log2(int(k[len(prefix) + 1:])) - want), k) for k in entries
-            if want is not None and k.startswith(prefix + "s") and k[len(prefix) + 1:].isdigit()]
-    return entries[min(near)[1]] if near else entries.get(prefix + "all")
+    if seq_bucket != "all":
+        want = math.log2(int(seq_bucket[1:]))
+        near = [(abs(math.log2(int(k[len(prefix) + 1:])) - want), k) for k in entries
+                if k.startswith(prefix + "s") and k[len(prefix) + 1:].isdigit()]
+        if near:
+            return entries[min(near)[1]]
+    return entries.get(prefix + "all")
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,11 +57,11 @@ def test_bf16_and_half_precision_dots_are_refused_clearly_on_sm75(monkeypatch):
         kernels._common.check_device("layer_norm", x=SimpleNamespace(device=device, dtype=torch.bfloat16))
     kernels._common.check_device("layer_norm", x=SimpleNamespace(device=device, dtype=torch.float16))
     with pytest.raises(TypeError, match="no tensor-core dots on sm_75"):
-        targets.check_dots("varlen_attention", torch.float16, device)
-    targets.check_dots("varlen_attention", torch.float32, device)  # exact float32 dots: CUDA cores everywhere
+        targets.check("varlen_attention", torch.float16, device, dots=True)
+    targets.check("varlen_attention", torch.float32, device, dots=True)  # exact float32 dots: CUDA cores everywhere
     device = fake_gpu(monkeypatch, "sm_80")
     kernels._common.check_device("layer_norm", x=SimpleNamespace(device=device, dtype=torch.bfloat16))
-    targets.check_dots("varlen_attention", torch.bfloat16, device)
+    targets.check("varlen_attention", torch.bfloat16, device, dots=True)
 
 
 def committed_tables():

@@ -104,9 +104,8 @@ def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch"):
         warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
                    "this model's attention runs in PyTorch")
         backend = "torch"
-    targets = _kernels().targets if backend == "triton" else None
-    if targets and targets.dots_refusal("attention", q.dtype, targets.of(q.device)):
-        target = targets.of(q.device)
+    target = _kernels().targets.of(q.device) if backend == "triton" else None
+    if target and _kernels().targets.dots_refusal("attention", q.dtype, target):
         warn_once(f"Triton runs no tensor-core dots on {target.name} ({target.gpus}): this model's attention runs "
                   f"in PyTorch (SDPA), which does, in {q.dtype}")
         backend = "torch"
