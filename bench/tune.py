@@ -2,8 +2,9 @@
 `--compile-only --arch A`, no GPU needed, write the best configs that compile clean for GPU family A instead.
 
 On a GPU, for each kernel at the shapes BERT uses (base and large: hidden 768/1024, intermediate 3072/4096,
-head_dim 64, sequences of 128 and 512; bfloat16, then float16), the candidates (block sizes, num_warps,
-num_stages; the launcher's default always among them) are
+head_dim 64, sequences of 128 and 512; bfloat16, then float16; what the GPU refuses, such as bfloat16 on sm_75,
+left out with one line per reason), the candidates (block sizes, num_warps, num_stages; the launcher's default
+always among them) are
 
 1. pruned, in parallel worker processes, to those that compile for this GPU's family without register spills,
    within shared memory, with half-precision dots on its tensor cores and 16-byte vectors where the compile check
@@ -90,6 +91,17 @@ def problems(names, dtypes) -> list[Problem]:
                 for name in names for s in record(name).tuning.shapes for part in record(name).tuning.parts]
         out += [p for _, p in sorted(mine, key=lambda rp: rp[0])]  # stable: the records' order within a rank
     return out
+
+
+def refusal(problem: Problem, target) -> str | None:
+    """Why GPU family `target` refuses the problem's kernel in its dtype (bench.record.Variant.refusal: bfloat16,
+    or half-precision dots, on sm_75), so that a table has nothing to configure there; None where it runs it,
+    and for a launch site that chooses among implementations (mlm_loss.strategy)."""
+    part = problem.kernel.split(".")[1]
+    tuning = _tuning(problem.kernel)
+    launch = tuning.default(part, problem.dtype, problem.size, target)
+    variant = tuning.variant(part, problem.dtype, problem.size, launch)
+    return None if variant is None else variant.refusal(target)
 
 
 def default_launch(kernel: str, dtype, size: int, target) -> NamedTuple:
@@ -344,11 +356,7 @@ def compile_problems(names, target) -> list[Problem]:
         rec = record(name)
         for site in rec.sites():
             problem = Problem(f"{name}.{site.part}", site.dtype, site.size, None, ())
-            if site.part not in rec.tuning.parts or problem in out:
-                continue
-            variant = rec.tuning.variant(site.part, site.dtype, site.size,
-                                         rec.tuning.default(site.part, site.dtype, site.size, target), **site.flags)
-            if variant is None or not variant.refusal(target):
+            if site.part in rec.tuning.parts and problem not in out and not refusal(problem, target):
                 out.append(problem)
     return out
 
@@ -468,12 +476,17 @@ def main(argv=None) -> int:
     from kernels import targets, tuned
 
     device = torch.device("cuda")
-    arch = targets.of(device).name
+    target = targets.of(device)
+    arch = target.name
 
     def prune_fn(problem, configs):
         return prune(problem, configs, arch, args.jobs, warm=True)
 
     todo = problems(args.kernels, [getattr(torch, d) for d in args.dtypes])
+    reasons = {p: refusal(p, target) for p in todo}
+    for reason in dict.fromkeys(r for r in reasons.values() if r):  # every candidate would fail to run
+        print(f"# {sum(r == reason for r in reasons.values())} problems left out: {reason}")
+    todo = [p for p in todo if not reasons[p]]
     if args.skip_existing:
         have = tuned.load_table(args.output, arch).get("kernels", {})
         todo = [p for p in todo if not timed(have, p)]

@@ -184,3 +184,12 @@ def test_compile_only_keeps_clean_defaults_untimed_and_leaves_timed_entries_alon
     # sm_75 refuses bfloat16, so it has nothing to configure there.
     assert {p.dtype for p in tune.compile_problems(["bias_gelu"], TARGETS["sm_75"])} == {torch.float16,
                                                                                           torch.float32}
+
+
+def test_refusal_names_what_a_family_cannot_run_and_nothing_else():
+    sm75, bf16, fp16 = TARGETS["sm_75"], torch.bfloat16, torch.float16
+    assert "bfloat16" in tune.refusal(tune.Problem("layer_norm.fwd", bf16, 768, None, ()), sm75)
+    assert "tensor-core" in tune.refusal(tune.Problem("attention.fwd", fp16, 64, 128, ()), sm75)
+    assert tune.refusal(tune.Problem("layer_norm.fwd", fp16, 768, None, ()), sm75) is None
+    assert tune.refusal(tune.Problem("attention.fwd", bf16, 64, 128, ()), SM90) is None
+    assert tune.refusal(tune.Problem("mlm_loss.strategy", fp16, 768, 4915, ()), sm75) is None  # a choice
