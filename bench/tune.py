@@ -97,10 +97,8 @@ def refusal(problem: Problem, target) -> str | None:
     """Why GPU family `target` refuses the problem's kernel in its dtype (bench.record.Variant.refusal: bfloat16,
     or half-precision dots, on sm_75), so that a table has nothing to configure there; None where it runs it,
     and for a launch site that chooses among implementations (mlm_loss.strategy)."""
-    part = problem.kernel.split(".")[1]
-    tuning = _tuning(problem.kernel)
-    launch = tuning.default(part, problem.dtype, problem.size, target)
-    variant = tuning.variant(part, problem.dtype, problem.size, launch)
+    launch = default_launch(problem.kernel, problem.dtype, problem.size, target)
+    variant = _tuning(problem.kernel).variant(problem.kernel.split(".")[1], problem.dtype, problem.size, launch)
     return None if variant is None else variant.refusal(target)
 
 
