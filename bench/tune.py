@@ -37,6 +37,7 @@ import math
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from typing import Callable, NamedTuple
 
@@ -291,11 +292,12 @@ def table_problems(path: str) -> list[str]:
     found = []
     for kernel, entries in table["kernels"].items():
         for key, entry in entries.items():
-            dtype, size, _ = (key.split("/") + ["", "", ""])[:3]
             extra = set(entry.get("config", {})) - set(candidates(kernel)[0])
-            if extra or not size.isdigit() or not isinstance(getattr(torch, dtype, None), torch.dtype):
+            why = tuned.key_problem(key) or (
+                None if isinstance(getattr(torch, key.split("/")[0], None), torch.dtype) else "not a dtype's key")
+            if extra or why:
                 found.append(f"{kernel} {key}: " + (f"sets {sorted(extra)}, which the table may not tune" if extra
-                                                    else "not a <dtype>/<size>/<bucket> key"))
+                                                    else why))
     return found
 
 
@@ -463,8 +465,26 @@ def main_compile_only(args, argv) -> int:
     return 0
 
 
+def usage_problem(args) -> str | None:
+    """Why the arguments cannot work, said before anything is compiled: no worker, or an --output folder this
+    process cannot write its table into."""
+    if args.jobs < 1:
+        return f"--jobs must be at least 1, got {args.jobs}"
+    try:
+        os.makedirs(args.output, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=args.output, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        return f"--output {args.output} is not a folder this process can write ({e.strerror or e})"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = usage_problem(args)
+    if problem:
+        print(f"bench.tune: {problem}", file=sys.stderr)
+        return 2
     if args.compile_only:
         return main_compile_only(args, argv)
     if not torch.cuda.is_available():

@@ -157,13 +157,16 @@ def _distilbert_layer(layer, x, p, training: bool):
 
 # ---- one record per layer structure and per model family ------------------------------------------
 class Layers(NamedTuple):
-    """A layer structure the fused encoder runs, recognised by its submodule paths (so a family's copies and
-    custom subclasses are covered)."""
+    """A layer structure the fused encoder runs: recognised by its submodule paths, and fused only where every
+    module on the way (the encoder, each layer and the modules its run replaces) is of a class whose code is
+    known to compute this math: a class of `models` named by `roles`, or a subclass adding nothing but __init__."""
     name: str
     paths: tuple[str, ...]         # submodules every such layer has
     attention: str                 # the module holding q, k, v, the head size and the scaling
     run: Callable                  # (layer, packed x, bert.model.padding.Packed, training) -> x
     output: str                    # the transformers.modeling_outputs class the original encoder returns
+    roles: tuple[tuple[str, tuple[str, ...]], ...]  # (path in the layer, "" itself, ".." the encoder): names
+    models: tuple[tuple[str, str], ...]             # (transformers modeling module, class-name prefix "{P}")
 
 
 class MLMHead(NamedTuple):
@@ -188,14 +191,32 @@ class Family(NamedTuple):
     test_config: tuple[tuple[str, object], ...] = ()
 
 
+# The modeling modules whose classes are BERT's code (transformers generates them from BERT's): only the
+# embeddings differ, and the fused encoder leaves those alone. Any other model type is unknown, however alike its
+# submodule names (RoFormer's rotary, MRA's, Nystromformer's and YOSO's approximate attention).
+_BERT_MODELS = (("bert.modeling_bert", "Bert"), ("bert_generation.modeling_bert_generation", "BertGeneration"),
+                ("roberta.modeling_roberta", "Roberta"), ("xlm_roberta.modeling_xlm_roberta", "XLMRoberta"),
+                ("camembert.modeling_camembert", "Camembert"), ("data2vec.modeling_data2vec_text", "Data2VecText"),
+                ("electra.modeling_electra", "Electra"), ("ernie.modeling_ernie", "Ernie"),
+                ("layoutlm.modeling_layoutlm", "LayoutLM"), ("markuplm.modeling_markuplm", "MarkupLM"),
+                ("roc_bert.modeling_roc_bert", "RoCBert"), ("splinter.modeling_splinter", "Splinter"),
+                ("tapas.modeling_tapas", "Tapas"), ("visual_bert.modeling_visual_bert", "VisualBert"))
+_DISTILBERT_MODELS = (("distilbert.modeling_distilbert", "DistilBert"),)
 BERT_LAYERS = Layers("bert", ("attention.self.query", "attention.self.key", "attention.self.value",
                               "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
                               "output.dense", "output.LayerNorm"),
-                     "attention.self", _bert_layer, "BaseModelOutputWithPastAndCrossAttentions")
+                     "attention.self", _bert_layer, "BaseModelOutputWithPastAndCrossAttentions",
+                     (("attention.self", ("{P}SelfAttention", "{P}SdpaSelfAttention")),
+                      ("attention", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Encoder", "BertEncoder")),
+                      ("attention.output", ("{P}SelfOutput",)), ("intermediate", ("{P}Intermediate",)),
+                      ("output", ("{P}Output",))), _BERT_MODELS)
 DISTILBERT_LAYERS = Layers("distilbert", ("attention.q_lin", "attention.k_lin", "attention.v_lin",
                                           "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2",
                                           "output_layer_norm"),
-                           "attention", _distilbert_layer, "BaseModelOutput")
+                           "attention", _distilbert_layer, "BaseModelOutput",
+                           (("attention", ("{P}SelfAttention", "MultiHeadSelfAttention", "{P}SdpaAttention",
+                                           "{P}FlashAttention2")), ("", ("TransformerBlock",)),
+                            ("..", ("Transformer",)), ("ffn", ("FFN",))), _DISTILBERT_MODELS)
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -216,6 +237,10 @@ FAMILIES = (
 )
 
 
+# The task models whose forward the masked-only MLM loss stands in for: the families' own.
+_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS) if m[1] in {f.prefix for f in FAMILIES})
+
+
 def family(name: str) -> Family:
     found = [f for f in FAMILIES if f.name == name]
     if not found:
@@ -231,6 +256,83 @@ LAYERS = _unique(f.layers for f in FAMILIES)
 # (Linear, activation) child pairs whose parent applies the activation right after the Linear.
 LINEAR_ACT = _unique(pair for f in FAMILIES for pair in f.linear_act)
 MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
+
+
+# ---- whose code is known: a module is fused only where its class computes exactly the fused op's math ---------
+# Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
+_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, ("mpnet.modeling_mpnet", "MPNet"),
+                 ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
+# Modules that apply their GeLU right after the Linear (LINEAR_ACT's pairs), and blocks computing
+# LayerNorm(dropout(dense(x)) + residual).
+_LINEAR_ACT_CLASSES = ("{P}Intermediate", "{P}PredictionHeadTransform", "{P}GeneratorPredictions",
+                       "{P}DiscriminatorPredictions", "{P}ClassificationHead", "FFN", "DistilBertForMaskedLM")
+_OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
+# transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
+_ATTENTION_FUNCTIONS = {"sdpa": "sdpa_attention.sdpa_attention_forward",
+                        "flex_attention": "flex_attention.flex_attention_forward",
+                        **{f"flash_attention_{n}": "flash_attention.flash_attention_forward" for n in (2, 3, 4)}}
+
+
+@functools.cache
+def known_classes(names: tuple[str, ...], models: tuple[tuple[str, str], ...]) -> tuple[type, ...]:
+    """The classes `names` ("{P}" the model's class-name prefix) in each transformers modeling module of
+    `models` this transformers has; a name it lacks (older or newer releases name a few differently) is skipped."""
+    import importlib
+
+    found = []
+    for module, prefix in models:
+        try:
+            mod = importlib.import_module(f"transformers.models.{module}")
+        except ImportError:
+            continue
+        for name in names:
+            cls = getattr(mod, name.replace("{P}", prefix), None)
+            if isinstance(cls, type) and cls not in found:
+                found.append(cls)
+    return tuple(found)
+
+
+def unknown_code(module: nn.Module, known: tuple[type, ...]) -> str | None:
+    """Why `module` may compute something other than `known`'s code, or None where it cannot: its class is one
+    of `known`, or a subclass of one adding nothing but __init__ and data (any method of its own, even a helper
+    the forward calls, could change the math), and no method is replaced on the instance."""
+    cls = type(module)
+    base = next((c for c in cls.__mro__ if c in known), None)
+    if base is None:
+        return f"{cls.__name__} is not a class whose math the fused op is known to match"
+    for sub in cls.__mro__[:cls.__mro__.index(base)]:
+        own = sorted(n for n, v in vars(sub).items() if n != "__init__" and not _checkpointing_wrapper(sub, n, v)
+                     and (callable(v) or isinstance(v, (property, staticmethod, classmethod))))
+        if own:
+            return f"{sub.__name__} overrides {', '.join(own)} of {base.__name__}"
+    patched = sorted(n for n, v in vars(module).items() if callable(v) and inspect.isfunction(getattr(cls, n, None)))
+    return f"{cls.__name__}.{patched[0]} is replaced on this instance" if patched else None
+
+
+def _checkpointing_wrapper(sub: type, name: str, value) -> bool:
+    """transformers 5's GradientCheckpointingLayer wraps `forward` anew in every subclass, one that defines none
+    too: such a wrapper around the inherited forward adds no code of the subclass's own."""
+    return getattr(value, "__wrapped__", None) is getattr(super(sub, sub), name, None) and \
+        getattr(getattr(value, "__code__", None), "co_name", "") == "forward_with_checkpointing"
+
+
+def _attention_function_problem(cfg) -> str | None:
+    """Why the configured attention implementation may compute something else, or None (eager, or transformers'
+    own function under its own name; a function registered in its place is not known)."""
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl in (None, "eager"):
+        return None
+    if impl not in _ATTENTION_FUNCTIONS:
+        return f"attention implementation {impl!r}, which the fused attention does not know"
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # transformers before the registry: the implementation picks one of the known classes
+        return None
+    fn = ALL_ATTENTION_FUNCTIONS.get(impl)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    if name != f"transformers.integrations.{_ATTENTION_FUNCTIONS[impl]}":
+        return f"attention implementation {impl!r} is registered to {name}, not transformers' own function"
+    return None
 
 
 class FusedEncoder(nn.Module):
@@ -251,6 +353,9 @@ class FusedEncoder(nn.Module):
                  if kwargs.get(k, getattr(self.config, k, False))}
         batch, seqlen, _ = hidden_states.shape
         keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
+        unread = _unread_arguments(kwargs, self.config)
+        if unread:
+            wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
         if keys is None:
             wants.add("an attention mask the fused attention cannot express (per query, or additive values "
                       "other than 0 and the dtype's minimum)")
@@ -281,6 +386,29 @@ class FusedEncoder(nn.Module):
                 and not _checkpoints_itself(layer):
             return self._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p), x)
         return layer(x, packed=p)
+
+
+# Arguments the fused encoder handles itself (the flags) or that its layers' code ignores: the embeddings read the
+# position ids (only a flash implementation reads them in attention, to find packed sequences); an encoder
+# without a cache gets None for one.
+_FLAGS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache")
+
+
+def _unread_arguments(kwargs: dict, config) -> list[str]:
+    """The encoder arguments holding something the original layers would read and the fused ones would drop:
+    any value but None/False (or transformers 4's head_mask of Nones), position ids under a flash
+    implementation. Such a call runs the original code."""
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    unread = []
+    for name, value in kwargs.items():
+        if name in _FLAGS or value is None or value is False:
+            continue
+        if isinstance(value, (list, tuple)) and all(v is None for v in value):
+            continue
+        if name == "position_ids" and not impl.startswith("flash"):
+            continue
+        unread.append(name)
+    return sorted(unread)
 
 
 def _checkpoints_itself(layer: nn.Module) -> bool:
@@ -355,6 +483,18 @@ class EncoderReport:
     fused: list[str] = field(default_factory=list)
     kept: list[tuple[str, str]] = field(default_factory=list)   # (what, why)
     calls: dict[str, int] = field(default_factory=dict)         # why a call ran the original encoder: how often
+    unexpected: list[str] = field(default_factory=list, repr=False, compare=False)  # kept for a reason to warn of
+
+    def keep(self, what: str, why: str) -> None:
+        """What stays unfused and why, listed once; fuse warns of them all in one warning per encoder."""
+        if (what, why) not in self.kept:
+            self.kept.append((what, why))
+            self.unexpected.append(what)
+
+    def warn(self) -> None:
+        if self.unexpected:
+            why = dict(self.kept)
+            _warn(f"{self.family} at {self.path}: " + "; ".join(f"{w} stays unfused: {why[w]}" for w in self.unexpected))
 
     def __str__(self):
         kept = "; ".join(f"{w} ({why})" for w, why in self.kept) or "nothing"
@@ -363,11 +503,25 @@ class EncoderReport:
                f"kept {kept}{calls}"
 
 
-def _attention_problems(enc_model: nn.Module, kind: Layers, layer: nn.Module) -> list[str]:
+def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) -> list[str]:
+    """Why the fused attention may not compute what this encoder computes ([] where it does)."""
     cfg = getattr(enc_model, "config", None)
+    reasons = []
+    for path, names in kind.roles:  # every module the fused layer stands in for: of a known class
+        known = known_classes(names, kind.models)
+        modules = [encoder] if path == ".." else [_get(layer, path) if path else layer for layer in encoder.layer]
+        reasons += [why for m in modules if (why := unknown_code(m, known))]
+    if reasons:  # the first (the attention's own module comes first in roles); the rest counted
+        others = len(_unique(reasons)) - 1
+        return [reasons[0] + (f" (and {others} other module{'s' * (others > 1)} of unknown code)" if others else "")]
+    layer = encoder.layer[0]
     at = _get(layer, kind.attention)
     head_dim = at.attention_head_size
-    reasons = []
+    for path in kind.paths[:3]:  # q, k, v: their weights are read, so nothing but a Linear's own forward
+        if type(_get(layer, path)) is not nn.Linear:
+            reasons.append(f"{path} is a {type(_get(layer, path)).__name__}, not an nn.Linear")
+    if type(at.dropout) is not nn.Dropout:
+        reasons.append(f"attention dropout is a {type(at.dropout).__name__}, not an nn.Dropout")
     if not ops._kernels().attention.supports_head_dim(head_dim):
         reasons.append(f"head_dim {head_dim} is not supported by the attention kernel")
     if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
@@ -376,6 +530,7 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, layer: nn.Module) ->
         reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
         reasons.append("a decoder / cross-attention configuration")
+    reasons += filter(None, [_attention_function_problem(cfg)])
     return reasons
 
 
@@ -398,8 +553,10 @@ class _Fuser:
         module.__class__ = cls
 
     def linear_gelus(self, root: nn.Module, report: EncoderReport) -> int:
-        """Every (Linear, GeLU) child pair of LINEAR_ACT under root: one fused module, the activation an Identity.
-        Other activations (the pooler's tanh) are not this kernel's business; a GeLU it lacks is reported."""
+        """Every (Linear, GeLU) child pair of LINEAR_ACT under root whose parent's code is known to apply the GeLU
+        right after the Linear: one fused module, the activation an Identity. Other activations (the pooler's
+        tanh) are not this kernel's business; a GeLU it lacks, or a parent of unknown code, is reported."""
+        known = known_classes(_LINEAR_ACT_CLASSES, _BLOCK_MODELS)
         fused = 0
         for path, m in list(root.named_modules()):
             for lin, act in LINEAR_ACT:
@@ -409,20 +566,30 @@ class _Fuser:
                 kind = gelu_kind(activation)
                 if kind is None:
                     if "gelu" in type(activation).__name__.lower():
-                        report.kept.append((f"{path}.{lin}", f"{type(activation).__name__} has no kernel"))
-                        _warn(f"{report.family}: activation {type(activation).__name__} has no fused kernel; "
-                              f"{path}.{lin} stays unfused")
+                        report.keep(f"Linear + {type(activation).__name__}", "no fused kernel for this activation")
+                    continue
+                if why := unknown_code(m, known):
+                    report.keep(f"Linear + GeLU in {type(m).__name__}", why)
                     continue
                 self.replace(m, lin, ops._kernels().LinearGeLU.from_linear(linear, kind))
                 self.replace(m, act, nn.Identity())
                 fused += 1
         return fused
 
-    def output_blocks(self, root: nn.Module) -> int:
+    def output_blocks(self, root: nn.Module, report: EncoderReport) -> int:
+        """dense -> dropout -> + residual -> LayerNorm blocks of known code: one fused module each. A look-alike
+        of unknown code keeps its own forward (its LayerNorm is still fused, alone)."""
+        known = known_classes(_OUTPUT_BLOCK_CLASSES, _BLOCK_MODELS)
         blocks = [(p, name) for p in list(root.modules()) for name, c in p.named_children() if _is_output_block(c)]
+        fused = 0
         for parent, name in blocks:
-            self.replace(parent, name, FusedSelfOutput(getattr(parent, name)))
-        return len(blocks)
+            block = getattr(parent, name)
+            if why := unknown_code(block, known):
+                report.keep(f"dense + dropout + residual in {type(block).__name__}", why)
+                continue
+            self.replace(parent, name, FusedSelfOutput(block))
+            fused += 1
+        return fused
 
     def layer_norms(self, root: nn.Module) -> int:
         return ops._kernels().fuse_layer_norms(root, swap=self.replace)
@@ -433,17 +600,17 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     kinds = {layer_kind(layer) for layer in encoder.layer}
     kind = kinds.pop() if len(kinds) == 1 else None
     report = EncoderReport(path, type(model).__name__, kind.name if kind else "unknown")
-    n_blocks = fuser.output_blocks(model)
+    # Judged on the model as it came, before any module of it is swapped.
+    reasons = ["the layers' structure is not one the fused attention knows"] if kind is None else \
+        _attention_problems(model, kind, encoder)
+    n_blocks = fuser.output_blocks(model, report)
     n_gelus = fuser.linear_gelus(model, report)
     n_norms = fuser.layer_norms(model)
     report.fused.append(f"{n_norms + n_blocks} LayerNorms ({n_blocks} with dense dropout + residual)")
     if n_gelus:
         report.fused.append(f"{n_gelus} Linear + GeLU")
-    reasons = ["the layers' structure is not one the fused attention knows"] if kind is None else \
-        _attention_problems(model, kind, encoder.layer[0])
     if reasons:
-        report.kept.append(("attention", "; ".join(reasons)))
-        _warn(f"{report.family} at {path}: attention stays unfused: {'; '.join(reasons)}")
+        report.keep("attention", "; ".join(reasons))
     else:
         for layer in encoder.layer:
             fuser.retype(layer, fused_layer_class(type(layer), kind.name))
@@ -579,6 +746,9 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: 
                 report.kept.append((f"MLM loss ({type(task).__name__})", "mlm_logits=True: the full vocabulary "
                                     "logits are formed, as transformers returns them"))
                 continue
+            if why := unknown_code(task, known_classes(("{P}ForMaskedLM", "{P}ForPreTraining"), _MLM_MODELS)):
+                report.keep(f"MLM loss ({type(task).__name__})", why)
+                continue
             task.forward = FusedMLMForward(task, head, base)
             patched.append(task)
             report.fused.append(f"MLM loss at labelled positions, no logits ({type(task).__name__})")
@@ -606,6 +776,8 @@ def fuse(model: nn.Module, mlm_logits: bool = True) -> nn.Module:
     fuser = _Fuser()
     reports = [_fuse_encoder_model(fuser, *part) for part in encoders]
     heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
+    for report in reports:
+        report.warn()
     object.__setattr__(model, _ORIGINALS, _Saved(fuser.record, heads, mlm_logits))
     object.__setattr__(model, _REPORT, reports)
     return model

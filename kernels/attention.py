@@ -318,7 +318,15 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Targ
     default = _default_config(kernel, head_dim, dtype, target)
     if kernel == "preprocess":
         return default
-    return tuned.pick(f"attention.{kernel}", default, target, dtype, head_dim, max_seqlen)
+    walked, owned = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
+    accumulators = 2 if kernel == "dkdv" else 1  # dk and dv
+
+    def need(c: _Launch, t: targets.Target) -> tuned.Need:
+        """Two tiles of the walked side per pipeline stage in shared memory; a thread's share of the scores
+        and of its accumulators."""
+        size = getattr(c, walked) * head_dim * dtype.itemsize * 2 * max(1, c.num_stages - 1)
+        return tuned.tile_need(c.BLOCK_M * c.BLOCK_N + accumulators * getattr(c, owned) * head_dim, c, t, size)
+    return tuned.pick(f"attention.{kernel}", default, target, dtype, head_dim, max_seqlen, need=need)
 
 
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):

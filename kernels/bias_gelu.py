@@ -122,7 +122,8 @@ def _default_config(n: int) -> _Launch:
 
 def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | None) -> _Launch:
     """The config of kernel "fwd" or "bwd" on `target`: its table's entry (kernels/tuned.py), else the default."""
-    return tuned.pick(f"bias_gelu.{kernel}", _default_config(n), target, dtype, n)
+    return tuned.pick(f"bias_gelu.{kernel}", _default_config(n), target, dtype, n,
+                      need=lambda c, t: tuned.tile_need(c.BLOCK_M * c.BLOCK_N, c, t))  # its tile, in float32
 
 
 @torch.library.custom_op("bertfuse::bias_gelu_fwd", mutates_args=())

@@ -152,7 +152,8 @@ def _default_config(n: int) -> _Launch:
 
 def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | None) -> _Launch:
     """The config of kernel "fwd" or "bwd" on `target`: its table's entry (kernels/tuned.py), else the default."""
-    return tuned.pick(f"layer_norm.{kernel}", _default_config(n), target, dtype, n, tunable=("BLOCK_M", "num_warps"))
+    return tuned.pick(f"layer_norm.{kernel}", _default_config(n), target, dtype, n, tunable=("BLOCK_M", "num_warps"),
+                      need=lambda c, t: tuned.tile_need(c.BLOCK_M * c.BLOCK_N, c, t))  # its rows, in float32
 
 
 def _check(x, weight, bias, residual, p):

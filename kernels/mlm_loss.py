@@ -48,6 +48,7 @@ bucket (pick_strategy), else "chunked".
 """
 from __future__ import annotations
 
+import json
 from typing import NamedTuple
 
 import torch
@@ -311,7 +312,14 @@ def _tiles(kernel: str, h: int, dtype: torch.dtype, target: targets.Target | Non
 def _config(kernel: str, dtype: torch.dtype, h: int, target: targets.Target | None, rows: int | None) -> _Tiles:
     """The tiles of `kernel` on `target`: its table's entry (kernels/tuned.py), else the defaults of `_tiles`.
     Every mlm_loss launch site is keyed by hidden size and the bucket of the labelled row count."""
-    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, dtype, target), target, dtype, h, seqlen=rows)
+    def need(c: _Tiles, t: targets.Target) -> tuned.Need:
+        """A row and a vocabulary tile of the contraction per pipeline stage in shared memory; a thread's share
+        of the logit tile and of the d hidden (BLOCK_M rows) or d weight (BLOCK_V rows) block it owns."""
+        owned = {"fwd": 0, "dhidden": c.BLOCK_M, "dweight": c.BLOCK_V}[kernel] * c.BLOCK_HO
+        size = (c.BLOCK_M + c.BLOCK_V) * c.BLOCK_H * dtype.itemsize * max(1, c.num_stages - 1)
+        return tuned.tile_need(c.BLOCK_M * c.BLOCK_V + owned, c, t, size)
+    return tuned.pick(f"mlm_loss.{kernel}", _tiles(kernel, h, dtype, target), target, dtype, h, seqlen=rows,
+                      need=need)
 
 
 def _vocab_splits(device, n_row_blocks: int, vocab: int, block_v: int) -> tuple[int, int]:
@@ -429,7 +437,8 @@ def _ce_default(dtype: torch.dtype, target: targets.Target | None) -> _CE:
 def _ce_config(dtype: torch.dtype, h: int, target: targets.Target | None, rows: int | None) -> _CE:
     """The row kernel's config on `target`: its table's entry (keyed by hidden size and row bucket), else the
     default."""
-    return tuned.pick("mlm_loss.ce", _ce_default(dtype, target), target, dtype, h, seqlen=rows)
+    return tuned.pick("mlm_loss.ce", _ce_default(dtype, target), target, dtype, h, seqlen=rows,
+                      need=lambda c, t: tuned.tile_need(c.BLOCK_V, c, t))  # one row's tile, in float32
 
 
 def _chunk_bounds(n: int, vocab: int, itemsize: int, chunk_rows: int | None) -> list[tuple[int, int]]:
@@ -639,7 +648,8 @@ def pick_strategy(hidden: torch.Tensor, rows: int) -> str:
     the row count's bucket), else "chunked" (the CPU, or a GPU or shape the table lacks)."""
     choice = _strategy_config(hidden.dtype, hidden.shape[1], targets.of(hidden.device), rows).strategy
     if choice not in STRATEGIES[1:]:
-        tuned.warn_ignored("mlm_loss.strategy", choice)
+        tuned.warn_ignored("mlm_loss.strategy", "table", json.dumps({"strategy": choice}),
+                           f"not one of {', '.join(STRATEGIES[1:])}")
         return "chunked"
     return choice
 

@@ -27,9 +27,15 @@ class Target(NamedTuple):
     warp_size: int       # threads per warp (a wavefront of 64 on AMD's CDNA)
     shared_bytes: int    # shared memory (LDS) one block may use
     bf16: bool           # bfloat16 tensor-core dots
-    dot: str             # half-precision dots' instruction: "mma" (mma.sync), "wgmma", "tcgen05", "mfma", or
+    dot: str             # half-precision dots' instruction: "mma" (mma.sync), "wgmma", "tcgen05", "mfma", "wmma"
+                         # (RDNA3 and newer), or
                          # "fma": Triton has no tensor-core lowering there (Turing), dots run on the CUDA cores
     gpus: str            # what users know it as
+
+    @property
+    def registers(self) -> int:
+        """32-bit registers one thread may hold: 255 on NVIDIA; 512 on AMD (256 vector + 256 accumulation)."""
+        return 255 if self.backend == "cuda" else 512
 
     @property
     def tensor_core_dots(self) -> bool:
@@ -67,11 +73,7 @@ def from_properties(props, hip: bool) -> Target:
     """The target of a device with these torch.cuda.get_device_properties (or any object with the same fields):
     a known family by name, else one built from what the device reports."""
     if hip:
-        name = str(props.gcnArchName).split(":")[0]
-        if name in TARGETS:
-            return TARGETS[name]
-        return Target(name, "hip", name, int(getattr(props, "warp_size", 64)), _shared(props, 64 * 1024),
-                      True, "mfma", props.name)
+        return _rocm(props)
     major, minor = props.major, props.minor
     if (major, minor) < OLDEST_CUDA:
         raise RuntimeError(f"kernels: {props.name} is sm_{major}{minor}; the Triton kernels need sm_75 (Turing) or "
@@ -81,6 +83,32 @@ def from_properties(props, hip: bool) -> Target:
         return TARGETS[name]
     dot = "fma" if major < 8 else "wgmma" if major == 9 else "tcgen05" if major == 10 else "mma"
     return Target(name, "cuda", major * 10 + minor, 32, _shared(props, 48 * 1024), major >= 8, dot, props.name)
+
+
+# CDNA's matrix cores (MFMA): MI100 (gfx908), MI200 (gfx90a), MI300 (gfx94x), MI350 (gfx95x).
+_MFMA = ("gfx908", "gfx90a", "gfx94", "gfx95")
+
+
+def _rocm(props) -> Target:
+    """An AMD GPU's target, by the gcnArchName its torch reports: a listed family; RDNA (gfx10xx-gfx12xx) as its
+    own family, wave32 with WMMA dots from RDNA3 (gfx11) on, none before; another CDNA or GCN part with MFMA
+    dots where it has them. Without a gcnArchName (older torch, or a driver that reports none) its target is
+    unknown: a RuntimeError, which the drop-in modules turn into their PyTorch path with one warning."""
+    name = str(getattr(props, "gcnArchName", "") or "").split(":")[0].strip()
+    if not name.startswith("gfx"):
+        raise RuntimeError(f"kernels: torch reports no gcnArchName for the ROCm GPU {props.name!r} (got {name!r}; "
+                           "torch older than 2.1 does not): the Triton kernels cannot tell its target; use the "
+                           "PyTorch path (backend='torch') or a newer torch")
+    if name in TARGETS:
+        return TARGETS[name]
+    shared = _shared(props, 64 * 1024)
+    if name.startswith("gfx1"):  # RDNA: wave32 (Triton's default there); gfx1100 -> generation 11
+        generation = int(name[3:5]) if name[3:5].isdigit() else 10
+        wmma = generation >= 11
+        return Target(name, "hip", name, 32, shared, wmma, "wmma" if wmma else "fma", f"{props.name} (RDNA)")
+    mfma = name.startswith(_MFMA)
+    return Target(name, "hip", name, int(getattr(props, "warp_size", 64) or 64), shared, mfma,
+                  "mfma" if mfma else "fma", props.name)
 
 
 def _shared(props, fallback: int) -> int:

@@ -58,19 +58,59 @@ def entry_key(dtype: torch.dtype | str, size: int, seq_bucket: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def load_table(folder: str, arch: str) -> dict:
-    """The table for one GPU architecture ({} when there is none or it cannot be read, with a warning)."""
+    """The table for one GPU architecture: {} when there is none or it cannot be read as a table, with a warning;
+    otherwise its usable entries, each unusable part left out with one warning naming the file and the key (a
+    kernel that is not an object, a key not "<dtype>/<size>/<bucket>" with a positive power-of-two bucket, an
+    entry without a config object). What is left out falls back to the launchers' defaults."""
     path = os.path.join(folder, f"{arch}.json")
     if not os.path.exists(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
             table = json.load(f)
+        if not isinstance(table, dict):
+            raise ValueError(f"its top level is a JSON {_json_type(table)}, not an object")
         if table.get("format") != FORMAT or not isinstance(table.get("kernels"), dict):
             raise ValueError(f"not a format-{FORMAT} table")
-        return table
     except (OSError, ValueError) as e:
         warnings.warn(f"kernels: ignoring launch-config table {path} ({e}); using the built-in defaults")
         return {}
+    kernels = {}
+    for kernel, entries in table["kernels"].items():
+        if not isinstance(entries, dict):
+            _warn_part(path, kernel, f"a JSON {_json_type(entries)}, not an object of entries")
+            continue
+        kept = {}
+        for key, entry in entries.items():
+            why = key_problem(key) or (None if isinstance(entry, dict) and isinstance(entry.get("config"), dict)
+                                        else "an entry without a \"config\" object")
+            if why:
+                _warn_part(path, f"{kernel}: {key}", why)
+            else:
+                kept[key] = entry
+        kernels[kernel] = kept
+    return dict(table, kernels=kernels)
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _warn_part(path: str, key: str, why: str) -> None:
+    warnings.warn(f"kernels: ignoring {key} in launch-config table {path} ({why}); the launcher's default is used "
+                  "there")
+
+
+def key_problem(key: str) -> str | None:
+    """Why `key` is not "<dtype>/<size>/<bucket>" (a positive size; "all" or "s<n>", n a power of two)."""
+    parts = key.split("/")
+    if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1:
+        return "not a key <dtype>/<size>/<bucket>"
+    b = parts[2]
+    if b != "all" and not (b[:1] == "s" and b[1:].isdigit() and int(b[1:]) >= 1 and int(b[1:]) & (int(b[1:]) - 1) == 0):
+        return f"sequence bucket {b!r} is not 'all' or 's<n>' with n a positive power of two"
+    return None
 
 
 def _nearest(entries: dict, dtype: str, size: int, seq_bucket: str):
@@ -90,43 +130,88 @@ def _nearest(entries: dict, dtype: str, size: int, seq_bucket: str):
 
 @functools.lru_cache(maxsize=None)
 def _table_config(kernel: str, folder: str, arch: str, dtype: str, size: int, seq_bucket: str):
-    entry = _nearest(load_table(folder, arch).get("kernels", {}).get(kernel, {}), dtype, size, seq_bucket)
-    return None if entry is None else entry.get("config")
+    """(the entry's key, its config) for one launch, or None."""
+    entries = load_table(folder, arch).get("kernels", {}).get(kernel, {})
+    entry = _nearest(entries, dtype, size, seq_bucket)
+    key = next((k for k, v in entries.items() if v is entry), None)
+    return None if entry is None else (key, entry["config"])
 
 
-def _valid_value(name: str, value, default) -> bool:
-    """A choice (a string) where the default is one; else a positive int, a power of two for a block size."""
+class Need(NamedTuple):
+    """Lower bounds on what one program of a launch needs, from its config: an entry asking more than the
+    family has cannot be what its tuner measured, and is refused."""
+    shared_bytes: int = 0   # shared memory (LDS) its pipelined tile loads take at the least
+    per_thread: int = 0     # 32-bit values one thread holds at once at the least (its share of the largest tile)
+
+
+def tile_need(elements: int, config, target: Target, shared_bytes: int = 0) -> Need:
+    """The Need of a program holding `elements` values at once across its config's warps."""
+    return Need(shared_bytes, -(-elements // (config.num_warps * target.warp_size)))
+
+
+MAX_THREADS = 1024                    # per block, on every family (and Triton's limit)
+MAX_BLOCK = 1 << 20                   # elements of one tile dimension (Triton's TRITON_MAX_TENSOR_NUMEL)
+
+
+def _value_problem(name: str, value, default) -> str | None:
+    """Why `value` cannot be field `name` (None if it can): a choice (a string) where the default is one; else a
+    positive int, a power of two for a block size or a warp count."""
     if isinstance(default, str):
-        return isinstance(value, str)
-    return (isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            and (not name.startswith("BLOCK") or value & (value - 1) == 0))
+        return None if isinstance(value, str) else f"{name}={value!r} is not a choice (a string)"
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return f"{name}={value!r} is not a positive integer"
+    if (name.startswith("BLOCK") or name == "num_warps") and value & (value - 1):
+        return f"{name}={value} is not a power of two"
+    if name.startswith("BLOCK") and value > MAX_BLOCK:
+        return f"{name}={value} is over Triton's {MAX_BLOCK:,} elements"
+    return None
 
 
-def _valid(kernel: str, config, default: NamedTuple, tunable) -> bool:
-    ok = isinstance(config, dict) and set(config) <= set(tunable) and all(
-        _valid_value(k, v, getattr(default, k)) for k, v in config.items())
-    if not ok:
-        warn_ignored(kernel, json.dumps(config, sort_keys=True, default=str))
-    return ok
+def _problem(config, default: NamedTuple, tunable, target: Target | None, need) -> str | None:
+    """Why `config` cannot replace `default`'s fields on `target` (None if it can)."""
+    if not isinstance(config, dict):
+        return "not an object"
+    if set(config) - set(tunable):
+        return f"fields {', '.join(sorted(set(config) - set(tunable)))} are not tunable (only {', '.join(tunable)})"
+    why = next(filter(None, (_value_problem(k, v, getattr(default, k)) for k, v in config.items())), None)
+    if why or target is None:
+        return why
+    full = default._replace(**config)
+    threads = getattr(full, "num_warps", 1) * target.warp_size
+    if threads > MAX_THREADS:
+        return f"num_warps={full.num_warps} is {threads} threads on {target.name}, over {MAX_THREADS} a block"
+    n = need(full, target) if need else Need()
+    if n.shared_bytes > target.shared_bytes:
+        return f"needs at least {n.shared_bytes:,} bytes of shared memory, over {target.name}'s {target.shared_bytes:,}"
+    if n.per_thread > target.registers:
+        return f"holds at least {n.per_thread} values a thread, over {target.name}'s {target.registers} registers"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
-def warn_ignored(kernel: str, text: str) -> None:
-    """Warn once per (kernel, config) that a table's config is unusable and the launcher's default stays."""
-    warnings.warn(f"kernels: ignoring the launch config {text} for {kernel} (expected positive ints, powers of two "
-                  "for block sizes, a known choice, only tunable fields); using the default")
+def warn_ignored(kernel: str, where: str, text: str, why: str) -> None:
+    """Warn once per (kernel, config) that a config is unusable and the launcher's default stays."""
+    warnings.warn(f"kernels: ignoring the launch config {text} for {kernel} ({where}): {why}; using the default")
 
 
 def pick(kernel: str, default: NamedTuple, target: Target | None, dtype: torch.dtype, size: int,
-         seqlen: int | None = None, tunable=None) -> NamedTuple:
+         seqlen: int | None = None, tunable=None, need=None) -> NamedTuple:
     """The config for one launch of `kernel` on `target` (kernels.targets.of(device); None: the CPU or the
     interpreter): a forced one, else the target's table entry, else `default`. Only the fields in `tunable`
-    (default: all of default's) may be replaced."""
+    (default: all of default's) may be replaced; `need(config, target) -> Need` bounds what the config takes, so that an
+    entry the family cannot hold is refused (with one warning naming the table and the key)."""
     tunable = default._fields if tunable is None else tunable
-    config = _forced.get(kernel)
+    config, where = _forced.get(kernel), "forced"
     if config is None and target is not None:
-        config = _table_config(kernel, config_dir(), target.name, dtype_name(dtype), int(size), bucket(seqlen))
-    if config is None or not _valid(kernel, config, default, tunable):
+        found = _table_config(kernel, config_dir(), target.name, dtype_name(dtype), int(size), bucket(seqlen))
+        if found is not None:
+            where = f"{os.path.join(config_dir(), target.name + '.json')}, {found[0]}"
+            config = found[1]
+    if config is None:
+        return default
+    why = _problem(config, default, tunable, target, need)
+    if why:
+        warn_ignored(kernel, where, json.dumps(config, sort_keys=True, default=str), why)
         return default
     return default._replace(**config)
 

@@ -1,6 +1,7 @@
 """bench.tune: the sweep in the interpreter at tiny shapes with an injected timer, the verification of the winner,
 the table it writes (read back by the launchers), and the pruning by compile check (without a GPU)."""
 import json
+import os
 
 import pytest
 import torch
@@ -193,3 +194,25 @@ def test_refusal_names_what_a_family_cannot_run_and_nothing_else():
     assert tune.refusal(tune.Problem("layer_norm.fwd", fp16, 768, None, ()), sm75) is None
     assert tune.refusal(tune.Problem("attention.fwd", bf16, 64, 128, ()), SM90) is None
     assert tune.refusal(tune.Problem("mlm_loss.strategy", fp16, 768, 4915, ()), sm75) is None  # a choice
+
+
+@pytest.mark.parametrize("args, why", [(["--jobs", "0"], "--jobs must be at least 1, got 0"),
+                                       (["--jobs", "-2"], "--jobs must be at least 1, got -2")])
+def test_compile_only_refuses_no_workers_before_compiling(args, why, capsys, monkeypatch):
+    monkeypatch.setattr(tune, "compile_only", lambda *a, **k: pytest.fail("compiled"))
+    assert tune.main(["--compile-only", "--arch", "sm_90", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"bench.tune: {why}"
+
+
+def test_compile_only_refuses_an_output_it_cannot_write_before_compiling(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tune, "compile_only", lambda *a, **k: pytest.fail("compiled"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert tune.main(["--compile-only", "--arch", "sm_90", "--output", str(blocker / "configs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bench.tune: --output {blocker / 'configs'} is not a folder this process can write")
+    assert err.count("\n") == 1
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert tune.main(["--compile-only", "--arch", "sm_90", "--output", str(locked)]) == 2

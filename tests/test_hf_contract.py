@@ -225,3 +225,125 @@ def test_unfuse_keeps_parameters_assigned_while_fused():
     loaded.load_state_dict(new)
     with torch.no_grad():  # every module computes with the loaded values, not only the state_dict holds them
         assert torch.equal(fused(**inputs()).logits, loaded(**inputs()).logits)
+
+
+# ---- 8. only attention whose math is known is fused: look-alikes, overriding subclasses, swapped functions -------
+def _fused_attention(model) -> bool:
+    return any("attention (varlen, padding removed once)" in r.fused for r in fuse_report(model))
+
+
+def _same_outputs(ref, fused):
+    x = inputs(seed=2)
+    if ref.config.type_vocab_size < 2:  # MRA's and YOSO's: one segment
+        del x["token_type_ids"]
+    keep = x["attention_mask"].bool()
+    with torch.no_grad():
+        a, b = ref(**x).last_hidden_state, fused(**x).last_hidden_state
+    return rel_err(b[keep], a[keep]) <= TOL
+
+
+@pytest.mark.parametrize("name", ["RoFormer", "Mra", "Nystromformer", "Yoso"])
+def test_look_alike_encoders_keep_their_attention_with_one_warning(name):
+    """BERT's submodule names around other attention (rotary, multi-resolution, Nystrom, LSH): nothing of their
+    code is fused; the report and one warning say why; the outputs are the unfused model's."""
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name + "Config")(**TINY)
+    ref = getattr(transformers, name + "Model")(cfg).eval()
+    kernels._common._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = fuse(copy.deepcopy(ref))
+    ours = [w for w in caught if "fuse:" in str(w.message)]
+    assert len(ours) == 1 and "attention stays unfused" in str(ours[0].message)
+    (report,) = fuse_report(fused)
+    kept = dict(report.kept)
+    assert f"{name}SelfAttention is not a class whose math the fused op is known to match" in kept["attention"]
+    assert not _fused_attention(fused) and "Linear + GeLU" not in " ".join(report.fused)
+    assert _same_outputs(ref, fused)
+
+
+def test_a_subclass_is_fused_only_if_it_adds_no_code():
+    class Quiet(transformers.models.bert.modeling_bert.BertSelfAttention):
+        def __init__(self, config, **kw):  # construction only: fused
+            super().__init__(config, **kw)
+
+    class Louder(transformers.models.bert.modeling_bert.BertSelfAttention):
+        def forward(self, hidden_states, *args, **kwargs):  # changes the math: kept
+            out, w = super().forward(hidden_states * 2, *args, **kwargs)
+            return out, w
+
+    for cls, fused_expected in ((Quiet, True), (Louder, False)):
+        ref = bert()
+        for layer in ref.encoder.layer:
+            old = layer.attention.self
+            new = cls(ref.config)
+            new.load_state_dict(old.state_dict())
+            layer.attention.self = new.eval()
+        fused = fuse(copy.deepcopy(ref))
+        assert _fused_attention(fused) == fused_expected, fuse_report(fused)[0]
+        assert _same_outputs(ref, fused)
+        if not fused_expected:
+            assert "Louder overrides forward of BertSelfAttention" in dict(fuse_report(fused)[0].kept)["attention"]
+
+
+def test_a_forward_replaced_on_an_instance_keeps_attention():
+    ref = bert()
+    inner = ref.encoder.layer[1].attention.self
+    original = inner.forward
+    inner.forward = lambda hidden_states, *a, **k: original(hidden_states * 0.5, *a, **k)
+    fused = fuse(copy.deepcopy(ref))
+    assert not _fused_attention(fused)
+    assert "BertSelfAttention.forward is replaced on this instance" in dict(fuse_report(fused)[0].kept)["attention"]
+    assert _same_outputs(ref, fused)
+
+
+def test_an_intermediate_block_of_unknown_code_keeps_its_linear_and_gelu():
+    class Scaled(transformers.models.bert.modeling_bert.BertIntermediate):
+        def forward(self, hidden_states):
+            return self.intermediate_act_fn(self.dense(hidden_states) * 3.0)
+
+    ref = bert()
+    layer = ref.encoder.layer[0]
+    new = Scaled(ref.config)
+    new.load_state_dict(layer.intermediate.state_dict())
+    layer.intermediate = new
+    fused = fuse(copy.deepcopy(ref))
+    report = fuse_report(fused)[0]
+    assert "1 Linear + GeLU" in report.fused and not _fused_attention(fused)  # layer 1's block fused, not layer 0's
+    assert "Linear + GeLU in Scaled" in dict(report.kept)
+    assert _same_outputs(ref, fused)
+
+
+def test_an_attention_function_registered_in_transformers_place_keeps_attention(monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def doubled(module, q, k, v, mask, **kw):  # a user's attention, registered under transformers' own name
+        return stock(module, q * 2, k, v, mask, **kw)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", doubled)
+    ref = bert()
+    ref.config._attn_implementation = "sdpa"
+    fused = fuse(copy.deepcopy(ref))
+    assert not _fused_attention(fused)
+    assert "registered to" in dict(fuse_report(fused)[0].kept)["attention"]
+    assert _same_outputs(ref, fused)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", stock)
+    assert _fused_attention(fuse(copy.deepcopy(ref)))  # transformers' own sdpa: fused
+
+
+def test_encoder_arguments_the_fused_layers_would_drop_run_the_original_code():
+    """An argument holding something the original layers read (here a made-up per-layer tensor BertLayer passes
+    on to its attention function) is not silently dropped: that call runs the original encoder."""
+    ref = bert()
+    fused = fuse(copy.deepcopy(ref))
+    x = inputs()
+    hidden = fused.embeddings(input_ids=x["input_ids"], token_type_ids=x["token_type_ids"])
+    mask = x["attention_mask"][:, None, None, :].float().sub(1).mul(torch.finfo(torch.float32).max)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused.encoder(hidden, attention_mask=mask, position_ids=None, use_cache=False)
+        assert not fuse_report(fused)[0].calls
+        fused.encoder(hidden, attention_mask=mask, s_aux=torch.zeros(1))
+    assert any("s_aux" in why for why in fuse_report(fused)[0].calls)

@@ -100,3 +100,31 @@ def test_the_launchers_read_each_tables_choice_on_a_device_of_that_family(monkey
                 checked += 1
     assert checked > 0
     tuned.clear_cache()
+
+
+@pytest.mark.parametrize("arch, warp, dot, bf16", [
+    ("gfx1100", 32, "wmma", True), ("gfx1201:xnack-", 32, "wmma", True), ("gfx1030", 32, "fma", False),
+    ("gfx950:sramecc+", 64, "mfma", True), ("gfx908", 64, "mfma", True), ("gfx906", 64, "fma", False)])
+def test_amd_gpus_outside_the_list_are_their_own_family(arch, warp, dot, bf16):
+    """An RDNA GPU (wave32, WMMA from gfx11 on, no MFMA) is not taken for a CDNA one, even where its torch
+    reports a wavefront of 64; a GCN part without matrix cores has no tensor-core dots (the model then runs
+    attention and the MLM loss in PyTorch, as on sm_75)."""
+    props = SimpleNamespace(gcnArchName=arch, name="AMD GPU", warp_size=64)
+    t = targets.from_properties(props, hip=True)
+    assert (t.name, t.warp_size, t.dot, t.bf16, t.tensor_core_dots) == (arch.split(":")[0], warp, dot, bf16,
+                                                                         dot != "fma")
+    assert t.name not in TARGETS and t.registers == 512
+
+
+@pytest.mark.parametrize("props", [SimpleNamespace(name="AMD Radeon"), SimpleNamespace(name="AMD", gcnArchName=""),
+                                   SimpleNamespace(name="AMD", gcnArchName=None)])
+def test_a_rocm_gpu_without_an_arch_name_is_a_clear_error_and_the_modules_fall_back(props, monkeypatch):
+    with pytest.raises(RuntimeError, match="no gcnArchName for the ROCm GPU"):
+        targets.from_properties(props, hip=True)
+    # What a drop-in module does with it: its PyTorch path, one warning naming the reason.
+    monkeypatch.setattr(targets, "_device_target", lambda index: targets.from_properties(props, hip=True))
+    monkeypatch.setattr(targets, "INTERPRET", False)
+    kernels._common._warned.clear()
+    x = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    with pytest.warns(UserWarning, match="no gcnArchName"):
+        assert kernels._common.backend_for(x) == "torch"

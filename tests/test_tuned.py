@@ -1,5 +1,6 @@
 """kernels.tuned: the per-GPU launch-config table, its lookup and its fallback to the launchers' defaults."""
 import json
+import sys
 
 import pytest
 import torch
@@ -126,3 +127,82 @@ def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path)
     for path in glob.glob(os.path.join(os.path.dirname(tuned.__file__), "configs", "*.json")):
         assert table_problems(path) == [], path
 
+
+
+def _launcher_config(kernel: str, dtype: torch.dtype, size: int, target):
+    """What the launcher of `kernel` picks for one launch of (dtype, size) on `target`."""
+    import importlib
+
+    op, part = kernel.split(".")
+    module = importlib.import_module(f"kernels.{op}")  # the op's module (the package's name is its function)
+    if op == "attention":
+        return module._config(part, size, dtype, target, None)
+    if op in ("layer_norm", "bias_gelu"):
+        return module._config(part, dtype, size, target)
+    mlm_loss = module
+    if part == "ce":
+        return mlm_loss._ce_config(dtype, size, target, None)
+    if part == "strategy":
+        return mlm_loss._strategy_config(dtype, size, target, None)
+    return mlm_loss._config(part, dtype, size, target, None)
+
+
+def test_every_committed_entry_is_what_its_launcher_uses_on_its_family(recwarn):
+    """The launchers' refusals (powers of two, threads, shared memory, registers) refuse no entry a family's
+    committed table holds: each launch takes its entry, with no warning."""
+    import glob
+    import os
+
+    tuned.clear_cache()
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(tuned.__file__), "configs", "*.json"))):
+        target = TARGETS[os.path.basename(path)[:-5]]
+        for kernel, entries in json.load(open(path, encoding="utf-8"))["kernels"].items():
+            for key, entry in entries.items():
+                dtype, size, _ = key.split("/")
+                picked = _launcher_config(kernel, getattr(torch, dtype), int(size), target)._asdict()
+                assert {k: picked[k] for k in entry["config"]} == entry["config"], (path, kernel, key)
+    assert not [w for w in recwarn if "ignoring" in str(w.message)]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[1, 2]", "top level is a JSON array"),
+    ('{"format": 1, "kernels": {"layer_norm.fwd": [1]}}', "layer_norm.fwd in launch-config table"),
+    ('{"format": 1, "kernels": {"layer_norm.fwd": {"bfloat16/768/all": 5}}}', "without a \"config\" object"),
+    ('{"format": 1, "kernels": {"layer_norm.fwd": {"bfloat16/768/s100": {"config": {"BLOCK_M": 2}}}}}',
+     "bucket 's100'"),
+    ('{"format": 1, "kernels": {"layer_norm.fwd": {"bfloat16/768/s0": {"config": {"BLOCK_M": 2}}}}}', "bucket 's0'"),
+    ('{"format": 1, "kernels": {"layer_norm.fwd": {"bfloat16/x/all": {"config": {"BLOCK_M": 2}}}}}',
+     "not a key"),
+])
+def test_a_damaged_table_is_refused_part_by_part_naming_the_file_and_the_key(table_dir, text, why):
+    (table_dir / "sm_90.json").write_text(text)
+    default = ln_default(768)
+    with pytest.warns(UserWarning, match=why) as caught:
+        picked = tuned.pick("layer_norm.fwd", default, SM90, torch.bfloat16, 768, seqlen=100,
+                            tunable=("BLOCK_M", "num_warps"))
+    assert picked == default
+    assert any(str(table_dir / "sm_90.json") in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"num_warps": 6}, "num_warps=6 is not a power of two"),
+    ({"num_warps": 64}, "2048 threads on sm_90"),
+    ({"BLOCK_M": 0}, "not a positive integer"),
+    ({"BLOCK_M": True}, "not a positive integer"),
+    ({"BLOCK_M": 1 << 21}, "over Triton's"),
+    ({"BLOCK_M": 256, "num_warps": 4}, "values a thread, over sm_90's 255 registers"),
+])
+def test_entries_the_family_cannot_run_are_refused_by_name(table_dir, config, why):
+    write(table_dir, {"layer_norm.fwd": {"bfloat16/768/all": {"config": config}}})
+    default = ln_default(768)
+    with pytest.warns(UserWarning, match=why) as caught:
+        picked = sys.modules["kernels.layer_norm"]._config("fwd", torch.bfloat16, 768, SM90)
+    assert picked == default
+    assert "sm_90.json, bfloat16/768/all" in str(caught[0].message)
+
+
+def test_attention_tiles_over_the_shared_memory_are_refused(table_dir):
+    write(table_dir, {"attention.fwd": {"bfloat16/128/all": {"config": {"BLOCK_N": 512, "num_stages": 4}}}})
+    with pytest.warns(UserWarning, match="bytes of shared memory, over sm_90's"):
+        picked = kernels.attention._config("fwd", 128, torch.bfloat16, SM90, None)
+    assert picked == kernels.attention._default_config("fwd", 128, torch.bfloat16, SM90)
