@@ -10,8 +10,8 @@ setup(
     package_data={"kernels": ["configs/*.json"]},  # the launch configs per GPU family (bench/tune.py)
     entry_points={"console_scripts": [
         "bert-bench = bench.cli:main",
-        "bert-pretrain = bert.pretrain:main",
-        "bert-finetune = bert.finetune:main",
+        "bert-pretrain = bert.pretrain:cli",
+        "bert-finetune = bert.finetune:cli",
     ]},
     python_requires=">=3.10",
     install_requires=[

@@ -52,12 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size (default 64)")
     p.add_argument("--max-seq-len", type=int, default=128, help="tokens per input, specials included "
                                                                 "(default 128; 384 is usual for qa)")
-    p.add_argument("--doc-stride", type=int, default=128, help="qa: tokens shared by adjacent windows (default 128)")
+    p.add_argument("--doc-stride", type=int, default=128,
+                   help="qa: tokens shared by adjacent windows (default 128; 0: windows that do not overlap)")
     p.add_argument("--max-answer-len", type=int, default=30, help="qa: longest answer in tokens (default 30)")
     p.add_argument("--n-best", type=int, default=20, help="qa: start/end candidates per window (default 20)")
     p.add_argument("--max-train-examples", type=int, help="use only the first N training examples")
     p.add_argument("--max-eval-examples", type=int, help="evaluate only the first N examples")
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="hot-op implementation")
+    p.add_argument("--allow-vocab-mismatch", action="store_true",
+                   help="fine-tune although the tokenizer is not the checkpoint's (another vocabulary, or another "
+                        "size than its embedding table): a warning instead of an error. A tokenizer with ids past "
+                        "the embedding table is refused either way")
     Settings.add_arguments(p, output_dir="runs/finetune", lr=3e-5, warmup=0.1, log_every=10, save_every=0,
                            keep_checkpoints=2, eval_every=0)
     add_debug_flag(p)
@@ -74,17 +79,22 @@ def validate_args(args) -> None:
     """Everything that can be checked before loading a model or reading data."""
     Settings.check_arguments(args)
     check_numbers(args, positive=("epochs", "max_steps", "batch_size", "eval_batch_size", "max_seq_len",
-                                  "doc_stride", "max_answer_len", "n_best", "max_train_examples",
-                                  "max_eval_examples"))
+                                  "max_answer_len", "n_best", "max_train_examples", "max_eval_examples"),
+                  non_negative=("doc_stride",))
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
     TASKS[args.task].check_arguments(args)
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
+    config_path = os.path.join(args.model, "config.json")
+    if not os.path.isfile(config_path):
         raise FileNotFoundError(f"--model {args.model}: no config.json there (expected a save_pretrained directory)")
     if args.tokenizer and not os.path.exists(args.tokenizer):
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file or directory")
     check_source("--train", args.train)
     check_source("--eval", args.eval)
+    positions = read_json_object(config_path).get("max_position_embeddings")
+    if isinstance(positions, int) and args.max_seq_len > positions:
+        raise ValueError(f"--max-seq-len {args.max_seq_len} is longer than the model's max_position_embeddings "
+                         f"({positions}, {config_path}); use {positions} or less")
 
 
 class FinetuneJob(Job):
@@ -185,7 +195,31 @@ def load(args, device, d):
     id2label = task.labels_from(train_data or eval_data, model_config)
     overrides = {"backend": args.backend, **({"id2label": id2label} if id2label is not None else {})}
     model = d.main_first(lambda: task.model_cls.from_pretrained(args.model, **overrides))
+    check_vocabulary(args, tokenizer, model.bert.embeddings.word_embeddings.num_embeddings)
     return task, tokenizer, train_data, eval_data, id2label, model.to(device)
+
+
+def check_vocabulary(args, tokenizer, rows: int) -> None:
+    """The tokenizer must be the checkpoint's: one whose ids pass its embedding table is refused (they would
+    index past it); one of another size, or another vocabulary than the tokenizer saved beside the checkpoint,
+    trains embeddings on the wrong words, so it is refused unless --allow-vocab-mismatch (then warned)."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    source = args.tokenizer or args.model
+    if size > rows:
+        raise ValueError(f"the tokenizer ({source}) has {size} tokens, but the checkpoint's embedding table "
+                         f"({args.model}) has {rows} rows: ids from {rows} on have no embedding; use the "
+                         "checkpoint's own tokenizer")
+    problem = f"the tokenizer ({source}) has {size} tokens for the checkpoint's {rows} embedding rows" \
+        if size != rows else None
+    own = os.path.join(args.model, "tokenizer.json")
+    if problem is None and args.tokenizer and os.path.isfile(own) and \
+            tokenizer_digest(load_tokenizer(args.model)) != tokenizer_digest(tokenizer):
+        problem = f"the tokenizer {args.tokenizer} is not the one saved with the checkpoint ({own})"
+    if problem and not args.allow_vocab_mismatch:
+        raise ValueError(f"{problem}: not the vocabulary it was trained with; use the checkpoint's own tokenizer, "
+                         "or pass --allow-vocab-mismatch to fine-tune anyway")
+    if problem:
+        logger.warning("warning: %s; fine-tuning anyway (--allow-vocab-mismatch)", problem)
 
 
 def loss_history(log_path: str) -> dict:
@@ -280,5 +314,10 @@ def main(argv=None) -> int:
     return commands.run("bert-finetune", body, args.debug)
 
 
+def cli() -> None:
+    """The console script: main() in a process that exits at once on a signal outside the run."""
+    commands.entry("bert-finetune", main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from bert.common import seeds
-from bert.common.commands import add_debug_flag, check_numbers, check_source, run
+from bert.common.commands import add_debug_flag, check_numbers, check_source, entry, run
 from bert.common.errors import stop_signals
 from bert.common.workers import default_num_workers, ordered_map
 from bert.data.batch import PackedBatch
@@ -107,8 +107,10 @@ def add_static_shape_options(p: argparse.ArgumentParser) -> None:
 
 
 # This command's settings that make a run what it is: --resume compares them with the checkpoint's, with the
-# trainer's own (bert.train.settings; the others only say how it runs: workers, logging cadence, caching).
-RUN_SETTINGS = ("config", "data", "tokenizer", "train_tokenizer", "max_seq_len", "batch_size", "packing",
+# trainer's own (bert.train.settings; the others only say how it runs: workers, logging cadence, caching). The
+# tokenizer is compared by content (data_identity), not by where it was read from or how it was made: the same
+# vocabulary moved elsewhere, or the saved OUTPUT_DIR/tokenizer of a --train-tokenizer run, continues the run.
+RUN_SETTINGS = ("config", "data", "max_seq_len", "batch_size", "packing",
                 "tokens_per_batch", "instances_per_row", "steps", "mlm_probability", "whole_word_masking",
                 "eval_fraction", "max_documents")
 
@@ -391,5 +393,10 @@ def main(argv=None) -> int:
     return run("bert-pretrain", body, args.debug)
 
 
+def cli() -> None:
+    """The console script: main() in a process that exits at once on a signal outside the run."""
+    entry("bert-pretrain", main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

@@ -41,26 +41,30 @@ def _tanh_u2(z):
 
 @triton.jit
 def _gelu(z, APPROX_TANH: tl.constexpr):
-    """Saturates as PyTorch does: 0 below z = -8 (tanh) or where erf is -1, z above."""
+    """Saturates as PyTorch does: -0 below z = -8 (tanh) or where erf is -1, z above. Non-finite z as in
+    PyTorch: NaN stays NaN, -inf gives NaN (-inf * 0), +inf gives +inf."""
     if APPROX_TANH:
-        return tl.where(z < -8.0, 0.0, tl.where(z > 8.0, z, z * tl.sigmoid(_tanh_u2(z))))
+        return tl.where(z < -8.0, 0.0 * z, tl.where(z > 8.0, z, z * tl.sigmoid(_tanh_u2(z))))
     else:
         return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
 
 
 @triton.jit
 def _gelu_grad(z, APPROX_TANH: tl.constexpr):
-    """0 and 1 in the saturated tails (the tanh form's z^3 and the erf form's z * exp(-z^2/2) never overflow)."""
+    """0 and 1 in the saturated tails (the tanh form's z^3 and the erf form's z * exp(-z^2/2) never overflow);
+    NaN where z is NaN or infinite, as PyTorch's gradient is (z - z is NaN exactly there), so that a non-finite
+    activation is never turned into a finite gradient."""
     if APPROX_TANH:
         zc = tl.minimum(tl.maximum(z, -8.0), 8.0)
         u2 = _tanh_u2(zc)
         s, s_neg = tl.sigmoid(u2), tl.sigmoid(-u2)
         grad = s + 2.0 * zc * s * s_neg * 0.7978845608028654 * (1.0 + 0.134145 * zc * zc)
-        return tl.where(z < -8.0, 0.0, tl.where(z > 8.0, 1.0, grad))
+        grad = tl.where(z < -8.0, 0.0, tl.where(z > 8.0, 1.0, grad))
     else:
         zc = tl.minimum(tl.maximum(z, -40.0), 40.0)
         cdf = 0.5 * (1.0 + tl.erf(zc * 0.7071067811865476))
-        return cdf + zc * 0.3989422804014327 * tl.exp(-0.5 * zc * zc)
+        grad = cdf + zc * 0.3989422804014327 * tl.exp(-0.5 * zc * zc)
+    return tl.where(z - z == 0.0, grad, z - z)
 
 
 @triton.jit

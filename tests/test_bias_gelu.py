@@ -123,3 +123,28 @@ def test_saturates_for_huge_inputs(device, approximate):
     assert torch.isfinite(y).all() and torch.isfinite(dx).all()
     torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-30)
     torch.testing.assert_close(dx, (z > 0).float(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_nan_and_infinity_propagate_as_in_pytorch(device, approximate):
+    """A non-finite activation is never made finite, forward or backward: NaN stays NaN, -inf gives NaN
+    (-inf * 0), +inf gives +inf, and the gradient at any of them, and of the bias summed over them, is NaN, as
+    PyTorch's GeLU gives (its CPU vector path also gives NaN for +inf with erf; its scalar path gives +inf, the
+    limit, as here). Upstream NaN and infinite gradients pass through like PyTorch's."""
+    inf, nan = float("inf"), float("nan")
+    z = torch.tensor([[nan, inf, -inf, 0.5, -20.0, 20.0], [1.0, 2.0, -1.0, 0.0, 3.0, -3.0]], device=device)
+    dy = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [nan, inf, -inf, 1.0, 1.0, 1.0]], device=device)
+    x, b = z.clone().requires_grad_(), torch.zeros(6, device=device, requires_grad=True)
+    y = kernels.bias_gelu(x, b, approximate)
+    dx, db = torch.autograd.grad(y, (x, b), dy)
+    xr, br = z.double().clone().requires_grad_(), torch.zeros(6, dtype=torch.float64, requires_grad=True)
+    yr = F.gelu(xr + br, approximate=approximate)
+    dxr, dbr = torch.autograd.grad(yr, (xr, br), dy.double())
+    yr = yr.detach().clone()
+    yr[0, 1] = inf  # +inf: the limit (PyTorch's own paths differ here)
+    for ours, ref in ((y, yr), (dx, dxr), (db, dbr)):
+        ours, ref = ours.detach().double().cpu(), ref.detach().cpu()
+        assert torch.equal(ours.isnan(), ref.isnan()), (ours, ref)
+        assert torch.equal(ours.isinf(), ref.isinf()) and torch.equal(ours[ours.isinf()], ref[ref.isinf()])
+        finite = ours.isfinite()
+        torch.testing.assert_close(ours[finite], ref[finite], rtol=1e-5, atol=1e-6)

@@ -206,6 +206,17 @@ def test_corpus_that_is_not_utf8_text_names_the_file(tmp_path):
     binary.write_bytes(b"\x00\x01\x02binary")
     with pytest.raises(ValueError, match=r"blob.jsonl: binary data"):
         list(iter_documents(str(binary)))
+    text = "The cat sat. It was happy.\n\nA dog ran. It was fast.\n"
+    for encoding, name in (("utf-16", "UTF-16LE"), ("utf-16-be", "UTF-16BE"), ("utf-16-le", "UTF-16LE"),
+                           ("utf-32", "UTF-32LE")):
+        path = tmp_path / f"{encoding}.txt"
+        path.write_bytes(text.encode(encoding))
+        with pytest.raises(ValueError, match=rf"{encoding}.txt: {name} text, not UTF-8; convert it first, e.g. "
+                                             r"iconv -f UTF-"):
+            list(iter_documents(str(path)))
+    marked = tmp_path / "bom.txt"
+    marked.write_bytes(text.encode("utf-8-sig"))
+    assert list(iter_documents(str(marked)))[0][0] == "The cat sat."  # a UTF-8 mark is read past
 
 
 def test_empty_corpus_with_a_given_tokenizer_names_the_corpus(tmp_path):

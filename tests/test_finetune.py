@@ -134,7 +134,8 @@ def test_bad_command_lines_fail_at_once_with_one_line(tmp_path, checkpoint, caps
     empty.write_text("")
     (tmp_path / "badcfg").mkdir()
     (tmp_path / "badcfg" / "config.json").write_text("")
-    base = ["classify", "--model", checkpoint, "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    base = ["classify", "--model", checkpoint, "--output-dir", str(tmp_path / "out"), "--no-progress",
+            "--max-seq-len", "48"]
     cases = [
         (["--train", "no/such/train.tsv"], "--train no/such/train.tsv: no such file or directory"),
         (["--train", str(train), "--batch-size", "0"], "--batch-size must be positive, got 0"),
@@ -346,3 +347,66 @@ def test_a_second_job_on_a_busy_output_dir_is_refused_in_one_line(tmp_path, chec
     err = capsys.readouterr().err
     assert err.startswith(f"bert-finetune: error: {out} is in use by another job (pid {holder.pid} on ")
     assert not (out / "log.jsonl").exists()
+
+
+def test_labels_written_as_floats_are_the_same_classes(tmp_path, checkpoint):
+    """Training labels 1.0/0.0 (as pandas writes floats) and evaluation labels 1/0 are one label set."""
+    rows = ["john is good\t1.0", "mary is bad\t0.0", "peter is good\t1.0", "anna is bad\t0.0"]
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\njohn is good\t1\nmary is bad\t0\n")
+    metrics = run(args("classify", checkpoint, str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv"),
+                       tmp_path / "out", "--max-steps", "1", "--backend", "torch"))
+    assert metrics["eval_examples"] == 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["id2label"] == {"0": "0", "1": "1"}
+
+
+def test_friction_cases_are_one_line_before_any_work(tmp_path, checkpoint, capsys, caplog):
+    """A UTF-16 file (named, with the command that converts it), --max-seq-len past the model's positions, and a
+    tokenizer that is not the checkpoint's: refused in one line each."""
+    from bert.finetune import main
+
+    utf16 = tmp_path / "utf16.tsv"
+    utf16.write_bytes("sentence\tlabel\njohn is good\t1\n".encode("utf-16"))
+    other = tmp_path / "other-tok"
+    texts = [f"{c} has {f} weather" for c in CITIES for f in FILLER]
+    save_tokenizer(train_tokenizer(texts, vocab_size=120), str(other))
+    swapped = tmp_path / "swapped-tok"  # the checkpoint's size, another vocabulary: two words' ids swapped
+    shutil.copytree(checkpoint, swapped, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    spec = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["john"], vocab["mary"] = vocab["mary"], vocab["john"]
+    (swapped / "tokenizer.json").write_text(json.dumps(spec))
+    big = tmp_path / "big-tok"
+    many = [" ".join(f"{a}{b}{c}" for b in "aeiou" for c in "klmnp") for a in "bdfgrstvz"]  # 225 words
+    save_tokenizer(train_tokenizer(many * 2, vocab_size=400), str(big))
+    base = ["classify", "--model", checkpoint, "--output-dir", str(tmp_path / "out"), "--no-progress",
+            "--backend", "torch", "--max-steps", "1", "--max-seq-len", "48"]
+    train = tmp_path / "train.tsv"
+    train.write_text("sentence\tlabel\njohn is good\t1\nmary is bad\t0\n")
+    cases = [(["--train", str(utf16)], f"{utf16}: UTF-16LE text, not UTF-8; convert it first, e.g. iconv -f UTF-16LE"),
+             (["--train", str(train), "--max-seq-len", "65"],
+              "--max-seq-len 65 is longer than the model's max_position_embeddings (64"),
+             (["--train", str(train), "--tokenizer", str(other)], "tokens for the checkpoint's 106 embedding rows"),
+             (["--train", str(train), "--tokenizer", str(swapped)], "is not the one saved with the checkpoint"),
+             (["--train", str(train), "--tokenizer", str(big), "--allow-vocab-mismatch"],
+              "ids from 106 on have no embedding")]
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("bert-finetune: error: ") and message in err and err.count("\n") == 1, err
+    with caplog.at_level("WARNING", logger="bert"):
+        assert main(base + ["--train", str(train), "--tokenizer", str(swapped), "--allow-vocab-mismatch",
+                            "--output-dir", str(tmp_path / "out2")]) == 0
+    assert "not the one saved with the checkpoint" in caplog.text and "--allow-vocab-mismatch" in caplog.text
+
+
+def test_doc_stride_0_gives_windows_that_do_not_overlap(tmp_path, checkpoint):
+    from bert.data.tokenizer import load_tokenizer
+    from bert.tasks.readers import QAExample, qa_windows
+
+    context = " ".join(["john lives in paris today and often"] * 6)
+    ex = QAExample("q0", "where john lives", context, ["paris"], context.index("paris"), "here")
+    tok = load_tokenizer(checkpoint)
+    windows = qa_windows([ex], tok, 24, 0)
+    passages = [[t for t, s in zip(w.input_ids, w.token_type_ids) if s == 1][:-1] for w in windows]
+    assert len(windows) > 2 and sum(map(len, passages)) == len(tok.encode(context, add_special_tokens=False).ids)

@@ -95,7 +95,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output.decode()[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, output.decode()[-2000:]  # stopped, after saving
     saved = os.listdir(out / "checkpoints")
     assert len(saved) == 1
     step = int(saved[0].split("-")[1])
@@ -463,7 +463,7 @@ def test_sigterm_while_preparing_ends_the_run_at_once_leaving_no_file_and_no_pro
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and time.time() - t0 < 15, err[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM and time.time() - t0 < 15, err[-2000:]
     assert "bert-pretrain: stopped by SIGTERM while preparing the run" in err and "Traceback" not in err
     cache = out / "cache"
     assert not (cache.exists() and [n for n in os.listdir(cache) if n.startswith("tokenized-")])  # none, half or whole
@@ -513,7 +513,7 @@ def test_many_planning_processes_under_cpu_load_finish_and_stop(tmp_path, corpus
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "checkpoint saved" in output, output[-2000:]
+        assert proc.returncode == 128 + signal.SIGTERM and "checkpoint saved" in output, output[-2000:]
     finally:
         for b in busy:
             b.kill()
@@ -542,3 +542,19 @@ def test_resume_refuses_a_changed_corpus_or_tokenizer_at_the_same_path(tmp_path,
     _saved_tokenizer(tmp_path / "tok", docs=8, vocab=200, seed=3)  # another vocabulary at the same path
     with pytest.raises(ValueError, match=r"the tokenizer changed \(sha256"):
         train(build_parser().parse_args(argv + ["--resume"]))
+
+
+def test_resume_compares_the_tokenizer_by_content_not_by_path(tmp_path, corpus):
+    """The same vocabulary moved elsewhere, or the run's own saved tokenizer in place of --train-tokenizer,
+    continues the run; a damaged tokenizer.json is one line naming the file."""
+    argv = ["--data", corpus, "--train-tokenizer", "200", "--config", "tiny", "--max-seq-len", "64", "--batch-size",
+            "8", "--save-every", "2", "--output-dir", str(tmp_path / "run"), "--eval-every", "0", "--no-progress",
+            "--num-workers", "0"]
+    train(build_parser().parse_args(argv + ["--steps", "2"]))
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "run" / "tokenizer", moved)
+    resumed = [a for a in argv if a not in ("--train-tokenizer", "200")] + ["--tokenizer", str(moved), "--steps", "2"]
+    assert train(build_parser().parse_args(resumed + ["--resume"])).metrics == {}  # resumed at its last step
+    (moved / "tokenizer.json").write_text('{"version": "1.0", "truncated')
+    with pytest.raises(ValueError, match=rf"{moved / 'tokenizer.json'}: not a tokenizer file the tokenizers library"):
+        train(build_parser().parse_args(resumed + ["--resume"]))

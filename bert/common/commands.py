@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from bert.common.errors import ExpectedError, Interrupted, StopRun, signal_name
+from bert.common.errors import ExpectedError, Interrupted, StopRun, exit_at_once, signal_name, stopped_by
 
 DATA_EXTENSIONS = (".txt", ".tsv", ".csv", ".json", ".jsonl", ".conll", ".parquet", ".arrow", ".gz", ".bz2")
 
@@ -55,14 +55,16 @@ def add_debug_flag(parser) -> None:
 def run(prog: str, body, debug: bool = False) -> int:
     """body() -> exit status. An expected error (bad arguments, missing or malformed files: ValueError, OSError,
     ExpectedError) prints `prog: error: message` and returns 2; anything else is a bug and keeps its traceback.
-    A signal that stopped a run where nothing needed saving (StopRun, from a body under StopSignals) prints one
-    line and returns 0; a second signal (Interrupted), or Ctrl-C where no StopSignals is installed, returns
-    128 + its number."""
+    A run stopped by SIGTERM or SIGINT returns 128 + its number (143, 130), as shells and launchers expect of a
+    stopped process: after saving what it must (the trainer's checkpoint), or at once where nothing needed
+    saving (StopRun, one line saying where); so does a second signal (Interrupted), or Ctrl-C where no
+    StopSignals is installed."""
+    stopped_by(reset=True)
     try:
-        return body()
+        status = body()
     except StopRun as e:
         print(f"{prog}: stopped by {signal_name(e.signum)} {e.where}", file=sys.stderr)
-        return 0
+        return 128 + e.signum
     except Interrupted as e:
         print(f"{prog}: stopped at once by a second {signal_name(e.signum)}", file=sys.stderr)
         return 128 + e.signum
@@ -77,3 +79,12 @@ def run(prog: str, body, debug: bool = False) -> int:
             message = f"{e.filename}: {e.strerror or message}"
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
+    signum = stopped_by()
+    return 128 + signum if signum and status == 0 else status
+
+
+def entry(prog: str, main) -> None:
+    """A command's process (its console script, `python -m`): main()'s status is the exit status, and a signal
+    outside the run, or a second one, ends it at once with one line (bert.common.errors.exit_at_once)."""
+    exit_at_once(prog)
+    raise SystemExit(main())

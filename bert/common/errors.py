@@ -4,7 +4,9 @@ run (`StopSignals`: the first stops it where it may stop at once, or asks the tr
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 
 
 class ExpectedError(RuntimeError):
@@ -68,9 +70,13 @@ class StopSignals:
             _ACTIVE = None
 
     def _handle(self, signum, frame) -> None:
+        global _STOPPED_BY
         if self.raised:
+            if _COMMAND is not None:  # a command's process: now, whatever code the signal interrupted
+                exit_now(signum)
             raise Interrupted(signum)
         self.raised, self.signum = True, signum
+        _STOPPED_BY = _STOPPED_BY or signum
         if self._where is not None:
             raise StopRun(signum, self._where)
 
@@ -90,6 +96,38 @@ class StopSignals:
 
 
 _ACTIVE: StopSignals | None = None
+_STOPPED_BY: int | None = None   # the first signal of the current command's run (commands.run reads it)
+_COMMAND: str | None = None      # the command this process is, once exit_at_once made it one
+
+
+def stopped_by(reset: bool = False) -> int | None:
+    """The signal that asked the current run to stop (None if none did); reset=True forgets it (a new run)."""
+    global _STOPPED_BY
+    signum = _STOPPED_BY
+    if reset:
+        _STOPPED_BY = None
+    return signum
+
+
+def exit_at_once(command: str) -> None:
+    """Make this process the command `command`: outside a run's StopSignals (before it, and after it while
+    workers close and finalisers run at exit) SIGTERM and SIGINT, and a second one inside, print one line and
+    end the process at once with 128 + the signal's number, never a traceback. An exception raised from a signal
+    handler could land in a finaliser, where Python prints it and carries on; exiting cannot."""
+    global _COMMAND
+    _COMMAND = command
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: exit_now(signum))
+
+
+def exit_now(signum: int) -> None:
+    """One line, then the process ends with 128 + signum (children die with it: bert.common.workers)."""
+    again = "at once by a second " if _STOPPED_BY is not None else "by "
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"{_COMMAND or 'bert'}: stopped {again}{signal_name(signum)}\n".encode())
+    os._exit(128 + signum)
 
 
 def stop_signals() -> StopSignals:

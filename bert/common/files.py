@@ -3,9 +3,14 @@ and JSON objects read with errors that name the file.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import tempfile
+
+# Longest first: UTF-32LE's mark starts with UTF-16LE's.
+_MARKS = ((codecs.BOM_UTF32_LE, "UTF-32LE"), (codecs.BOM_UTF32_BE, "UTF-32BE"), (codecs.BOM_UTF16_LE, "UTF-16LE"),
+          (codecs.BOM_UTF16_BE, "UTF-16BE"))
 
 
 def default_file_mode() -> int:
@@ -52,3 +57,28 @@ def read_json_object(path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def other_encoding(head: bytes) -> str | None:
+    """The encoding a text file's first bytes show it is in, where that is not UTF-8: a UTF-16 or UTF-32
+    byte-order mark, or text with a NUL beside every other byte (UTF-16 without a mark); else None."""
+    found = next((name for mark, name in _MARKS if head.startswith(mark)), None)
+    if found or len(head) < 8:
+        return found
+    even, odd = head[0::2], head[1::2]
+    if odd.count(0) >= 0.9 * len(odd) and not even.count(0):
+        return "UTF-16LE"
+    if even.count(0) >= 0.9 * len(even) and not odd.count(0):
+        return "UTF-16BE"
+    return None
+
+
+def check_utf8(path: str) -> None:
+    """A ValueError naming the file, its encoding and the command that converts it, for a text file in UTF-16 or
+    UTF-32 (Windows tools write them), before any line of it is read as something else."""
+    with open(path, "rb") as f:
+        found = other_encoding(f.read(4096))
+    if found:
+        source = found[:-2] if found[-2:] in ("LE", "BE") and found.startswith("UTF-32") else found
+        raise ValueError(f"{path}: {found} text, not UTF-8; convert it first, e.g. iconv -f {source} -t UTF-8 "
+                         f"'{path}' > '{path}.utf8'")

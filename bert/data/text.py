@@ -12,6 +12,8 @@ import os
 import re
 from collections.abc import Iterator
 
+from bert.common.files import check_utf8
+
 _HEADING = re.compile(r"^\s*=(\s*=)*\s[^=].*[^=]\s=(\s*=)*\s*$")
 
 
@@ -44,6 +46,7 @@ def _text_lines(path: str) -> Iterator[str]:
     """A text file's lines, read line by line (memory bounded by the longest line, whatever the file's size):
     the same lines as str.splitlines of the whole text; an error naming the file and line when it is not UTF-8
     text."""
+    check_utf8(path)
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             yield from _decode_line(raw, path, lineno).splitlines()
@@ -84,6 +87,7 @@ def _document_text(value, where: str, text_field: str) -> list[str] | None:
 
 
 def _jsonl_documents(path: str, text_field: str) -> Iterator[list[str]]:
+    check_utf8(path)
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode_line(raw, path, lineno)
@@ -102,9 +106,12 @@ def _decode_line(raw: bytes, path: str, lineno: int) -> str:
     if b"\0" in raw:
         raise ValueError(f"{path}: binary data (a NUL byte on line {lineno}), not a text file")
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}); convert it first, e.g. "
+                         f"iconv -f CP1252 -t UTF-8 '{path}' > '{path}.utf8' for Windows-1252 or Latin-1 "
+                         "text") from None
+    return text[1:] if lineno == 1 and text.startswith("\ufeff") else text  # a UTF-8 byte-order mark
 
 
 def iter_document_texts(source: str, text_field: str = "text", hf_split: str = "train") -> Iterator[list[str]]:

@@ -86,7 +86,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     else:
         raise FileNotFoundError(f"no tokenizer at {path} (expected a directory with tokenizer.json or vocab.txt)")
     if json_path and os.path.isfile(json_path):
-        return _finish(Tokenizer.from_file(json_path), json_path)
+        try:
+            tok = Tokenizer.from_file(json_path)
+        except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception for a file it cannot parse
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"{json_path}: not a tokenizer file the tokenizers library can read ({reason}); "
+                             "save it again or point at a directory with a good one") from None
+        return _finish(tok, json_path)
     if not os.path.isfile(vocab_path):
         raise FileNotFoundError(f"{path} has neither tokenizer.json nor vocab.txt")
     settings = {}

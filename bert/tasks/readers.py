@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from bert.common.files import check_utf8
+
 PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
                 ("premise", "hypothesis")]
 
@@ -40,6 +42,7 @@ def read_classification(source: str, split: str) -> list[TextExample]:
     that does not make it fit. A UTF-8 byte-order mark is skipped."""
     if not os.path.exists(source):
         return _hf_classification(source, split)
+    check_utf8(source)
     with open(source, encoding="utf-8-sig", newline="") as f:
         header = f.readline().rstrip("\r\n").split("\t")
         if not any(h.strip() for h in header):
@@ -60,7 +63,7 @@ def read_classification(source: str, split: str) -> list[TextExample]:
             row = _tsv_fields(line, len(header), f"{source}:{lineno}")
             if row is None:
                 continue
-            label = row[cols["label"]].strip()
+            label = _label(row[cols["label"]].strip())
             if not label:
                 raise ValueError(f"{source}:{lineno}: empty label")
             out.append(TextExample(row[a].strip(), row[b].strip() if b is not None else None, label,
@@ -86,6 +89,16 @@ def _tsv_fields(line: str, columns: int, where: str) -> list[str] | None:
         hint = " (a quoted field holding a tab must open and close on this line)" if '"' in line else ""
         raise ValueError(f"{where}: {len(fields)} tab-separated fields, but the header has {columns}{hint}")
     return fields
+
+
+def _label(text: str) -> str:
+    """A class label as written, whole numbers in one spelling: "1.0", "+1" and "01" are the class "1" (a file
+    written by pandas from floats, and one written by hand, mean the same classes)."""
+    body = text[1:] if text[:1] in "+-" else text
+    whole, dot, zeros = body.partition(".")
+    if whole.isdigit() and (not dot or not zeros.strip("0")):
+        return str(int(whole) * (-1 if text.startswith("-") else 1))
+    return text
 
 
 def _check_label_kinds(examples: list[TextExample], source: str) -> None:
@@ -133,6 +146,7 @@ def read_conll(source: str, split: str) -> list[NerSentence]:
     if not os.path.exists(source):
         return _hf_conll(source, split)
     sentences, words, tags, start, columns = [], [], [], 1, None
+    check_utf8(source)
     with open(source, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             parts = line.split()
@@ -201,6 +215,7 @@ class QAExample:
 def read_squad(source: str, split: str) -> list[QAExample]:
     if not os.path.exists(source):
         return _hf_squad(source, split)
+    check_utf8(source)
     with open(source, encoding="utf-8") as f:
         try:
             data_root = json.load(f)
