@@ -6,9 +6,11 @@ untouched. The fused modules hold the very Parameter objects of the modules they
 values, optimizers and save_pretrained keep working, and `unfuse` restores the original modules with whatever
 they learned.
 
-Encoders are recognised by structure (submodule names), not class, so a family's copies and custom subclasses
-are covered. An encoder model is a module with `embeddings` and an `encoder` or `transformer` holding a `layer`
-list. What the drop-in knows about each Hugging Face family is one `Family` record in `FAMILIES` (its layer
+Encoders are found by structure (an encoder model is a module with `embeddings` and an `encoder` or
+`transformer` holding a `layer` list), and a module is fused only where its class is known to compute the fused
+op's math: a class of the model types a `Layers` record names (transformers' copies of BERT's layer, DistilBERT's),
+or a subclass adding nothing but __init__ (`unknown_code`); look-alikes with BERT's submodule names around other
+attention (RoFormer, MRA, Nystromformer, YOSO) keep their code, with the reason in `fuse_report`. What the drop-in knows about each Hugging Face family is one `Family` record in `FAMILIES` (its layer
 structure, the Linear + activation pairs, the MLM head, the padding id), read by the fuser, its tests and
 bench.hf_parity; a new family is one record. The layer structures (`Layers`) are
   * BERT-like (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA...): attention.self.{query,key,value},

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from bert.common.errors import stop_signals
 from bert.common.workers import default_num_workers, ordered_map
 from bert.data.batch import PackedBatch
 from bert.data.corpus import TokenisedCorpus, source_digest, tokenize_corpus
+from bert.data.instances import nsp_skew
 from bert.data.masking import Masker, SpecialIds
 from bert.data.packing import PackedShapes
 from bert.data.pipeline import EpochStream, Layout, Planner, held_out_batches
@@ -203,6 +205,9 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> PretrainData:
     if len(docs) - n_eval < 2:
         raise ValueError(f"the corpus at {args.data} has {len(docs) - n_eval} training document(s); "
                          "next-sentence prediction needs at least 2")
+    skew = nsp_skew(docs, order[n_eval:])
+    if skew and d.main:
+        warnings.warn(f"{args.data}: {skew}")
     return PretrainData(docs, order[n_eval:], order[:n_eval], special, args.max_seq_len, args.seed)
 
 

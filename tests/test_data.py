@@ -37,6 +37,18 @@ def test_sentence_splitting():
     assert split_sentences("e.g. this stays one sentence.") == ["e.g. this stays one sentence."]
 
 
+def test_lowercased_text_is_split_as_cased_text_is():
+    """Uncased corpora are often shipped lowercased: their sentences split at the same places, and an
+    abbreviation, an initial or a quotation that goes on does not end one."""
+    cased = "It rained all day. Then it stopped! Did it? Yes, 3 times. Dr. Smith came home."
+    assert len(split_sentences(cased.lower())) == len(split_sentences(cased)) - 1  # "dr. smith" stays whole
+    assert split_sentences("it rained. then it stopped! did it? yes 3 times.") == \
+        ["it rained.", "then it stopped!", "did it?", "yes 3 times."]
+    assert split_sentences("mr. smith and j. doe met e.g. at the u.s. border etc. in may. it was fine.") == \
+        ["mr. smith and j. doe met e.g. at the u.s. border etc. in may.", "it was fine."]
+    assert split_sentences('"stop." he said. "Go!" She went.') == ['"stop." he said.', '"Go!"', "She went."]
+
+
 def test_text_jsonl_and_wikitext_documents(tmp_path):
     (tmp_path / "plain.txt").write_text("First doc. Two sentences.\n\nSecond doc.\n", encoding="utf-8")
     assert list(iter_documents(str(tmp_path / "plain.txt"))) == [["First doc.", "Two sentences."], ["Second doc."]]

@@ -35,3 +35,17 @@ def test_gather_lays_out_cls_a_sep_b_sep_with_segment_ids():
     assert span_lengths(spans).tolist() == [8, 5]
     assert [x["next_sentence_label"] for x in materialize(c, spans, 2, 3)] == [1, 0]
     assert gather(c, spans[:0], 2, 3)[0].shape == (0,)
+
+
+def test_a_corpus_of_one_sentence_documents_is_named_for_its_skewed_nsp_labels():
+    """Sentence-per-row files: every B comes from another document, so "random next" is far more than half."""
+    from bert.data.corpus import TokenisedCorpus
+    from bert.data.instances import nsp_skew
+
+    rows = TokenisedCorpus.from_documents([[[5 + d] * 6] for d in range(10)])
+    why = nsp_skew(rows, np.arange(10))
+    assert why.startswith("100% of the training documents hold one sentence, so about 100% of the next-sentence")
+    mixed = TokenisedCorpus.from_documents([[[5] * 6, [6] * 6]] * 6 + [[[7] * 6]] * 4)
+    assert nsp_skew(mixed, np.arange(10)) is None
+    spans = draw_spans(rows, np.arange(10), 32, seed=0)
+    assert len(spans) and (spans["label"] == 1).all()  # what the warning is about

@@ -558,3 +558,40 @@ def test_resume_compares_the_tokenizer_by_content_not_by_path(tmp_path, corpus):
     (moved / "tokenizer.json").write_text('{"version": "1.0", "truncated')
     with pytest.raises(ValueError, match=rf"{moved / 'tokenizer.json'}: not a tokenizer file the tokenizers library"):
         train(build_parser().parse_args(resumed + ["--resume"]))
+
+
+def test_a_cache_damaged_in_place_stops_the_run_before_any_step_trains_on_it(tmp_path, corpus):
+    """tokens.bin overwritten in place with ids outside the vocabulary (same size, so the cache still opens):
+    every id is checked where instances are gathered from the cache (bert.data.instances.gather), before a batch
+    exists, so the run stops with one line naming the cache and no step, log row or checkpoint comes of it."""
+    import numpy as np
+
+    from bert.data.corpus import TokenisedCorpus
+
+    cache = tmp_path / "cache"
+    train(args_for(tmp_path, corpus, "--steps", "1", "--cache-dir", str(cache), out="first"))
+    (built,) = [p for p in cache.iterdir() if p.name.startswith("tokenized-")]
+    meta = json.loads((built / "meta.json").read_text())
+    tokens = built / "tokens.bin"
+    values = np.fromfile(tokens, meta["tokens"]["dtype"])
+    values[:] = meta["vocab_size"] + 7
+    values.tofile(tokens)
+    TokenisedCorpus.load(str(built))  # opens: sizes and offsets are intact
+    argv = ["--data", corpus, "--tokenizer", str(tmp_path / "first" / "tokenizer"), "--config", "tiny",
+            "--max-seq-len", "64", "--batch-size", "16", "--steps", "3", "--save-every", "1", "--output-dir",
+            str(tmp_path / "second"), "--cache-dir", str(cache), "--eval-every", "0", "--no-progress",
+            "--num-workers", "0"]
+    with pytest.raises(ValueError, match=rf"token id {meta['vocab_size'] + 7} is outside the tokenizer's "
+                                         "vocabulary .* the tokenised corpus is damaged"):
+        train(build_parser().parse_args(argv))
+    second = tmp_path / "second"
+    assert not (second / "checkpoints").exists() and not (second / "model.safetensors").exists()
+    assert not (second / "log.jsonl").exists() or not (second / "log.jsonl").read_text().strip()
+
+
+def test_a_corpus_of_one_sentence_documents_is_warned_of(tmp_path, corpus):
+    rows = tmp_path / "rows.txt"  # sentence-per-row, blank lines between: every document one sentence
+    words = [w for w in open(corpus).read().split() if w.isalpha()]
+    rows.write_text("\n\n".join(" ".join(words[i:i + 9]).capitalize() + "." for i in range(0, 2000, 9)) + "\n")
+    with pytest.warns(UserWarning, match=r"rows.txt: 100% of the training documents hold one sentence"):
+        train(args_for(tmp_path, str(rows), "--steps", "1", "--num-workers", "0"))

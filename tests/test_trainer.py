@@ -109,6 +109,20 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_saves_nothing_after
     assert [r["step"] for r in log] == [2, 4] and log[1]["nonfinite_steps"] == 1 and log[1]["steps"] == 2
 
 
+def test_a_non_finite_first_step_does_not_advise_a_lower_learning_rate(tmp_path):
+    """Step 1 (warm-up's learning rate 0, no weight changed yet): the forward pass itself is not finite, so the
+    advice is the precision (fp16's range) or the data and starting weights, never --lr."""
+    trainer = Trainer(TinyJob(poisoned={1}), settings(tmp_path, warmup=0.5), torch.device("cpu"),
+                      bert.train.distributed.Dist())
+    with pytest.raises(NonFiniteError, match="step 1: .*a lower --lr cannot help: check the data") as e:
+        trainer.fit()
+    assert "Lower --lr" not in str(e.value)
+    trainer.scaler = torch.amp.GradScaler("cpu")  # as under --precision fp16
+    assert "overflows float16" in trainer._nonfinite_advice() and "--precision bf16" in trainer._nonfinite_advice()
+    trainer.applied_steps = 3  # once a step has changed the weights, the learning rate may be the cause
+    assert trainer._nonfinite_advice().startswith("Lower --lr")
+
+
 def test_a_skipped_step_changes_nothing_and_the_run_goes_on(tmp_path):
     """--max-nonfinite-steps 1: step 3's update is skipped (weights, Adam moments, step count), steps 1-2 and 4-5
     train as usual: the same weights as a run whose step 3 brings no batch at all."""

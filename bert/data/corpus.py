@@ -36,7 +36,7 @@ import numpy as np
 
 from bert.common.files import atomic_write_text
 from bert.common.workers import ordered_map
-from bert.data.text import corpus_files, iter_document_texts, text_sentences
+from bert.data.text import SPLITTER_VERSION, corpus_files, iter_document_texts, text_sentences
 
 FORMAT = 2
 
@@ -366,7 +366,7 @@ def tokenize_corpus(source: str, tokenizer, cache_dir: str | None = None, num_pr
     is there and readable, else built by `num_proc` processes and cached (without `cache_dir`: built in memory,
     nothing written). Building removes what killed builds left in `cache_dir` (remove_stale) and, once done,
     the caches of this source and settings that an edit of the corpus made stale."""
-    extra = {"max_documents": max_documents, "field": text_field, "v": FORMAT}
+    extra = {"max_documents": max_documents, "field": text_field, "v": FORMAT, "split": SPLITTER_VERSION}
     meta = {"source": source, "settings": settings_key(tokenizer, extra), "vocab_size": tokenizer.get_vocab_size()}
     if not cache_dir:
         return _build(source, tokenizer, None, num_proc, max_documents, text_field, meta)

@@ -71,6 +71,22 @@ def iter_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, s
                 yield _truncate(a0, la, b0, lb, max_tokens, rng) + (label,)
 
 
+def nsp_skew(corpus: TokenisedCorpus, doc_ids: np.ndarray) -> str | None:
+    """Why next-sentence prediction would see far more "random next" pairs than half, or None: most documents
+    hold one sentence (sentence-per-row files, one sentence per JSON record), and such a document's instances
+    can only take their B from another document."""
+    if not len(doc_ids):
+        return None
+    counts = np.diff(np.asarray(corpus.documents))[np.asarray(doc_ids)]
+    single = float((counts == 1).mean())
+    if single < 0.5:
+        return None
+    return (f"{single:.0%} of the training documents hold one sentence, so about {single + (1 - single) / 2:.0%} "
+            "of the next-sentence pairs will be \"random next\" instead of half: a document is the text up to a "
+            "blank line (one JSON record), so put each document's sentences together, not one sentence per "
+            "document")
+
+
 def _take(bounds: list[int], start: int, want: int) -> int:
     """How many whole sentences from `start` reach `want` tokens (at least one, at most the document's rest)."""
     n = len(bounds) - 1

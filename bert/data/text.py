@@ -20,12 +20,45 @@ _HEADING = re.compile(r"^\s*=(\s*=)*\s[^=].*[^=]\s=(\s*=)*\s*$")
 _TOP_HEADING = re.compile(r"^\s*=\s[^=].*[^=]\s=\s*$")
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+# A sentence ends at . ! ? (and closing quotes or brackets, kept with it) before whitespace and the next
+# sentence's first character: upper-case, a digit, or lower-case (lowercased corpora, as uncased corpora are
+# often shipped).
+_SENTENCE_END = re.compile(r"([.!?][\"')\]]*)\s+(?=[\"'(\[]?[A-Za-z0-9])")
+# Words whose full stop does not end a sentence before a lower-case word: abbreviations, initials, "e.g.".
+_ABBREVIATIONS = frozenset("al approx ca cf dept dr e.g eg est etc fig i.e ie inc jr ltd mr mrs ms no nos p pp prof "
+                           "sr st viz vol vs".split())
+_LAST_WORD = re.compile(r"([\w.]+)\.$")
+SPLITTER_VERSION = 2  # part of the corpus cache's key: a cache split by other rules is not served
 
 
 def split_sentences(text: str) -> list[str]:
-    """A light rule-based splitter: break after . ! ? when the next word starts upper-case or with a digit."""
-    return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
+    """A light rule-based splitter: break after . ! ? when the next word starts upper-case or with a digit, or
+    lower-case unless the full stop ends an abbreviation or an initial ("e.g. this", "dr. smith", "j. smith") or
+    a quotation goes on ('"stop." he said')."""
+    parts = _SENTENCE_END.split(text.strip())
+    out: list[str] = []
+    for i in range(0, len(parts), 2):
+        body, end = parts[i], parts[i + 1] if i + 1 < len(parts) else ""
+        piece = (body + end).strip()
+        if not piece:
+            continue
+        if out and body.lstrip("\"'([")[:1].islower() and _continues(out[-1]):
+            out[-1] = f"{out[-1]} {piece}"
+        else:
+            out.append(piece)
+    return out
+
+
+def _continues(sentence: str) -> bool:
+    """Whether a lower-case word after `sentence` goes on with it: `sentence` ends in a closing quote or bracket,
+    or in a full stop after an abbreviation, a single letter or a dotted form (u.s.); not after ! or ?."""
+    if sentence[-1:] in "\"')]":
+        return True
+    end = _LAST_WORD.search(sentence)
+    if end is None:
+        return False
+    word = end.group(1).lower()
+    return len(word) == 1 or "." in word or word in _ABBREVIATIONS
 
 
 def text_sentences(paragraphs) -> list[str]:

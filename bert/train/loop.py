@@ -470,9 +470,18 @@ class Trainer:
                 in_a_row = f" ({self.nonfinite_run} in a row)" if self.nonfinite_run > 1 else ""
                 return (f"step {first_step + i}: the loss ({loss:.4g}) or the gradient norm ({norm:.4g}) is not "
                         f"finite{in_a_row}; training stopped. The step changed no weight and nothing was saved "
-                        f"after it; the last checkpoint is {latest or 'none'}. Lower --lr, or let up to N such "
-                        "steps in a row be skipped with --max-nonfinite-steps N")
+                        f"after it; the last checkpoint is {latest or 'none'}. {self._nonfinite_advice()}")
         return None
+
+    def _nonfinite_advice(self) -> str:
+        """What may help. Before this run has applied any step the weights are the ones it started from (at
+        warm-up's learning rate 0, too), so a lower --lr cannot help: the forward pass itself is not finite."""
+        if self.applied_steps:
+            return "Lower --lr, or let up to N such steps in a row be skipped with --max-nonfinite-steps N"
+        cause = ("the forward pass overflows float16 (its largest value is 65,504): train with --precision bf16 "
+                 "or fp32" if self.scaler is not None else
+                 "check the data and the weights it started from (a non-finite value in the checkpoint or input)")
+        return f"No step of this run changed a weight yet, so a lower --lr cannot help: {cause}"
 
     def _check_weights(self) -> None:
         """The last guard before anything is written: every parameter finite (one reduction, one read)."""
