@@ -10,9 +10,10 @@ Encoders are found by structure (an encoder model is a module with `embeddings` 
 `transformer` holding a `layer` list), and a module is fused only where its class is known to compute the fused
 op's math: a class of the model types a `Layers` record names (transformers' copies of BERT's layer, DistilBERT's),
 or a subclass adding nothing but __init__ (`unknown_code`); look-alikes with BERT's submodule names around other
-attention (RoFormer, MRA, Nystromformer, YOSO) keep their code, with the reason in `fuse_report`. What the drop-in knows about each Hugging Face family is one `Family` record in `FAMILIES` (its layer
-structure, the Linear + activation pairs, the MLM head, the padding id), read by the fuser, its tests and
-bench.hf_parity; a new family is one record. The layer structures (`Layers`) are
+attention (RoFormer, MRA, Nystromformer, YOSO) keep their code, with the reason in `fuse_report`. What the
+drop-in knows about each Hugging Face family is one `Family` record in `FAMILIES` (its layer structure, the
+Linear + activation pairs, the MLM head, the padding id), read by the fuser, its tests and bench.hf_parity; a new
+family is one record. The layer structures (`Layers`) are
   * BERT-like (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA...): attention.self.{query,key,value},
     attention.output.{dense,dropout,LayerNorm}, intermediate.{dense,intermediate_act_fn},
     output.{dense,dropout,LayerNorm};
@@ -496,7 +497,8 @@ class EncoderReport:
     def warn(self) -> None:
         if self.unexpected:
             why = dict(self.kept)
-            _warn(f"{self.family} at {self.path}: " + "; ".join(f"{w} stays unfused: {why[w]}" for w in self.unexpected))
+            kept = "; ".join(f"{w} stays unfused: {why[w]}" for w in self.unexpected)
+            _warn(f"{self.family} at {self.path}: {kept}")
 
     def __str__(self):
         kept = "; ".join(f"{w} ({why})" for w, why in self.kept) or "nothing"
@@ -521,7 +523,8 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
     head_dim = at.attention_head_size
     for path in kind.paths[:3]:  # q, k, v: their weights are read, so nothing but a Linear's own forward
         if type(_get(layer, path)) is not nn.Linear:
-            reasons.append(f"{path} is a {type(_get(layer, path)).__name__}, not an nn.Linear")
+            cls = type(_get(layer, path))
+            reasons.append(f"{path} is a {cls.__module__}.{cls.__name__}, not an nn.Linear")
     if type(at.dropout) is not nn.Dropout:
         reasons.append(f"attention dropout is a {type(at.dropout).__name__}, not an nn.Dropout")
     if not ops._kernels().attention.supports_head_dim(head_dim):
@@ -628,6 +631,22 @@ def _mlm_head(task: nn.Module) -> MLMHead | None:
                 and isinstance(_get(task, head.decoder), nn.Linear):
             return head
     return None
+
+
+_MLM_TASK_CLASSES = ("{P}ForMaskedLM", "{P}ForPreTraining")
+_MLM_HEAD_CLASSES = ("{P}OnlyMLMHead", "{P}PreTrainingHeads", "{P}LMPredictionHead", "{P}PredictionHeadTransform",
+                     "{P}LMHead", "{P}GeneratorPredictions")
+
+
+def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:
+    """Why the masked-only loss may not compute what `task` computes, or None: the task model and every module
+    on the way to its head's dense, norm and decoder must be of the families' own classes (FusedMLMForward stands
+    in for all their forwards)."""
+    why = unknown_code(task, known_classes(_MLM_TASK_CLASSES, _MLM_MODELS))
+    owners = {p.rsplit(".", 1)[0] for p in (head.dense, head.norm, head.decoder) if "." in p}
+    prefixes = sorted({o.rsplit(".", i)[0] for o in owners for i in range(o.count(".") + 1)})
+    known = known_classes(_MLM_HEAD_CLASSES, _MLM_MODELS)
+    return why or next(filter(None, (unknown_code(_get(task, p), known) for p in prefixes)), None)
 
 
 def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Tensor:
@@ -748,7 +767,7 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: 
                 report.kept.append((f"MLM loss ({type(task).__name__})", "mlm_logits=True: the full vocabulary "
                                     "logits are formed, as transformers returns them"))
                 continue
-            if why := unknown_code(task, known_classes(("{P}ForMaskedLM", "{P}ForPreTraining"), _MLM_MODELS)):
+            if why := _mlm_code_problem(task, head):
                 report.keep(f"MLM loss ({type(task).__name__})", why)
                 continue
             task.forward = FusedMLMForward(task, head, base)

@@ -24,7 +24,7 @@ def checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
     texts = [f"{n} lives in {c} {f} and it is good or bad" for n in NAMES for c in CITIES for f in FILLER]
     tok = train_tokenizer(texts, vocab_size=120)
-    cfg = bert.BertConfig.tiny(vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
+    cfg = bert.BertConfig.tiny(vocab_size=tok.get_vocab_size(), max_position_embeddings=128)
     bert.BertForPreTraining(cfg).save_pretrained(d)
     save_tokenizer(tok, str(d))
     return str(d)
@@ -384,8 +384,8 @@ def test_friction_cases_are_one_line_before_any_work(tmp_path, checkpoint, capsy
     train = tmp_path / "train.tsv"
     train.write_text("sentence\tlabel\njohn is good\t1\nmary is bad\t0\n")
     cases = [(["--train", str(utf16)], f"{utf16}: UTF-16LE text, not UTF-8; convert it first, e.g. iconv -f UTF-16LE"),
-             (["--train", str(train), "--max-seq-len", "65"],
-              "--max-seq-len 65 is longer than the model's max_position_embeddings (64"),
+             (["--train", str(train), "--max-seq-len", "129"],
+              "--max-seq-len 129 is longer than the model's max_position_embeddings (128"),
              (["--train", str(train), "--tokenizer", str(other)], "tokens for the checkpoint's 106 embedding rows"),
              (["--train", str(train), "--tokenizer", str(swapped)], "is not the one saved with the checkpoint"),
              (["--train", str(train), "--tokenizer", str(big), "--allow-vocab-mismatch"],

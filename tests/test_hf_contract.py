@@ -347,3 +347,25 @@ def test_encoder_arguments_the_fused_layers_would_drop_run_the_original_code():
         assert not fuse_report(fused)[0].calls
         fused.encoder(hidden, attention_mask=mask, s_aux=torch.zeros(1))
     assert any("s_aux" in why for why in fuse_report(fused)[0].calls)
+
+
+def test_an_mlm_head_of_unknown_code_keeps_the_full_logits_loss():
+    """fuse(mlm_logits=False) stands in for the task model's and its head's forwards: a head whose class adds
+    code of its own keeps them (and computes what the unfused model computes)."""
+    class Scaled(transformers.models.bert.modeling_bert.BertLMPredictionHead):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * 0.5
+
+    ref = bert("BertForMaskedLM")
+    old = ref.cls.predictions
+    new = Scaled(ref.config)
+    new.load_state_dict(old.state_dict())
+    new.decoder.weight = ref.bert.embeddings.word_embeddings.weight
+    ref.cls.predictions = new
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    report = fuse_report(fused)[0]
+    assert "Scaled overrides forward" in dict(report.kept)["MLM loss (BertForMaskedLM)"]
+    x = inputs(seed=3)
+    labels = x["input_ids"].masked_fill(x["attention_mask"] == 0, -100)
+    a, b = ref(**x, labels=labels), fused(**x, labels=labels)
+    assert b.logits is not None and rel_err(b.loss, a.loss) <= TOL
