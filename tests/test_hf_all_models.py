@@ -57,6 +57,10 @@ def _shrink(config, seen=None) -> None:
     for name in DROPOUTS:
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, 0.0)
+    ids = [getattr(config, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id")]
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    if isinstance(getattr(config, "vocab_size", None), int) and ids and max(ids) >= config.vocab_size:
+        config.vocab_size = max(ids) + 1  # the special ids index the shrunk embedding table
     for value in vars(config).values():
         if isinstance(value, transformers.PretrainedConfig):
             _shrink(value, seen)
