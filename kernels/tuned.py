@@ -113,28 +113,27 @@ def key_problem(key: str) -> str | None:
     return None
 
 
-def _nearest(entries: dict, dtype: str, size: int, seq_bucket: str):
-    """The entry for (dtype, size) whose sequence bucket is nearest to seq_bucket (log scale), else its "all"
-    entry (one config for every length: a compile-checked table's), or None."""
+def _nearest(entries: dict, dtype: str, size: int, seq_bucket: str) -> str | None:
+    """The key of the entry for (dtype, size) whose sequence bucket is nearest to seq_bucket (log scale), else
+    of its "all" entry (one config for every length: a compile-checked table's), or None."""
     prefix = f"{dtype}/{size}/"
     if prefix + seq_bucket in entries:
-        return entries[prefix + seq_bucket]
+        return prefix + seq_bucket
     if seq_bucket != "all":
         want = math.log2(int(seq_bucket[1:]))
         near = [(abs(math.log2(int(k[len(prefix) + 1:])) - want), k) for k in entries
                 if k.startswith(prefix + "s") and k[len(prefix) + 1:].isdigit()]
         if near:
-            return entries[min(near)[1]]
-    return entries.get(prefix + "all")
+            return min(near)[1]
+    return prefix + "all" if prefix + "all" in entries else None
 
 
 @functools.lru_cache(maxsize=None)
 def _table_config(kernel: str, folder: str, arch: str, dtype: str, size: int, seq_bucket: str):
     """(the entry's key, its config) for one launch, or None."""
     entries = load_table(folder, arch).get("kernels", {}).get(kernel, {})
-    entry = _nearest(entries, dtype, size, seq_bucket)
-    key = next((k for k, v in entries.items() if v is entry), None)
-    return None if entry is None else (key, entry["config"])
+    key = _nearest(entries, dtype, size, seq_bucket)
+    return None if key is None else (key, entries[key]["config"])
 
 
 class Need(NamedTuple):
@@ -201,16 +200,15 @@ def pick(kernel: str, default: NamedTuple, target: Target | None, dtype: torch.d
     (default: all of default's) may be replaced; `need(config, target) -> Need` bounds what the config takes, so that an
     entry the family cannot hold is refused (with one warning naming the table and the key)."""
     tunable = default._fields if tunable is None else tunable
-    config, where = _forced.get(kernel), "forced"
+    config, key = _forced.get(kernel), None
     if config is None and target is not None:
-        found = _table_config(kernel, config_dir(), target.name, dtype_name(dtype), int(size), bucket(seqlen))
-        if found is not None:
-            where = f"{os.path.join(config_dir(), target.name + '.json')}, {found[0]}"
-            config = found[1]
+        key, config = _table_config(kernel, config_dir(), target.name, dtype_name(dtype), int(size),
+                                    bucket(seqlen)) or (None, None)
     if config is None:
         return default
     why = _problem(config, default, tunable, target, need)
     if why:
+        where = "forced" if key is None else f"{os.path.join(config_dir(), target.name + '.json')}, {key}"
         warn_ignored(kernel, where, json.dumps(config, sort_keys=True, default=str), why)
         return default
     return default._replace(**config)

@@ -79,6 +79,5 @@ def check_utf8(path: str) -> None:
     with open(path, "rb") as f:
         found = other_encoding(f.read(4096))
     if found:
-        source = found[:-2] if found[-2:] in ("LE", "BE") and found.startswith("UTF-32") else found
-        raise ValueError(f"{path}: {found} text, not UTF-8; convert it first, e.g. iconv -f {source} -t UTF-8 "
+        raise ValueError(f"{path}: {found} text, not UTF-8; convert it first, e.g. iconv -f {found} -t UTF-8 "
                          f"'{path}' > '{path}.utf8'")
