@@ -60,7 +60,7 @@ _REPORT = "_bertfuse_report"
 
 class _Saved(NamedTuple):
     """What fuse changed in a model, kept on it (under _ORIGINALS) for unfuse, and how it was fused."""
-    record: list                   # (parent, attribute, original value): replaced modules and changed classes
+    record: list                   # _Fuser.record: the class changes and attributes, in order
     heads: list                    # task models whose forward was patched
     mlm_logits: bool
 
@@ -93,17 +93,143 @@ def gelu_kind(act) -> str | None:
     return None
 
 
-# ---- fused modules (the per-op drop-ins are kernels.LayerNorm and kernels.LinearGeLU) ---------------
-class FusedSelfOutput(nn.Module):
-    """BertSelfOutput / BertOutput and their copies: LayerNorm(dropout(dense(x)) + residual), one fused kernel."""
+# ---- the fused computations: each calls the modules the user put there, and reads around a module only where
+# it is plain (ops.plain: exactly the expected class, no hooks, its own forward) ----------------------------------
+def _linear_gelu(linear, act, x):
+    """act(linear(x)), act None meaning the erf GeLU function (RoBERTa's lm_head): the matmul without its bias,
+    then bias + GeLU in one kernel, where the Linear is a plain biased nn.Linear and the activation a hookless
+    GeLU; otherwise both modules are called, so the activation applies to whatever the Linear module returns (a
+    LoRA layer's sum, a quantised Linear's output)."""
+    kind = "none" if act is None else gelu_kind(act) if ops.hookless(act) else None
+    if kind and ops.plain(linear, nn.Linear) and linear.bias is not None:
+        return ops.linear_gelu(x, linear.weight, linear.bias, kind, backend=ops.backend_for(x))
+    h = linear(x)
+    return F.gelu(h) if act is None else act(h)
 
-    def __init__(self, orig: nn.Module):
-        super().__init__()
-        self.dense, self.dropout = orig.dense, orig.dropout
-        self.LayerNorm = ops._kernels().LayerNorm.from_module(orig.LayerNorm)
 
-    def forward(self, hidden_states, input_tensor):
-        return self.LayerNorm(self.dense(hidden_states), residual=input_tensor, dropout_p=self.dropout.p)
+def _add_norm(norm, dropout, h, residual):
+    """norm(dropout(h) + residual) (dropout None: none) in one LayerNorm kernel where both modules are plain; a
+    dropout or LayerNorm that is not (hooks, another class) is called as the unfused code calls it."""
+    p = 0.0
+    if dropout is not None:
+        if ops.plain(dropout, nn.Dropout):
+            p = dropout.p if dropout.training else 0.0
+        else:
+            h = dropout(h)
+    if ops.plain(norm, nn.LayerNorm, ops._kernels().LayerNorm) and len(norm.normalized_shape) == 1:
+        return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, p, backend=ops.backend_for(h))
+    return norm((F.dropout(h, p) if p else h) + residual)
+
+
+def _attend(attention, query, key, value, x, p):
+    """The attention context [tokens, hidden] of packed tokens x, before any output projection; q, k and v by
+    their modules (ops.project_qkv), the dropout on the probabilities inside the kernel."""
+    heads = getattr(attention, "num_attention_heads", None) or attention.n_heads
+    dropout_p = attention.dropout.p if attention.training else 0.0
+    return ops.self_attention(x, p, query, key, value, heads, attention.attention_head_size, dropout_p,
+                              ops.backend_for(x))
+
+
+def _exporting_onnx() -> bool:
+    """In an ONNX export, where the fused modules run their original code: ONNX runtimes fuse that graph
+    themselves, and have no translation of the Triton kernels."""
+    return ops._kernels().exporting_onnx()
+
+
+# ---- the fused forwards: fuse keeps every module object (its hooks, its place, its parameters) and gives it a
+# subclass of its own class with one of these as forward (`fused_class`); called without `packed`, or in an ONNX
+# export, a module computes what its own class computes --------------------------------------------------------
+def _original(module):
+    """The module's own class's methods (its fused class's base), bound to it."""
+    return super(type(module), module)
+
+
+def _output_block_forward(self, hidden_states, input_tensor):
+    """BertSelfOutput / BertOutput and their copies: LayerNorm(dropout(dense(x)) + residual)."""
+    if _exporting_onnx():
+        return _original(self).forward(hidden_states, input_tensor)
+    return _add_norm(self.LayerNorm, self.dropout, self.dense(hidden_states), input_tensor)
+
+
+def _intermediate_forward(self, hidden_states):
+    """BertIntermediate and its copies: intermediate_act_fn(dense(x))."""
+    if _exporting_onnx():
+        return _original(self).forward(hidden_states)
+    return _linear_gelu(self.dense, self.intermediate_act_fn, hidden_states)
+
+
+def _head_transform_forward(self, hidden_states):
+    """BertPredictionHeadTransform and its copies: LayerNorm(transform_act_fn(dense(x)))."""
+    if _exporting_onnx():
+        return _original(self).forward(hidden_states)
+    return self.LayerNorm(_linear_gelu(self.dense, self.transform_act_fn, hidden_states))
+
+
+def _generator_head_forward(self, hidden_states):
+    """ElectraGeneratorPredictions: LayerNorm(activation(dense(x)))."""
+    if _exporting_onnx():
+        return _original(self).forward(hidden_states)
+    return self.LayerNorm(_linear_gelu(self.dense, self.activation, hidden_states))
+
+
+def _bert_self_attention_forward(self, hidden_states, *args, packed=None, **kwargs):
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    return _attend(self, self.query, self.key, self.value, hidden_states, packed), None
+
+
+def _bert_attention_forward(self, hidden_states, *args, packed=None, **kwargs):
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    context, _ = self.self(hidden_states, packed=packed)
+    return self.output(context, hidden_states), None
+
+
+def _distilbert_attention_forward(self, hidden_states, *args, packed=None, **kwargs):
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, hidden_states, packed)), None
+
+
+def _bert_layer_forward(self, hidden_states, *args, packed=None, **kwargs):
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.attention(hidden_states, packed=packed)
+    return self.output(self.intermediate(attended), attended)
+
+
+def _distilbert_layer_forward(self, hidden_states, *args, packed=None, **kwargs):
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.attention(hidden_states, packed=packed)
+    x = _add_norm(self.sa_layer_norm, None, attended, hidden_states)
+    ffn = self.ffn
+    if type(ffn).forward is _ffn_forward and ops.hookless(ffn):  # its dropout into the LayerNorm kernel
+        return _add_norm(self.output_layer_norm, ffn.dropout, ffn.lin2(_linear_gelu(ffn.lin1, ffn.activation, x)), x)
+    return _add_norm(self.output_layer_norm, None, ffn(x), x)
+
+
+def _ffn_forward(self, input):
+    """DistilBERT's FFN: dropout(lin2(activation(lin1(x)))) (its chunking along the sequence changes nothing)."""
+    if _exporting_onnx():
+        return _original(self).forward(input)
+    return self.dropout(self.lin2(_linear_gelu(self.lin1, self.activation, input)))
+
+
+@functools.cache
+def fused_class(base: type, forward: Callable) -> type:
+    """`base` (a transformers module class) with `forward` (one of this module's fused forwards) as its forward:
+    fuse sets it as one module object's __class__, and unfuse puts base back. It pickles (and deep-copies) as
+    "this base class, fused with this forward", not by a dynamic name."""
+    def reduce(self, protocol):
+        return _new_fused, (base, forward), self.__dict__
+
+    return type(f"Fused{base.__name__}", (base,), {"forward": forward, "__reduce_ex__": reduce,
+                                                   "__module__": __name__, "_bertfuse_base": base})
+
+
+def _new_fused(base: type, forward: Callable):
+    return object.__new__(fused_class(base, forward))
 
 
 def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
@@ -111,8 +237,9 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
     it: None; a 2-D mask (0 = padding); a 3-D/4-D boolean mask (True = attend) or float mask, which transformers
     *adds* to the scores, so only its values 0 (attend) and <= the dtype's minimum / 2 (never attended) are a mask.
     None when the fused attention cannot express it: a mask that differs between queries or heads (causal), or
-    an additive mask with other values (a bias). Under torch.export no value can be read, so the exported program
-    checks this when it runs and stops with that message rather than compute something else."""
+    an additive mask with other values (a bias). Under torch.compile and torch.export no value can be read without
+    a sync or a graph break, so the compiled program checks this when it runs and stops with that message rather
+    than compute something else."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
     m = attention_mask
@@ -133,40 +260,25 @@ def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor |
         keys = ~blocked
     if checks:
         ok = torch.stack(checks).all()
-        if torch.compiler.is_exporting():
+        if torch.compiler.is_compiling():
             torch._assert_async(ok, "bert.hf.fuse: this attention mask differs between queries or holds additive "
-                                "values other than 0 and the minimum, which the exported fused attention cannot "
-                                "express; export the unfused model for such masks")
+                                "values other than 0 and the minimum, which the compiled fused attention cannot "
+                                "express; compile or export the unfused model for such masks")
         elif not bool(ok):  # one sync, for masks transformers built or a user gave
             return None
     return keys
-
-
-def _bert_layer(layer, x, p, training: bool):
-    sa = layer.attention.self
-    ctx = ops.self_attention(x, p, sa.query, sa.key, sa.value, sa.num_attention_heads, sa.attention_head_size,
-                             sa.dropout.p if training else 0.0, ops.backend_for(x))
-    x = layer.attention.output(ctx, x)
-    return layer.output(layer.intermediate(x), x)
-
-
-def _distilbert_layer(layer, x, p, training: bool):
-    at, ffn = layer.attention, layer.ffn
-    ctx = ops.self_attention(x, p, at.q_lin, at.k_lin, at.v_lin, at.n_heads, at.attention_head_size,
-                             at.dropout.p if training else 0.0, ops.backend_for(x))
-    x = layer.sa_layer_norm(at.out_lin(ctx), residual=x)
-    return layer.output_layer_norm(ffn.lin2(ffn.activation(ffn.lin1(x))), residual=x, dropout_p=ffn.dropout.p)
 
 
 # ---- one record per layer structure and per model family ------------------------------------------
 class Layers(NamedTuple):
     """A layer structure the fused encoder runs: recognised by its submodule paths, and fused only where every
     module on the way (the encoder, each layer and the modules its run replaces) is of a class whose code is
-    known to compute this math: a class of `models` named by `roles`, or a subclass adding nothing but __init__."""
+    known to compute this math: a class of `models` named by `roles`, or a subclass adding nothing but __init__.
+    The layer and its attention modules, given packed tokens (`packed=`), run `forwards`."""
     name: str
     paths: tuple[str, ...]         # submodules every such layer has
     attention: str                 # the module holding q, k, v, the head size and the scaling
-    run: Callable                  # (layer, packed x, bert.model.padding.Packed, training) -> x
+    forwards: tuple[tuple[str, Callable], ...]  # (path in the layer, "" itself): the fused forward its module gets
     output: str                    # the transformers.modeling_outputs class the original encoder returns
     roles: tuple[tuple[str, tuple[str, ...]], ...]  # (path in the layer, "" itself, ".." the encoder): names
     models: tuple[tuple[str, str], ...]             # (transformers modeling module, class-name prefix "{P}")
@@ -185,7 +297,6 @@ class Family(NamedTuple):
     name: str                      # "bert", "roberta", ...
     prefix: str                    # transformers' class-name prefix: BertConfig, BertForMaskedLM, ...
     layers: Layers
-    linear_act: tuple[tuple[str, str], ...]   # (Linear, activation) children applied in that order, heads too
     mlm_head: MLMHead
     pad_token_id: int              # the RoBERTa family pads with 1 and counts positions after it
     # The family's config field names where they are not BERT's (DistilBERT: dim, n_layers...), and what its small
@@ -208,7 +319,9 @@ _DISTILBERT_MODELS = (("distilbert.modeling_distilbert", "DistilBert"),)
 BERT_LAYERS = Layers("bert", ("attention.self.query", "attention.self.key", "attention.self.value",
                               "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
                               "output.dense", "output.LayerNorm"),
-                     "attention.self", _bert_layer, "BaseModelOutputWithPastAndCrossAttentions",
+                     "attention.self", (("", _bert_layer_forward), ("attention", _bert_attention_forward),
+                                        ("attention.self", _bert_self_attention_forward)),
+                     "BaseModelOutputWithPastAndCrossAttentions",
                      (("attention.self", ("{P}SelfAttention", "{P}SdpaSelfAttention")),
                       ("attention", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Encoder", "BertEncoder")),
                       ("attention.output", ("{P}SelfOutput",)), ("intermediate", ("{P}Intermediate",)),
@@ -216,23 +329,24 @@ BERT_LAYERS = Layers("bert", ("attention.self.query", "attention.self.key", "att
 DISTILBERT_LAYERS = Layers("distilbert", ("attention.q_lin", "attention.k_lin", "attention.v_lin",
                                           "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2",
                                           "output_layer_norm"),
-                           "attention", _distilbert_layer, "BaseModelOutput",
+                           "attention", (("", _distilbert_layer_forward), ("attention", _distilbert_attention_forward),
+                                         ("ffn", _ffn_forward)),
+                           "BaseModelOutput",
                            (("attention", ("{P}SelfAttention", "MultiHeadSelfAttention", "{P}SdpaAttention",
                                            "{P}FlashAttention2")), ("", ("TransformerBlock",)),
                             ("..", ("Transformer",)), ("ffn", ("FFN",))), _DISTILBERT_MODELS)
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
-_BERT_ACT = (("dense", "intermediate_act_fn"), ("dense", "transform_act_fn"))
 FAMILIES = (
-    Family("bert", "Bert", BERT_LAYERS, _BERT_ACT, _BERT_MLM, 0),
-    Family("roberta", "Roberta", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
-    Family("xlm-roberta", "XLMRoberta", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
-    Family("camembert", "Camembert", BERT_LAYERS, _BERT_ACT, _ROBERTA_MLM, 1),
-    Family("electra", "Electra", BERT_LAYERS, (*_BERT_ACT, ("dense", "activation")),
+    Family("bert", "Bert", BERT_LAYERS, _BERT_MLM, 0),
+    Family("roberta", "Roberta", BERT_LAYERS, _ROBERTA_MLM, 1),
+    Family("xlm-roberta", "XLMRoberta", BERT_LAYERS, _ROBERTA_MLM, 1),
+    Family("camembert", "Camembert", BERT_LAYERS, _ROBERTA_MLM, 1),
+    Family("electra", "Electra", BERT_LAYERS,
            MLMHead("generator_predictions.dense", "generator_predictions.activation",
                    "generator_predictions.LayerNorm", "generator_lm_head"), 0, test_config=(("embedding_size", 32),)),
-    Family("distilbert", "DistilBert", DISTILBERT_LAYERS, (("lin1", "activation"), ("vocab_transform", "activation")),
+    Family("distilbert", "DistilBert", DISTILBERT_LAYERS,
            MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"), 0,
            config_names=(("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
                          ("intermediate_size", "hidden_dim"), ("hidden_dropout_prob", "dropout"),
@@ -256,8 +370,6 @@ def _unique(items) -> tuple:
 
 
 LAYERS = _unique(f.layers for f in FAMILIES)
-# (Linear, activation) child pairs whose parent applies the activation right after the Linear.
-LINEAR_ACT = _unique(pair for f in FAMILIES for pair in f.linear_act)
 MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 
@@ -265,10 +377,20 @@ MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 # Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
 _BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, ("mpnet.modeling_mpnet", "MPNet"),
                  ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
-# Modules that apply their GeLU right after the Linear (LINEAR_ACT's pairs), and blocks computing
-# LayerNorm(dropout(dense(x)) + residual).
-_LINEAR_ACT_CLASSES = ("{P}Intermediate", "{P}PredictionHeadTransform", "{P}GeneratorPredictions",
-                       "{P}DiscriminatorPredictions", "{P}ClassificationHead", "FFN", "DistilBertForMaskedLM")
+
+
+class GeluBlock(NamedTuple):
+    """A module class computing [norm](act(linear(x))) and nothing else: its children and its fused forward."""
+    cls: str              # the class-name template ("{P}" the model's class-name prefix)
+    children: tuple[str, ...]   # linear, activation[, norm]
+    forward: Callable
+
+
+_GELU_BLOCKS = (GeluBlock("{P}Intermediate", ("dense", "intermediate_act_fn"), _intermediate_forward),
+                GeluBlock("{P}PredictionHeadTransform", ("dense", "transform_act_fn", "LayerNorm"),
+                          _head_transform_forward),
+                GeluBlock("{P}GeneratorPredictions", ("dense", "activation", "LayerNorm"), _generator_head_forward))
+# Blocks computing LayerNorm(dropout(dense(x)) + residual).
 _OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
 # transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
 _ATTENTION_FUNCTIONS = {"sdpa": "sdpa_attention.sdpa_attention_forward",
@@ -299,7 +421,7 @@ def unknown_code(module: nn.Module, known: tuple[type, ...]) -> str | None:
     """Why `module` may compute something other than `known`'s code, or None where it cannot: its class is one
     of `known`, or a subclass of one adding nothing but __init__ and data (any method of its own, even a helper
     the forward calls, could change the math), and no method is replaced on the instance."""
-    cls = type(module)
+    cls = getattr(type(module), "_bertfuse_base", type(module))  # a module fuse gave a fused class: its own
     base = next((c for c in cls.__mro__ if c in known), None)
     if base is None:
         return f"{cls.__name__} is not a class whose math the fused op is known to match"
@@ -338,57 +460,63 @@ def _attention_function_problem(cfg) -> str | None:
     return None
 
 
-class FusedEncoder(nn.Module):
-    """An encoder on packed tokens with the varlen attention kernel; the same `layer` ModuleList (same keys).
-
-    Gradient checkpointing goes through transformers' own mechanism: each layer runs under the checkpoint function
-    `gradient_checkpointing_enable` installed (on the layers in transformers 5, on the encoder before), with the
-    arguments it was given (use_reentrant either way)."""
-    gradient_checkpointing = False   # transformers 4 sets this (and _gradient_checkpointing_func) on the encoder
-
-    def __init__(self, orig: nn.Module, layers: Layers, config, report: "EncoderReport"):
-        super().__init__()
-        self.layer, self.layers, self.config, self.report = orig.layer, layers, config, report
-        object.__setattr__(self, "_original", orig)  # not a submodule: its parameters are already ours
-
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
-        wants = {k for k in ("output_attentions", "output_hidden_states")
-                 if kwargs.get(k, getattr(self.config, k, False))}
-        batch, seqlen, _ = hidden_states.shape
-        keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
-        unread = _unread_arguments(kwargs, self.config)
-        if unread:
-            wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
-        if keys is None:
-            wants.add("an attention mask the fused attention cannot express (per query, or additive values "
-                      "other than 0 and the dtype's minimum)")
-        if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
-            why = ", ".join(sorted(wants)) or "cross-attention/cache"
-            self.report.calls[why] = self.report.calls.get(why, 0) + 1  # fuse_report lists them
+def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+    """A fused encoder: padding removed once, every layer on packed tokens (its attention by the varlen kernel),
+    padding restored (as 0). Where this call asks for something the fused layers do not compute, the encoder's
+    own code runs instead, counted in fuse_report. Gradient checkpointing goes through transformers' own
+    mechanism (`_run_layer`)."""
+    state: _EncoderState = self._bertfuse_encoder
+    batch, seqlen, _ = hidden_states.shape
+    onnx = _exporting_onnx()
+    keys = None if onnx else _key_mask(attention_mask, batch, seqlen, hidden_states.device)
+    why = None if onnx else _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
+    if onnx or why:
+        if why:
+            state.report.calls[why] = state.report.calls.get(why, 0) + 1  # fuse_report lists them
             _warn(f"{why} requested: this call runs the original (unfused) attention code")
-            self._original.train(self.training)
-            if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
-                kwargs["encoder_hidden_states"] = encoder_hidden_states
-            return self._original(hidden_states, attention_mask=attention_mask, **kwargs)
-        from transformers import modeling_outputs as outputs
+        if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
+            kwargs["encoder_hidden_states"] = encoder_hidden_states
+        return _original(self).forward(hidden_states, attention_mask=attention_mask, **kwargs)
+    from transformers import modeling_outputs as outputs
 
-        # Under torch.export a layout of static shape (no token count read from the data); else padding removed.
-        exporting = torch.compiler.is_exporting()
-        p = static_layout(keys) if exporting else unpad_mask(keys)
-        x = unpad(hidden_states, p)
-        for layer in self.layer:
-            x = self._run(layer, x, p)
-        out = torch.where(keys[..., None], pad(x, p), 0.0) if exporting else pad(x, p)  # padding kept: zero it
-        # What the original encoder returns: BERT-like models read `.cache` from it too.
-        return getattr(outputs, self.layers.output)(last_hidden_state=out)
+    # Compiled or exported: a layout of static shape (no token count read from the data); else padding removed.
+    static = torch.compiler.is_compiling()
+    p = static_layout(keys) if static else unpad_mask(keys)
+    x = unpad(hidden_states, p)
+    for layer in self.layer:
+        x = _run_layer(self, layer, x, p)
+    out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)  # padding kept: zero it
+    # What the original encoder returns: BERT-like models read `.cache` from it too.
+    return getattr(outputs, state.layers.output)(last_hidden_state=out)
 
-    def _run(self, layer, x, p):
-        """One layer through its own __call__ (so its hooks fire, and a transformers 5 layer checkpoints itself
-        when gradient checkpointing is on); transformers 4 checkpoints from the encoder, so this does too."""
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() \
-                and not _checkpoints_itself(layer):
-            return self._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p), x)
-        return layer(x, packed=p)
+
+def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_states, kwargs) -> str | None:
+    """Why this encoder call must run the original code, or None."""
+    wants = {k for k in ("output_attentions", "output_hidden_states")
+             if kwargs.get(k, getattr(state.config, k, False))}
+    unread = _unread_arguments(kwargs, state.config)
+    if unread:
+        wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
+    if keys is None:
+        wants.add("an attention mask the fused attention cannot express (per query, or additive values "
+                  "other than 0 and the dtype's minimum)")
+    # The kernel applies the attention dropout to the probabilities inside it: a module there that is not a
+    # plain nn.Dropout (a hook on it, another class) is called only by the original code.
+    if not all(ops.plain(_get(layer, state.layers.attention).dropout, nn.Dropout) for layer in encoder.layer):
+        wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
+                  "its kernel")
+    if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
+        return ", ".join(sorted(wants)) or "cross-attention/cache"
+    return None
+
+
+def _run_layer(encoder, layer, x, p):
+    """One layer through its own __call__ (so its hooks fire, and a transformers 5 layer checkpoints itself
+    when gradient checkpointing is on); transformers 4 checkpoints from the encoder, so this does too."""
+    if getattr(encoder, "gradient_checkpointing", False) and encoder.training and torch.is_grad_enabled() \
+            and not _checkpoints_itself(layer):
+        return encoder._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p), x)
+    return layer(x, packed=p)
 
 
 # Arguments the fused encoder handles itself (the flags) or that its layers' code ignores: the embeddings read the
@@ -428,31 +556,6 @@ def _checkpointing_layer_class() -> type | None:
     except ImportError:
         return None
     return GradientCheckpointingLayer
-
-
-# ---- fused layers: the layer object stays (its hooks, its class for transformers' output capture), its class
-# becomes a subclass whose forward, given packed tokens, runs the fused layer ----------------------------------
-@functools.cache
-def fused_layer_class(base: type, kind: str) -> type:
-    """`base` (a transformers layer class) with a forward that, called with `packed=` (bert.model.padding.Packed), runs
-    the fused layer on packed tokens, and otherwise is base's own forward (the original encoder's fallback calls).
-    Instance-local: fuse sets it as one layer object's __class__, unfuse puts base back."""
-    run = next(k.run for k in LAYERS if k.name == kind)
-
-    def forward(self, hidden_states, *args, packed=None, **kwargs):
-        if packed is None:
-            return base.forward(self, hidden_states, *args, **kwargs)
-        return run(self, hidden_states, packed, self.training)
-
-    def reduce(self, protocol):  # pickles (and deep-copies) as "this base class, fused", not by a dynamic name
-        return _new_fused_layer, (base, kind), self.__dict__
-
-    return type(f"Fused{base.__name__}", (base,), {"forward": forward, "__reduce_ex__": reduce,
-                                                   "__module__": __name__})
-
-
-def _new_fused_layer(base: type, kind: str):
-    return object.__new__(fused_layer_class(base, kind))
 
 
 # ---- recognising what is inside a model -------------------------------------------------------
@@ -521,10 +624,6 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
     layer = encoder.layer[0]
     at = _get(layer, kind.attention)
     head_dim = at.attention_head_size
-    for path in kind.paths[:3]:  # q, k, v: their weights are read, so nothing but a Linear's own forward
-        if type(_get(layer, path)) is not nn.Linear:
-            cls = type(_get(layer, path))
-            reasons.append(f"{path} is a {cls.__module__}.{cls.__name__}, not an nn.Linear")
     if type(at.dropout) is not nn.Dropout:
         reasons.append(f"attention dropout is a {type(at.dropout).__name__}, not an nn.Dropout")
     if not ops._kernels().attention.supports_head_dim(head_dim):
@@ -541,63 +640,74 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
 
 # ---- fusing ------------------------------------------------------------------------------------
 class _Fuser:
-    """Swaps modules, recording (parent, name, old) so that unfuse can put every one back."""
+    """Changes module classes in place (every object stays: its hooks, its place in the model, its parameters),
+    recording each change so that unfuse can undo it."""
 
     def __init__(self):
-        self.record: list = []
-
-    def replace(self, parent: nn.Module, name: str, new: nn.Module) -> None:
-        old = getattr(parent, name)
-        new.train(old.training)
-        self.record.append((parent, name, old))
-        setattr(parent, name, new)
+        self.record: list = []   # (module, "__class__", its class) or (module, attribute, None): set by fuse
 
     def retype(self, module: nn.Module, cls: type) -> None:
-        """The object stays (its hooks, its place in the model); only its class changes, for unfuse to undo."""
         self.record.append((module, "__class__", type(module)))
         module.__class__ = cls
 
-    def linear_gelus(self, root: nn.Module, report: EncoderReport) -> int:
-        """Every (Linear, GeLU) child pair of LINEAR_ACT under root whose parent's code is known to apply the GeLU
-        right after the Linear: one fused module, the activation an Identity. Other activations (the pooler's
-        tanh) are not this kernel's business; a GeLU it lacks, or a parent of unknown code, is reported."""
-        known = known_classes(_LINEAR_ACT_CLASSES, _BLOCK_MODELS)
+    def fused(self, module: nn.Module, forward: Callable) -> None:
+        """`module` runs `forward`, a fused forward of this module's, as an instance of fused_class."""
+        self.retype(module, fused_class(type(module), forward))
+
+    def attach(self, module: nn.Module, name: str, value) -> None:
+        """Fuse's state on a module (not a submodule, not in its state_dict), removed by unfuse."""
+        self.record.append((module, name, None))
+        object.__setattr__(module, name, value)
+
+    def gelu_blocks(self, root: nn.Module, report: EncoderReport) -> int:
+        """Every module under root of a class that computes [norm](GeLU(Linear(x))) (`_GELU_BLOCKS`) runs the
+        Linear's matmul without bias and bias + GeLU in one kernel (`_linear_gelu`, which decides at each call).
+        A GeLU without a kernel, or a look-alike of unknown code, is reported and keeps its code."""
         fused = 0
-        for path, m in list(root.named_modules()):
-            for lin, act in LINEAR_ACT:
-                linear, activation = getattr(m, lin, None), getattr(m, act, None)
-                if not (type(linear) is nn.Linear and isinstance(activation, nn.Module)) or linear.bias is None:
-                    continue
-                kind = gelu_kind(activation)
-                if kind is None:
-                    if "gelu" in type(activation).__name__.lower():
-                        report.keep(f"Linear + {type(activation).__name__}", "no fused kernel for this activation")
-                    continue
-                if why := unknown_code(m, known):
-                    report.keep(f"Linear + GeLU in {type(m).__name__}", why)
-                    continue
-                self.replace(m, lin, ops._kernels().LinearGeLU.from_linear(linear, kind))
-                self.replace(m, act, nn.Identity())
-                fused += 1
+        for m in list(root.modules()):
+            names = {n for n, _ in m.named_children()}
+            block = next((b for b in _GELU_BLOCKS if names == set(b.children)), None)
+            if block is None or _is_fused(m) or not isinstance(getattr(m, block.children[0]), nn.Linear):
+                continue
+            act = getattr(m, block.children[1])
+            if gelu_kind(act) is None:
+                if "gelu" in type(act).__name__.lower():
+                    report.keep(f"Linear + {type(act).__name__}", "no fused kernel for this activation")
+                continue
+            if why := unknown_code(m, known_classes((block.cls,), _BLOCK_MODELS)):
+                report.keep(f"Linear + GeLU in {type(m).__name__}", why)
+                continue
+            self.fused(m, block.forward)
+            fused += 1
         return fused
 
     def output_blocks(self, root: nn.Module, report: EncoderReport) -> int:
-        """dense -> dropout -> + residual -> LayerNorm blocks of known code: one fused module each. A look-alike
-        of unknown code keeps its own forward (its LayerNorm is still fused, alone)."""
+        """dense -> dropout -> + residual -> LayerNorm blocks of known code: one LayerNorm kernel each, with the
+        dropout and the residual add (`_add_norm`). A look-alike of unknown code keeps its own forward (its
+        LayerNorm still runs the kernel, alone)."""
         known = known_classes(_OUTPUT_BLOCK_CLASSES, _BLOCK_MODELS)
-        blocks = [(p, name) for p in list(root.modules()) for name, c in p.named_children() if _is_output_block(c)]
         fused = 0
-        for parent, name in blocks:
-            block = getattr(parent, name)
+        for block in [m for m in root.modules() if _is_output_block(m) and not _is_fused(m)]:
             if why := unknown_code(block, known):
                 report.keep(f"dense + dropout + residual in {type(block).__name__}", why)
                 continue
-            self.replace(parent, name, FusedSelfOutput(block))
+            self.fused(block, _output_block_forward)
             fused += 1
         return fused
 
     def layer_norms(self, root: nn.Module) -> int:
-        return ops._kernels().fuse_layer_norms(root, swap=self.replace)
+        return ops._kernels().fuse_layer_norms(root, retype=self.retype)
+
+
+def _is_fused(module: nn.Module) -> bool:
+    return "_bertfuse_base" in vars(type(module))
+
+
+class _EncoderState(NamedTuple):
+    """What a fused encoder knows of itself, kept on it (as `_bertfuse_encoder`)."""
+    layers: Layers
+    config: object                 # the encoder model's config (output flags, the attention implementation)
+    report: EncoderReport
 
 
 def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
@@ -605,22 +715,24 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     kinds = {layer_kind(layer) for layer in encoder.layer}
     kind = kinds.pop() if len(kinds) == 1 else None
     report = EncoderReport(path, type(model).__name__, kind.name if kind else "unknown")
-    # Judged on the model as it came, before any module of it is swapped.
+    # Judged on the model as it came, before any module of it changes class.
     reasons = ["the layers' structure is not one the fused attention knows"] if kind is None else \
         _attention_problems(model, kind, encoder)
     n_blocks = fuser.output_blocks(model, report)
-    n_gelus = fuser.linear_gelus(model, report)
+    n_gelus = fuser.gelu_blocks(model, report)
     n_norms = fuser.layer_norms(model)
-    report.fused.append(f"{n_norms + n_blocks} LayerNorms ({n_blocks} with dense dropout + residual)")
+    report.fused.append(f"{n_norms} LayerNorms ({n_blocks} with dense dropout + residual)")
     if n_gelus:
         report.fused.append(f"{n_gelus} Linear + GeLU")
     if reasons:
         report.keep("attention", "; ".join(reasons))
-    else:
-        for layer in encoder.layer:
-            fuser.retype(layer, fused_layer_class(type(layer), kind.name))
-        fuser.replace(model, child, FusedEncoder(encoder, kind, getattr(model, "config", None), report))
-        report.fused.append("attention (varlen, padding removed once)")
+        return report
+    for layer in encoder.layer:
+        for path_in_layer, forward in kind.forwards:
+            fuser.fused(_get(layer, path_in_layer) if path_in_layer else layer, forward)
+    fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report))
+    fuser.fused(encoder, _encoder_forward)
+    report.fused.append("attention (varlen, padding removed once)")
     return report
 
 
@@ -650,14 +762,8 @@ def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:
 
 
 def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Tensor:
-    dense = _get(task, head.dense)
-    if isinstance(dense, ops._kernels().LinearGeLU):   # the activation was absorbed (an Identity now)
-        x = dense(x)
-    elif head.act is None:
-        x = ops.linear_gelu(x, dense.weight, dense.bias, "none", backend=ops.backend_for(x))
-    else:
-        x = _get(task, head.act)(dense(x))
-    return _get(task, head.norm)(x)
+    act = _get(task, head.act) if head.act else None
+    return _get(task, head.norm)(_linear_gelu(_get(task, head.dense), act, x))
 
 
 class FusedMLMForward:
@@ -693,10 +799,12 @@ class FusedMLMForward:
         labels, nsp_label = kw.pop("labels", None), kw.pop("next_sentence_label", None)
         pretraining = _has(self.task, "cls.seq_relationship")
         # The original code wherever transformers' answer is not the masked-only loss: no labels (the logits are
-        # the answer), BERT pre-training without a next-sentence label (transformers' loss is then None), or a
-        # call asking for more than loss and logits.
+        # the answer), BERT pre-training without a next-sentence label (transformers' loss is then None), a call
+        # asking for more than loss and logits, a decoder the kernel cannot read (a quantised Linear, an adapter,
+        # a hook on it), or an ONNX export (which exports the original code).
         if labels is None or (pretraining and nsp_label is None) or kw.get("output_attentions") \
-                or kw.get("output_hidden_states") or kw.get("return_dict") is False:
+                or kw.get("output_hidden_states") or kw.get("return_dict") is False \
+                or not ops.plain(_get(self.task, self.head.decoder), nn.Linear) or _exporting_onnx():
             return self.unfused(*args, **kwargs)
         kw.pop("return_dict", None)
         out = getattr(self.task, self.base)(**{k: v for k, v in kw.items() if v is not None})
@@ -757,7 +865,7 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: 
             base = next((name for name, c in task.named_children() if c is enc_model), None)
             if base is None:
                 continue
-            n = fuser.linear_gelus(task, report) + fuser.layer_norms(task)
+            n = fuser.gelu_blocks(task, report) + fuser.layer_norms(task)
             if n:
                 report.fused.append(f"{n} head modules ({type(task).__name__})")
             head = _mlm_head(task) if _is_masked_lm(task) else None
@@ -805,18 +913,16 @@ def fuse(model: nn.Module, mlm_logits: bool = True) -> nn.Module:
 
 
 def unfuse(model: nn.Module) -> nn.Module:
-    """Put back the original modules (which share the fused ones' Parameters); returns `model`."""
+    """Give every module fuse changed its own class back (the objects never changed: what they learned, loaded
+    or had registered on them while fused stays); returns `model`."""
     saved = getattr(model, _ORIGINALS, None)
     if not saved:
         return model
-    for parent, name, old in reversed(saved.record):
+    for module, name, old in reversed(saved.record):
         if name == "__class__":
-            parent.__class__ = old
-            continue
-        current = getattr(parent, name)
-        old.train(current.training)
-        _take_parameters(old, current)
-        setattr(parent, name, old)
+            module.__class__ = old
+        else:
+            object.__delattr__(module, name)
     for task in saved.heads:
         original = task.forward.original
         del task.forward
@@ -825,16 +931,6 @@ def unfuse(model: nn.Module) -> nn.Module:
     object.__delattr__(model, _ORIGINALS)
     object.__delattr__(model, _REPORT)
     return model
-
-
-def _take_parameters(old: nn.Module, new: nn.Module) -> None:
-    """The fused module's Parameters into the original it replaced, where they are no longer the same objects
-    (load_state_dict(assign=True) while fused puts new ones on the fused modules): unfuse keeps what was loaded."""
-    current = dict(new.named_parameters())
-    for name, param in list(old.named_parameters()):
-        if name in current and current[name] is not param:
-            owner, _, leaf = name.rpartition(".")
-            setattr(old.get_submodule(owner), leaf, current[name])
 
 
 def fuse_report(model: nn.Module) -> list[EncoderReport]:

@@ -13,11 +13,11 @@ interpreter, which must be enabled with TRITON_INTERPRET=1 before triton is firs
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from ._common import backend_for
+from ._common import backend_for, exporting_onnx
 
 __bertfuse__ = True  # this distribution's `kernels`, not another package of the same name (what imports it may check)
 
-__all__ = ["backend_for"]
+__all__ = ["backend_for", "exporting_onnx"]
 for _info in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _info.name.startswith("_") or _info.name in ("targets", "tuned"):  # the GPU families, their tables: not ops
         continue

@@ -18,17 +18,26 @@ _warned: set[str] = set()
 
 
 def warn_once(message: str) -> None:
-    """A UserWarning the first time `message` comes up in this process, silence after."""
-    if message not in _warned:
+    """A UserWarning the first time `message` comes up in this process, silence after; none while torch.compile
+    traces (dynamo cannot trace warnings.warn, and a graph break for a warning would cost every call)."""
+    if message not in _warned and not torch.compiler.is_compiling():
         _warned.add(message)
         warnings.warn(message, stacklevel=3)
+
+
+def exporting_onnx() -> bool:
+    """In an ONNX export (either exporter), which has no translation of a Triton kernel: the drop-ins compute
+    their plain-PyTorch reference there (outside dynamo, whose own trace of this check would break the graph)."""
+    return not torch.compiler.is_dynamo_compiling() and torch.onnx.is_in_onnx_export()
 
 
 def backend_for(t: torch.Tensor) -> str:
     """For a drop-in module, which holds no config: "triton" where the kernels run on t's device (a CUDA or ROCm
     GPU the kernels support; the CPU under TRITON_INTERPRET=1), else "torch" (the module computes its op's
     plain-PyTorch reference instead), so a model moved to a device the kernels cannot use still runs, with one
-    warning."""
+    warning. In an ONNX export: "torch"."""
+    if exporting_onnx():
+        return "torch"
     if t.is_cuda:
         from .targets import of  # imported here: kernels.targets reads INTERPRET from this module
 

@@ -318,15 +318,15 @@ class LayerNorm(nn.LayerNorm):
         return layer_norm_ref(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=p)
 
 
-def fuse_layer_norms(module: nn.Module, swap=None) -> int:
-    """Swap every nn.LayerNorm inside `module` (over the last dimension) for kernels.LayerNorm, in place.
-
-    The new modules share the old ones' weight and bias Parameters, so optimizers and state_dicts are unaffected.
-    `swap(parent, name, new)` does the replacing (default setattr; the Hugging Face fuser records it to undo).
-    Returns how many were swapped.
-    """
-    found = [(parent, name) for parent in list(module.modules()) for name, child in parent.named_children()
-             if type(child) is nn.LayerNorm and len(child.normalized_shape) == 1]
-    for parent, name in found:
-        (swap or setattr)(parent, name, LayerNorm.from_module(getattr(parent, name)))
+def fuse_layer_norms(module: nn.Module, retype=None) -> int:
+    """Make every nn.LayerNorm inside `module` (over the last dimension) a kernels.LayerNorm, in place: each
+    object stays (its parameters, its hooks, its place), only its class changes, which adds no state, so
+    optimizers and state_dicts are unaffected and `m.__class__ = nn.LayerNorm` undoes it. `retype(module, cls)`
+    does the change (default: set the class; the Hugging Face fuser records it to undo). Returns how many."""
+    found = [m for m in module.modules() if type(m) is nn.LayerNorm and len(m.normalized_shape) == 1]
+    for m in found:
+        if retype is None:
+            m.__class__ = LayerNorm
+        else:
+            retype(m, LayerNorm)
     return len(found)

@@ -1,6 +1,7 @@
 """bert.model.padding: packing kept tokens and scattering them back, for any mask pattern."""
 import torch
 
+from bert.data.batch import packed_layout
 from bert.model.padding import pad, unpad, unpad_mask
 
 
@@ -24,19 +25,24 @@ def test_empty_batch():
 
 
 def test_static_layout_has_value_independent_shapes_and_the_kept_tokens_in_order():
-    """torch.export's layout: every token of the [batch, seq] input, each row's kept tokens first as one
-    sequence, its padding after as another; holes, empty and full rows included."""
+    """torch.compile's and torch.export's layout: every token of the [batch, seq] input, each row's kept tokens
+    in order as its sequence, all the padding after the last one as filler; holes, empty and full rows."""
     from bert.model.padding import static_layout
 
     keep = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 1]]).bool()
     p = static_layout(keep)
-    assert p.tokens == keep.numel() and p.max_seqlen == 5 and p.sequences == 8
-    assert p.cu_seqlens.tolist() == [0, 3, 5, 5, 10, 15, 15, 17, 20]
+    assert p.tokens == keep.numel() and p.max_seqlen == 5 and p.sequences == 4
+    assert p.cu_seqlens.tolist() == [0, 3, 3, 8, 10]
     x = torch.arange(20.0).view(4, 5, 1)
     packed = unpad(x, p)[:, 0]
     for row in range(4):
-        kept_part = packed[p.cu_seqlens[2 * row]:p.cu_seqlens[2 * row + 1]]
-        assert kept_part.tolist() == x[row, keep[row], 0].tolist()  # in order, nothing else
+        part = packed[p.cu_seqlens[row]:p.cu_seqlens[row + 1]]
+        assert part.tolist() == x[row, keep[row], 0].tolist()  # in order, nothing else
+        assert p.seq[p.cu_seqlens[row]:p.cu_seqlens[row + 1]].tolist() == [row] * int(keep[row].sum())
+        assert p.pos[p.cu_seqlens[row]:p.cu_seqlens[row + 1]].tolist() == list(range(int(keep[row].sum())))
+    assert packed[10:].tolist() == x[~keep, 0].tolist()  # the padding, as filler: sequence S, counted on past it
+    assert p.seq[10:].tolist() == [4] * 10 and p.pos[10:].tolist() == list(range(10))
     assert torch.equal(pad(unpad(x, p), p), x)
-    assert torch.equal(static_layout(~keep).cu_seqlens[1::2] - static_layout(~keep).cu_seqlens[:-1:2],
-                       (~keep).sum(1).int())
+    # It is the layout packed_layout gives those cu_seqlens (the one every consumer reads).
+    ref = packed_layout(p.cu_seqlens, p.tokens, 5)
+    assert torch.equal(ref.seq, p.seq) and torch.equal(ref.pos, p.pos)

@@ -83,11 +83,32 @@ def warn_once(message: str) -> None:
     _kernels()._common.warn_once(message)
 
 
+def hookless(module) -> bool:
+    """Nothing runs around `module`'s own forward when it is called: no hook of its own or global (forward,
+    pre-forward, backward), and no forward replaced on the instance (as accelerate's hooks do). A fused op may
+    then compute what the call would, without making it; otherwise the module is called."""
+    from torch.nn.modules import module as m
+
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return not any(getattr(module, h, None) or getattr(m, f"_global{h}", None) for h in hooks) \
+        and "forward" not in vars(module)
+
+
+def plain(module, *classes: type) -> bool:
+    """`module` is exactly of one of `classes` (not a wrapper or a subclass: a LoRA layer, a quantised Linear)
+    and hookless: a fused op may read its parameters instead of calling it."""
+    return type(module) in classes and hookless(module)
+
+
 def project_qkv(x, query, key, value, heads: int, head_dim: int):
-    """q, k, v ([tokens, heads, head_dim] views) from one matmul over three Linears' concatenated weights."""
+    """q, k, v ([tokens, heads, head_dim] views) from three projection modules: one matmul over their
+    concatenated weights where all three are plain biased nn.Linear, else each module called (a LoRA adapter, a
+    quantised Linear, a hook: whatever the user put there computes its projection)."""
     projs = (query, key, value)
-    qkv = F.linear(x, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
-    return qkv.view(x.shape[0], 3, heads, head_dim).unbind(1)
+    if all(plain(p, torch.nn.Linear) and p.bias is not None for p in projs):
+        qkv = F.linear(x, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
+        return qkv.view(x.shape[0], 3, heads, head_dim).unbind(1)
+    return tuple(p(x).view(x.shape[0], heads, head_dim) for p in projs)
 
 
 def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, dropout_p=0.0, backend="torch"):

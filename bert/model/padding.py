@@ -37,19 +37,25 @@ def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None) -> P
 
 
 def static_layout(keep: torch.Tensor) -> Packed:
-    """A layout of a [batch, seqlen] key mask whose shapes do not depend on its values (for torch.export): every
-    one of the batch * seqlen tokens, each row's kept tokens first (a stable sort), as 2 * batch sequences, a
-    row's kept tokens then its padding. The padding attends only to itself (its outputs, finite, are for the
-    caller to discard); max_seqlen is seqlen. Costs the attention FLOPs of the padding, so only for export."""
+    """A layout of a [batch, seqlen] key mask whose shapes do not depend on its values (torch.compile at a fixed
+    batch shape, torch.export): every one of the batch * seqlen tokens, each row's kept tokens in order as its
+    sequence, and all the padding after the last sequence as filler, which the attention gives zeros and the
+    caller discards; max_seqlen is seqlen. Only cumulative sums and scatters (no sort, no search, no sync), so
+    it compiles into one graph and exports to ONNX. The attention skips the padding; the matmuls do not."""
     batch, seqlen = keep.shape
-    keep = keep != 0
-    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept first, in order
-    rows = torch.arange(batch, device=keep.device)[:, None] * seqlen
-    kept = keep.sum(1)
-    lengths = torch.stack([kept, seqlen - kept], 1).reshape(-1).to(torch.int32)
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
-    origin = Origin((rows + order).reshape(-1), batch, seqlen)
-    return packed_layout(cu_seqlens, batch * seqlen, seqlen, origin=origin)
+    keep = (keep != 0).reshape(-1)
+    n, device = batch * seqlen, keep.device
+    seqlens = keep.view(batch, seqlen).sum(1, dtype=torch.int32)
+    cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0, dtype=torch.int32)])
+    rank = keep.view(batch, seqlen).long().cumsum(1).reshape(-1) - 1           # a kept token's place in its row
+    filler = (~keep).long().cumsum(0) - 1                                       # a padded token's place after all
+    row = torch.arange(batch, device=device).repeat_interleave(seqlen)
+    slot = torch.where(keep, cu_seqlens.long()[row] + rank, cu_seqlens.long()[-1] + filler)  # its packed place
+    at = torch.empty(n, dtype=torch.long, device=device)
+    indices = at.scatter(0, slot, torch.arange(n, device=device))               # packed place -> padded place
+    seq = at.scatter(0, slot, torch.where(keep, row, batch))
+    pos = at.scatter(0, slot, torch.where(keep, rank, filler))
+    return Packed(cu_seqlens, seqlen, seq, pos, 0, Origin(indices, batch, seqlen))
 
 
 def unpad(x: torch.Tensor, p: Packed) -> torch.Tensor:

