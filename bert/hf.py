@@ -138,7 +138,7 @@ def _exporting_onnx() -> bool:
 
 # ---- the fused forwards: fuse keeps every module object (its hooks, its place, its parameters) and gives it a
 # subclass of its own class with one of these as forward (`fused_class`); called without `packed`, or in an ONNX
-# export, a module computes what its own class computes --------------------------------------------------------
+# export (fused_class checks), a module computes what its own class computes ------------------------------------
 def _original(module):
     """The module's own class's methods (its fused class's base), bound to it."""
     return super(type(module), module)
@@ -146,29 +146,21 @@ def _original(module):
 
 def _output_block_forward(self, hidden_states, input_tensor):
     """BertSelfOutput / BertOutput and their copies: LayerNorm(dropout(dense(x)) + residual)."""
-    if _exporting_onnx():
-        return _original(self).forward(hidden_states, input_tensor)
     return _add_norm(self.LayerNorm, self.dropout, self.dense(hidden_states), input_tensor)
 
 
 def _intermediate_forward(self, hidden_states):
     """BertIntermediate and its copies: intermediate_act_fn(dense(x))."""
-    if _exporting_onnx():
-        return _original(self).forward(hidden_states)
     return _linear_gelu(self.dense, self.intermediate_act_fn, hidden_states)
 
 
 def _head_transform_forward(self, hidden_states):
     """BertPredictionHeadTransform and its copies: LayerNorm(transform_act_fn(dense(x)))."""
-    if _exporting_onnx():
-        return _original(self).forward(hidden_states)
     return self.LayerNorm(_linear_gelu(self.dense, self.transform_act_fn, hidden_states))
 
 
 def _generator_head_forward(self, hidden_states):
     """ElectraGeneratorPredictions: LayerNorm(activation(dense(x)))."""
-    if _exporting_onnx():
-        return _original(self).forward(hidden_states)
     return self.LayerNorm(_linear_gelu(self.dense, self.activation, hidden_states))
 
 
@@ -204,15 +196,13 @@ def _distilbert_layer_forward(self, hidden_states, *args, packed=None, **kwargs)
     attended, _ = self.attention(hidden_states, packed=packed)
     x = _add_norm(self.sa_layer_norm, None, attended, hidden_states)
     ffn = self.ffn
-    if type(ffn).forward is _ffn_forward and ops.hookless(ffn):  # its dropout into the LayerNorm kernel
+    if getattr(type(ffn), "_bertfuse_forward", None) is _ffn_forward and ops.hookless(ffn):  # its dropout into the LayerNorm kernel
         return _add_norm(self.output_layer_norm, ffn.dropout, ffn.lin2(_linear_gelu(ffn.lin1, ffn.activation, x)), x)
     return _add_norm(self.output_layer_norm, None, ffn(x), x)
 
 
 def _ffn_forward(self, input):
     """DistilBERT's FFN: dropout(lin2(activation(lin1(x)))) (its chunking along the sequence changes nothing)."""
-    if _exporting_onnx():
-        return _original(self).forward(input)
     return self.dropout(self.lin2(_linear_gelu(self.lin1, self.activation, input)))
 
 
@@ -221,11 +211,15 @@ def fused_class(base: type, forward: Callable) -> type:
     """`base` (a transformers module class) with `forward` (one of this module's fused forwards) as its forward:
     fuse sets it as one module object's __class__, and unfuse puts base back. It pickles (and deep-copies) as
     "this base class, fused with this forward", not by a dynamic name."""
+    def fused_or_original(self, *args, **kwargs):  # an ONNX export exports the original code
+        return (base.forward if _exporting_onnx() else forward)(self, *args, **kwargs)
+
     def reduce(self, protocol):
         return _new_fused, (base, forward), self.__dict__
 
-    return type(f"Fused{base.__name__}", (base,), {"forward": forward, "__reduce_ex__": reduce,
-                                                   "__module__": __name__, "_bertfuse_base": base})
+    return type(f"Fused{base.__name__}", (base,), {"forward": fused_or_original, "__reduce_ex__": reduce,
+                                                   "__module__": __name__, "_bertfuse_base": base,
+                                                   "_bertfuse_forward": forward})
 
 
 def _new_fused(base: type, forward: Callable):
@@ -467,13 +461,11 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     mechanism (`_run_layer`)."""
     state: _EncoderState = self._bertfuse_encoder
     batch, seqlen, _ = hidden_states.shape
-    onnx = _exporting_onnx()
-    keys = None if onnx else _key_mask(attention_mask, batch, seqlen, hidden_states.device)
-    why = None if onnx else _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
-    if onnx or why:
-        if why:
-            state.report.calls[why] = state.report.calls.get(why, 0) + 1  # fuse_report lists them
-            _warn(f"{why} requested: this call runs the original (unfused) attention code")
+    keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
+    why = _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
+    if why:
+        state.report.calls[why] = state.report.calls.get(why, 0) + 1  # fuse_report lists them
+        _warn(f"{why} requested: this call runs the original (unfused) attention code")
         if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
             kwargs["encoder_hidden_states"] = encoder_hidden_states
         return _original(self).forward(hidden_states, attention_mask=attention_mask, **kwargs)
