@@ -1,10 +1,11 @@
 """Fuse Hugging Face encoders in place: `fuse(model)`, `unfuse(model)`, `fuse_report(model)`.
 
-`fuse` finds every encoder inside any model (a bare BertModel, a task model, a sentence-transformers wrapper)
-and swaps its modules for fused ones, in this model instance only: transformers' classes and other instances are
-untouched. The fused modules hold the very Parameter objects of the modules they replace, so state_dict keys and
-values, optimizers and save_pretrained keep working, and `unfuse` restores the original modules with whatever
-they learned.
+`fuse` finds every encoder inside any model (a bare BertModel, a task model, a sentence-transformers wrapper, a
+PEFT model) and gives the modules it fuses fused forwards, in this model instance only: each module stays the
+same object, its class a subclass of its own (`fused_class`, pickled as "this class, fused"), so its place,
+Parameters, buffers and hooks are untouched; transformers' classes and other instances are too. state_dict
+keys and values, optimizers and save_pretrained keep working, and `unfuse` puts the classes back, with whatever
+the model learned.
 
 Encoders are found by structure (an encoder model is a module with `embeddings` and an `encoder` or
 `transformer` holding a `layer` list), and a module is fused only where its class is known to compute the fused
@@ -22,11 +23,15 @@ family is one record. The layer structures (`Layers`) are
 What is fused:
   * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
-    matmul without bias, then bias + GeLU in one kernel;
+    matmul without bias, then bias + GeLU in one kernel, where the Linear is a plain biased nn.Linear without
+    hooks; any other module there (a LoRA layer, a quantised Linear) is called, and the GeLU applied to what it
+    returns;
   * the encoder: padding removed once per forward, every layer's attention run by the varlen kernel on packed
-    tokens, padding restored at the end (padded positions of last_hidden_state are then 0). Each layer stays the
-    same object, its class a subclass of its own (`fused_layer_class`), called through its own __call__, so its
-    hooks fire and gradient checkpointing recomputes it; under torch.export a static layout replaces unpadding;
+    tokens, padding restored at the end (padded positions of last_hidden_state are then 0). Every submodule is
+    called through its own __call__ (q, k and v in one matmul only when all three are plain nn.Linears), so its
+    hooks fire, on packed [tokens, features] tensors inside the encoder, and gradient checkpointing recomputes
+    each layer. Under torch.compile and torch.export a static layout replaces unpadding (no host sync, one graph
+    whatever the padding); an ONNX export exports each module's original code;
   * with fuse(model, mlm_logits=False), masked-LM heads given labels (BERT's cls.predictions, RoBERTa's lm_head,
     ELECTRA's generator, DistilBERT's vocab_*): the loss by the masked-only kernel at labelled positions, the
     vocabulary logits never formed. By default (mlm_logits=True) the head returns transformers' full logits.
@@ -34,13 +39,15 @@ The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs tra
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
 `fuse_report` lists it: attention the kernel cannot express (relative or disentangled positions, a head_dim over
 128, decoders and their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call
-asking for output_attentions, output_hidden_states, cross-attention or a cache, or with a mask the kernel cannot
-express (one that differs between queries, or additive values other than 0 and the minimum), runs the original
-encoder code, and fuse_report counts it.
+asking for output_attentions, output_hidden_states, cross-attention or a cache, with a mask the kernel cannot
+express (one that differs between queries, or additive values other than 0 and the minimum), or whose attention
+dropout holds a hook or was replaced, runs the original encoder code, and fuse_report counts it; compiled, such
+a mask stops the call with an error instead (its values cannot choose the code inside a graph).
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -766,6 +773,9 @@ class FusedMLMForward:
     def __init__(self, task: nn.Module, head: MLMHead, base: str):
         self.task, self.head, self.base = task, head, base
         self.original = task.__dict__.get("forward")  # another wrapper's, if any; else the class's forward
+        self.pretraining = _has(task, "cls.seq_relationship")
+        # Its output class, made here: making a class inside a call is not something torch.compile traces.
+        self.output = __getattr__(_OUTPUTS[self.pretraining])
 
     def unfused(self, *args, **kwargs):
         if self.original is not None:
@@ -789,7 +799,7 @@ class FusedMLMForward:
     def __call__(self, *args, **kwargs):
         kw = self._arguments(args, kwargs)
         labels, nsp_label = kw.pop("labels", None), kw.pop("next_sentence_label", None)
-        pretraining = _has(self.task, "cls.seq_relationship")
+        pretraining = self.pretraining
         # The original code wherever transformers' answer is not the masked-only loss: no labels (the logits are
         # the answer), BERT pre-training without a next-sentence label (transformers' loss is then None), a call
         # asking for more than loss and logits, a decoder the kernel cannot read (a quantised Linear, an adapter,
@@ -807,18 +817,14 @@ class FusedMLMForward:
         hidden, labels = out[0], labels.reshape(-1)
         decoder = _get(task, head.decoder)
         check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
-        rows = (labels != -100).nonzero().squeeze(1)
+        rows = ops.labelled_rows(labels)
         h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
         loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=ops.backend_for(h)).loss
         if nsp_label is not None:  # BERT pre-training: next-sentence prediction as well
-            from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
-
             nsp_logits = task.cls.seq_relationship(out[1])
             loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), nsp_label.view(-1))
-            return _without_logits(BertForPreTrainingOutput)(loss=loss, seq_relationship_logits=nsp_logits)
-        from transformers.modeling_outputs import MaskedLMOutput
-
-        return _without_logits(MaskedLMOutput)(loss=loss)
+            return self.output(loss=loss, seq_relationship_logits=nsp_logits)
+        return self.output(loss=loss)
 
 
 @functools.cache
@@ -839,6 +845,22 @@ def _without_logits(output: type) -> type:
                                  "__qualname__": name})
     globals()[name] = cls
     return cls
+
+
+# The outputs without logits, by name, with the transformers class each one narrows (pretraining or not).
+_OUTPUTS = {False: "MaskedLMOutputWithoutLogits", True: "BertForPreTrainingOutputWithoutLogits"}
+_NARROWED = {"MaskedLMOutputWithoutLogits": ("transformers.modeling_outputs", "MaskedLMOutput"),
+             "BertForPreTrainingOutputWithoutLogits": ("transformers.models.bert.modeling_bert",
+                                                       "BertForPreTrainingOutput")}
+
+
+def __getattr__(name: str):
+    """The output classes without logits, made on first use: unpickling an output or a fused model in a new
+    process finds them here by name."""
+    if name not in _NARROWED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, base = _NARROWED[name]
+    return _without_logits(getattr(importlib.import_module(module), base))
 
 
 def _is_masked_lm(task: nn.Module) -> bool:

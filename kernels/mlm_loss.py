@@ -59,7 +59,7 @@ import triton.language as tl
 from . import targets, tuned
 from ._common import check_device, check_float, dense, dot_precision, interpreter_upcast, programs_wanted, unit_stride
 
-__all__ = ["masked_lm_loss", "masked_lm_loss_ref"]
+__all__ = ["labelled_rows", "masked_lm_loss", "masked_lm_loss_ref"]
 # tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -664,20 +664,68 @@ class _Rows(NamedTuple):
     index: torch.Tensor | None       # [N'] positions in the caller's rows (validate=True)
 
 
+@torch.library.custom_op("bertfuse::labelled_rows", mutates_args=())
+def _labelled_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return (labels != ignore_index).nonzero().squeeze(1)
+
+
+@_labelled_rows.register_fake
+def _(labels, ignore_index):
+    return labels.new_empty(_data_dependent_size(torch.library.get_ctx()), dtype=torch.int64)
+
+
+def _data_dependent_size(ctx) -> torch.SymInt:
+    """A size only the data knows (the labelled count), as an unbacked symbol in the traced graph. The public
+    ctx.new_dynamic_size refuses unless the trace allows every dynamic-shape op (fullgraph=True, or the global
+    capture_dynamic_output_shape_ops): otherwise a plain torch.compile would break the graph here, around the
+    whole MLM head. This op's consumers (the gather, the head, the loss ops) are written for such a size, so it
+    is allocated the way new_dynamic_size allocates it, for this op alone; where that internal function is
+    missing (another torch), the public call decides."""
+    env = getattr(ctx, "_shape_env", None)
+    try:
+        from torch._library.fake_impl import allocate_size
+    except ImportError:
+        allocate_size = None
+    if env is None or allocate_size is None or env.allow_dynamic_output_shape_ops:
+        return ctx.new_dynamic_size()
+    return allocate_size(env)
+
+
+def labelled_rows(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The positions [R] int64 of labels [N] (integer) that are not ignore_index, in order: (labels !=
+    ignore_index).nonzero() in eager mode, and an op of data-dependent size under torch.compile, so that a
+    compiled model gathers its labelled rows without a graph break (and fullgraph=True works)."""
+    if labels.dim() != 1 or labels.is_floating_point():
+        raise ValueError(f"labelled_rows: labels must be a 1-D integer tensor, got {labels.dtype} "
+                         f"{tuple(labels.shape)}")
+    if torch.compiler.is_compiling():
+        return _labelled_rows(labels, ignore_index)
+    return (labels != ignore_index).nonzero().squeeze(1)
+
+
+def _check_picked(picked: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """The gathered labels lie in [0, vocab): one sync in eager mode (the error names the range found); under
+    torch.compile an asynchronous device assertion, which needs no sync and stops the step just the same."""
+    message = f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}"
+    if torch.compiler.is_compiling():
+        torch._assert_async(((picked >= 0) & (picked < vocab)).all(), message)
+    elif picked.numel():
+        lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{message}; got values in [{lo}, {hi}]")
+
+
 def _rows(hidden, labels, vocab: int, ignore_index: int, validate: bool) -> _Rows:
     used = labels != ignore_index
     if not validate:  # a label outside [0, V) is treated as ignored, as documented
         used = used & (labels >= 0) & (labels < vocab)
         return _Rows(unit_stride(hidden), labels.masked_fill(~used, -1).to(torch.int64).contiguous(), used,
                      used.sum().clamp_min(1), None)
-    index = used.nonzero().squeeze(1)
+    index = labelled_rows(labels, ignore_index)
     picked = labels[index]
-    if picked.numel():
-        lo, hi = torch.stack([picked.min(), picked.max()]).tolist()
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"masked_lm_loss: labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
-                             f"got values in [{lo}, {hi}]")
-    return _Rows(hidden[index], picked.to(torch.int64).contiguous(), None, max(index.numel(), 1), index)
+    _check_picked(picked, vocab, ignore_index)
+    count = used.sum().clamp_min(1) if torch.compiler.is_compiling() else max(index.numel(), 1)
+    return _Rows(hidden[index], picked.to(torch.int64).contiguous(), None, count, index)
 
 
 def _check_strategy(strategy, chunk_rows) -> None:
@@ -731,14 +779,17 @@ def masked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     sync. validate=False takes none, for fixed-shape batches whose labels are checked where they are made
     (a packer's): every row is computed and the ignored ones are zeroed, loss and gradients; a label
     outside [0, V) then acts like an ignored row's (no error, no NaN). Runs as custom ops
-    (bertfuse::masked_lm_loss_*), which torch.compile traces through.
+    (bertfuse::masked_lm_loss_*), which torch.compile traces through in one graph with either validate: compiled,
+    validate=True gathers the labelled rows by an op of data-dependent size (labelled_rows) and checks their
+    labels by a device assertion instead of a sync, and strategy="auto" picks for N rows (the count is not known
+    while tracing).
     """
     _check(hidden, weight, bias, labels, reduction)
     _check_strategy(strategy, chunk_rows)
     r = _rows(hidden, labels, weight.shape[0], ignore_index, validate)
     weight, bias = unit_stride(weight), dense(bias)  # the layouts the kernels index
-    if strategy == "auto":
-        strategy = pick_strategy(r.hidden, r.hidden.shape[0])
+    if strategy == "auto":  # compiled, the labelled count is data: the pick is for its bound, all N rows
+        strategy = pick_strategy(r.hidden, labels.shape[0] if torch.compiler.is_compiling() else r.hidden.shape[0])
     if strategy == "fused":
         targets.check("masked_lm_loss(strategy='fused')", hidden.dtype, hidden.device, dots=True)
     if strategy == "chunked" and reduction != "none":

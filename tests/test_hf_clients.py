@@ -301,6 +301,42 @@ def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, mon
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family,head", [("bert", "ForPreTraining"), ("roberta", "ForMaskedLM"),
+                                         ("distilbert", "ForMaskedLM")])
+def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(family, head):
+    """fuse(mlm_logits=False) gathers the labelled rows, whose count is data: compiled, that count is a symbol of
+    the graph, so there is no break (the unfused model has none), fullgraph works, and a new count or padding
+    does not recompile. Labels outside the vocabulary stop the step by a device assertion."""
+    from torch._dynamo.utils import counters
+
+    ref = build(family, head)
+    fused = quiet(fuse, copy.deepcopy(ref), mlm_logits=False)
+    nsp = {"next_sentence_label": torch.tensor([0, 1, 0])} if head == "ForPreTraining" else {}
+    ids, mask, labels = batch(family)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fused)(input_ids=ids, attention_mask=mask, labels=labels, **nsp)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    counts = set()
+    for seed in (3, 5, 6):  # other labelled counts (10, 11, 7), the same shapes
+        ids, mask, labels = batch(family, seed=seed)
+        counts.add(int((labels != -100).sum()))
+        a = ref(input_ids=ids, attention_mask=mask, labels=labels, **nsp)
+        b = compiled(input_ids=ids, attention_mask=mask, labels=labels, **nsp)
+        assert rel_err(b.loss, a.loss) <= TOL
+        ref.zero_grad(), fused.zero_grad()
+        a.loss.backward(), b.loss.backward()
+        errs = grad_errors(fused, ref)
+        assert max(errs.values()) <= TOL, max(errs, key=errs.get)
+    assert len(counts) == 3 and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    labels[0, 1] = 10 ** 6
+    with pytest.raises(RuntimeError, match="labels must lie in"):
+        compiled(input_ids=ids, attention_mask=mask, labels=labels, **nsp)
+    torch._dynamo.reset()
+
+
 def test_a_mask_the_compiled_fused_attention_cannot_express_stops_with_its_reason():
     """Compiled, the mask's values cannot be read to choose the original code: an additive float mask with other
     values than 0 and the minimum stops the call with one message instead of computing something else."""

@@ -360,6 +360,42 @@ def test_chunked_ops_pass_opcheck_and_compile(device):
         torch.testing.assert_close(a, b)
 
 
+def test_validated_call_compiles_into_one_graph_for_every_labelled_count(device):
+    """validate=True (the default) gathers the labelled rows, a data-dependent count: compiled, without
+    fullgraph, it makes one graph with no break, eager's loss and gradients, no recompilation when only the
+    count changes, and a device assertion (not a sync) for a label outside the vocabulary."""
+    from torch._dynamo.utils import counters
+    from kernels import mlm_loss as m
+
+    hidden, weight, bias, labels = (t.to(device) for t in make(20, 40, 16))
+    result = torch.library.opcheck(m._labelled_rows, (labels, -100))
+    assert set(result.values()) == {"SUCCESS"}, result
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        kernels.labelled_rows(labels.view(4, 5))
+    call = lambda h, w, b, y: kernels.masked_lm_loss(h, w, b, y, strategy="chunked", chunk_rows=7)  # noqa: E731
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(call)(hidden, weight, bias, labels)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(call, backend="aot_eager")
+    counts = set()
+    for ignored in (labels < 0, labels % 3 == 0, labels % 2 == 0):
+        y = labels.masked_fill(ignored, -100)
+        counts.add(int((y != -100).sum()))
+        outs = []
+        for fn in (call, compiled):
+            leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+            loss = fn(*leaves, y)
+            outs.append([loss, *torch.autograd.grad(loss, leaves)])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b)
+    assert len(counts) == 3 and counters["stats"]["unique_graphs"] == 1, (counts, dict(counters["stats"]))
+    with pytest.raises(RuntimeError, match=r"labels must be in \[0, 40\)"):
+        compiled(hidden, weight, bias, labels.masked_fill(labels == labels.max(), 40))
+    torch._dynamo.reset()
+
+
 def test_default_chunks_bound_the_logits():
     """The default chunk: BERT-base pre-training's labelled rows (256 x 128 tokens, ~4,915) in one chunk of
     bfloat16 logits, BERT-large's (256 x 512, ~19,660) in four equal ones; each chunk's logits within CHUNK_BYTES."""

@@ -77,6 +77,10 @@ def check_labels(labels, high, name, shape, keep=None, ignore_index=-100):
     used = labels != ignore_index
     bad = (used & ((labels < 0) | (labels >= high))).sum()
     on_pad = (used & ~keep.bool()).sum() if keep is not None else torch.zeros_like(bad)
+    if torch.compiler.is_compiling():  # no sync inside a compiled graph: a device assertion stops the step
+        torch._assert_async((bad + on_pad) == 0, f"{name} must lie in [0, {high}) or be the ignore index "
+                            f"{ignore_index}, and be {ignore_index} at padded positions (attention_mask == 0)")
+        return
     bad, on_pad = torch.stack([bad, on_pad]).tolist()
     if bad:
         raise ValueError(f"{name} has {bad} value(s) outside [0, {high}) that are not the ignore index {ignore_index}")
@@ -334,7 +338,7 @@ class _MLMMixin:
             o = p.origin
             check_labels(labels, self.config.vocab_size, "labels", (o.batch, o.seqlen), keep=kept(p))
             flat = unpad(labels, p)
-            rows = (flat != -100).nonzero().squeeze(1)
+            rows = ops.labelled_rows(flat)
             return rows, flat[rows]
         if labels is not None:
             raise ValueError("a packed batch takes mlm_positions and mlm_labels, not labels")

@@ -177,6 +177,14 @@ def _torch_rows_attention(q, k, v, p: Packed, dropout_p):
 
 
 # ---- masked-LM loss at labelled rows only --------------------------------------------------------
+def labelled_rows(labels, ignore_index=-100):
+    """The positions of labels [N] that are not ignore_index: nonzero, or under torch.compile the kernels' op of
+    data-dependent size, which keeps the gather inside one graph."""
+    if torch.compiler.is_compiling() and _HAS_TRITON:
+        return _kernels().labelled_rows(labels, ignore_index)
+    return (labels != ignore_index).nonzero().squeeze(1)
+
+
 class MLMLoss(NamedTuple):
     loss: torch.Tensor              # scalar, mean over labelled rows (0 when there are none)
     correct: torch.Tensor           # number of rows whose top-1 prediction equals the label
