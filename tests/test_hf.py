@@ -301,3 +301,32 @@ print(len(messages), rel_err(out.loss, expected.loss))
     assert done.returncode == 0, done.stderr[-3000:]
     warned, err = done.stdout.split()
     assert warned == "1" and float(err) <= TOL
+
+
+def test_a_fused_masked_only_model_and_its_output_unpickle_in_a_new_process(tmp_path):
+    """The output classes without logits are made on first use; a new process that unpickles a saved fused model
+    (or one of its outputs) before anything made them finds them by name in bert.hf."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    fused = fuse(transformers.BertForMaskedLM(transformers.BertConfig(**TINY)).eval(), mlm_logits=False)
+    ids, mask, _ = random_batch(99, seed=3)
+    labels = mlm_labels(ids, mask, 99)
+    out = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.save({"model": fused, "out": out, "batch": (ids, mask, labels)}, tmp_path / "fused.pt")
+    script = tmp_path / "load.py"
+    script.write_text(f"""
+import sys
+sys.path[:0] = [{os.path.dirname(os.path.dirname(__file__))!r}]
+import torch
+saved = torch.load({str(tmp_path / "fused.pt")!r}, weights_only=False)
+ids, mask, labels = saved["batch"]
+again = saved["model"](input_ids=ids, attention_mask=mask, labels=labels)
+print(type(saved["out"]).__name__, saved["out"].loss.item(), again.loss.item())
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, saved_loss, loss = done.stdout.split()
+    assert name == "MaskedLMOutputWithoutLogits" and float(saved_loss) == out.loss.item()
+    assert abs(float(loss) - out.loss.item()) <= TOL * abs(out.loss.item())
