@@ -13,9 +13,26 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+RUN_SLOW = os.environ.get("RUN_SLOW") == "1"
+SLOW_TIERS = ("slow", "compile")
+
+
+def _in_slow_tier(item) -> bool:
+    return any(item.get_closest_marker(m) for m in SLOW_TIERS)
+
+
+def pytest_report_header(config):
+    if not (RUN_SLOW or config.getoption("markexpr")):
+        return "tier: fast (RUN_SLOW=1 adds the slow and compile tiers)"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
+    if not (RUN_SLOW or config.getoption("markexpr")):
+        slow = [item for item in items if _in_slow_tier(item)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not _in_slow_tier(item)]
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

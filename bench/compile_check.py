@@ -29,16 +29,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from bench.record import Variant, record, records  # noqa: E402
-from kernels._common import INTERPRET  # noqa: E402
-from kernels.targets import Target  # noqa: E402
+from bench.ops import record, records  # noqa: E402
+from bench.record import CompileCall, Variant, record_launches  # noqa: E402
+from kernels import launches, tuned  # noqa: E402
+from kernels.targets import INTERPRET, Target  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "
                        "TRITON_INTERPRET=1")
 
-TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-         torch.int64: "*i64", torch.int8: "*i8"}
 # The tensor-core instruction of each Target.dot, as it appears in the compiled code, and the per-warp one that
 # Triton falls back to on Hopper and Blackwell when a dot's tile is too narrow for theirs.
 DOT_INSTRUCTIONS = {"mma": "mma.sync", "wgmma": "wgmma.mma_async", "tcgen05": "tcgen05.mma", "mfma": "v_mfma"}
@@ -130,15 +129,15 @@ def _scalar16(code: str, backend: str) -> int:
 
 def compile_variant(fn, args: dict, num_warps: int, num_stages: int, t: Target) -> Compiled:
     """args: every parameter -> a torch dtype (pointer), 'i32' / 'i32:16' (divisible by 16) / 'i64' / 'fp32',
-    None (absent pointer), or the value of a constexpr parameter."""
+    or the value of a constexpr (None: an absent pointer; an integer 1, which the JIT makes a constant)."""
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         value = args[p.name]
-        if p.is_constexpr or value is None:
+        if p.is_constexpr or not isinstance(value, (str, torch.dtype)):
             signature[p.name] = "constexpr"
             constexprs[p.name] = value
         elif isinstance(value, torch.dtype):
-            signature[p.name] = TYPES[value]
+            signature[p.name] = launches.pointer_type(value)
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are aligned
         else:
             signature[p.name], _, divisible = value.partition(":")
@@ -202,45 +201,75 @@ def check(variant: Variant, t: Target) -> tuple[str | None, str]:
     return verdict(variant, result), str(result)
 
 
-# -- the variants: what the launchers pick for each record's sites, and any entry of a launch-config table ----------
+# -- the variants: what the launchers launch for each record's calls, and any entry of a launch-config table ------
+
+def _flags(flags: dict) -> str:
+    return "".join(f" {k}={v}" for k, v in flags.items())
+
+
+def recorded(rec, call: CompileCall, t: Target, force: tuple[str, dict] | None = None) -> list[Variant]:
+    """The launches that `call` of record `rec` makes on family `t` (bench.record.record_launches; with `force`
+    = (site, config), that site's config forced), as compile variants named "<op> <part> <dtype> size=<size>
+    <flags>"; where the family refuses the call (bfloat16 on sm_75), one variant carrying the launchers' error."""
+    got = record_launches(rec, call, t, force)
+    if got.refused:
+        return [Variant(f"{rec.name} {call.dtype} size={call.size}{_flags(call.flags)}", None, {}, 0, 0, call.dtype,
+                        refused=got.refused)]
+    out = []
+    for launch in got.launches:
+        site = launches.site(launch.site)
+        out.append(Variant(f"{site.op} {site.part} {call.dtype} size={call.size}{_flags(call.flags)}", launch.fn,
+                           launches.signature(launch), launch.num_warps, launch.num_stages, call.dtype, site.needs))
+    return out
+
 
 def launcher_variants(rec, t: Target):
-    """Each of the record's sites (bench/record.py) with the config its launcher picks on `t` (the family's table,
-    else the default)."""
-    for site in rec.sites():
-        launch = rec.tuning.config(site.part, site.dtype, site.size, t)
-        variant = rec.tuning.variant(site.part, site.dtype, site.size, launch, **site.flags)
-        if variant is not None:
-            yield variant
+    """The launches of each of the record's compile calls on `t` (each once), with the configs the launchers pick
+    there (the family's table, else the default)."""
+    seen = set()
+    for call in rec.compiled():
+        for variant in recorded(rec, call, t):
+            key = variant_key(variant)
+            if key not in seen:
+                seen.add(key)
+                yield variant
+
+
+def variant_key(variant: Variant) -> tuple:
+    """What makes two variants the same compile: the kernel, its specialised arguments, the launch options."""
+    args = tuple(sorted((k, str(v)) for k, v in variant.args.items()))
+    return variant.fn, variant.num_warps, variant.num_stages, args
 
 
 def groups(t: Target) -> dict:
-    """Group name -> a function giving its variants for family `t`: "<record>" (what the launchers pick for its
-    sites) and "table" (every entry of the family's table that the lookup reads)."""
+    """Group name -> a function giving its variants for family `t`: "<record>" (what the launchers launch for
+    its compile calls) and "table" (every entry of the family's table that the lookup reads)."""
     out = {r.name: (lambda r=r: launcher_variants(r, t)) for r in records()}
     out["table"] = lambda: table_variants(t)
     return out
 
 
-from .tune import default_launch  # noqa: E402  (needs no compiler: shared with the sweep)
-
-
 def variants_for(kernel: str, dtype, size: int, config: dict | None, t: Target) -> list[Variant]:
-    """The compile variants of one config of table kernel `kernel` at (dtype, size) on `t`: one per flag
-    combination the record's sites give there (BERT's training flags where none matches); [] for a launch
-    site that chooses among implementations rather than configuring one kernel (mlm_loss.strategy)."""
-    rec, part = record(kernel), kernel.split(".")[1]
-    launch = default_launch(kernel, dtype, size, t)._replace(**(config or {}))
-    flags = [s.flags for s in rec.sites() if (s.part, s.dtype, s.size) == (part, dtype, size)] or [{}]
-    out = [rec.tuning.variant(part, dtype, size, launch, **f) for f in flags]
-    return [v for v in out if v is not None]
+    """The compile variants of one config of launch site `kernel` ("attention.fwd") at (dtype, size) on `t`: its
+    launches in every compile call of the record there (BERT's training flags where none matches), the config
+    forced; [] for a launch site that chooses among implementations rather than configuring a kernel
+    (mlm_loss.strategy). A config the launcher cannot take (kernels.tuned.pick) raises ValueError."""
+    rec, site = record(kernel), launches.site(kernel)
+    if site.choice:
+        return []
+    calls = [c for c in rec.compiled() if (c.dtype, c.size) == (dtype, size)] or [CompileCall(dtype, size)]
+    out, seen = [], set()
+    for call in calls:
+        for variant in recorded(rec, call, t, (kernel, config) if config else None):
+            if variant.fn is site.kernel and variant_key(variant) not in seen:
+                seen.add(variant_key(variant))
+                out.append(variant)
+    return out
 
 
 def table_variants(t: Target):
     """Every entry of the launch-config table for family `t` that the lookup reads (the committed one, or
     BERTFUSE_CONFIG_DIR's), as compile variants."""
-    from kernels import tuned
-
     table = tuned.load_table(tuned.config_dir(), t.name)
     for kernel, entries in sorted(table.get("kernels", {}).items()):
         for key, entry in sorted(entries.items()):

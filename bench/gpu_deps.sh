@@ -8,9 +8,11 @@ usage: bash bench/gpu_deps.sh [--check-only]
 
 Run on a machine with PyPI access (this CPU machine), before sending the checkout to a GPU machine that has no
 network. Installs into .gpu_deps/, without dependencies (the GPU image brings its own torch and triton):
-  pytest, pluggy, iniconfig, packaging, pygments   the GPU-marked tests (bench/gpu_check.sh, stage "tests")
+  pytest, pytest-timeout, pluggy, iniconfig,      the GPU-marked tests (bench/gpu_check.sh, stage "tests";
+  packaging, pygments                             pytest.ini requires pytest-timeout)
   liger-kernel, cut-cross-entropy                  the kernel suite's peers (stage "kernels")
-then checks that `PYTHONPATH=.gpu_deps python -c "import liger_kernel, cut_cross_entropy, pytest"` works here
+then checks that `PYTHONPATH=.gpu_deps python -c "import liger_kernel, cut_cross_entropy, pytest, pytest_timeout"`
+works here
 and prints the folder's size, which must stay well under the 64 MB a GPU run may carry.
 flash-attn is not among them: it is a CUDA build, not pure Python; its rows say "not installed" unless the GPU
 image has it. bench/gpu_check.sh puts .gpu_deps on PYTHONPATH when it exists; send it along, e.g. with the
@@ -21,7 +23,7 @@ EOF
 }
 
 # Pinned: the peers' numbers are comparable from one GPU run to the next.
-PACKAGES=(pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0
+PACKAGES=(pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0
           liger-kernel==0.8.5 cut-cross-entropy==25.1.1)
 LIMIT_MB=32
 
@@ -48,7 +50,7 @@ if [ "$check_only" = 0 ]; then
   trap - EXIT
 fi
 [ -d "$deps" ] || { echo "gpu_deps.sh: no $deps/ folder (run without --check-only first)" >&2; exit 1; }
-if ! PYTHONPATH="$deps" python3 -c "import liger_kernel, cut_cross_entropy, pytest"; then
+if ! PYTHONPATH="$deps" python3 -c "import liger_kernel, cut_cross_entropy, pytest, pytest_timeout"; then
   echo "gpu_deps.sh: the packages in $deps/ do not import here" >&2
   exit 1
 fi

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .peaks import timeit
-from .tune import rel_err
+from .tune_timed import rel_err
 
 # Set in bench.precompile's workers: each suite then runs only this project's implementations, once, untimed,
 # so that their kernels compile (in parallel processes) into Triton's on-disk cache before the timed run.
@@ -89,7 +89,7 @@ def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     """In a fresh process: (peak RSS growth in bytes during one forward+backward, the error to the float64
     reference or None). No time: on a CPU the Triton rows run in Triton's interpreter, whose speed says nothing
     of the kernels', so no row of the CPU table is timed."""
-    from bench.record import record
+    from bench.ops import record
 
     from .e2e import peak_rss_mb, rss_mb
 

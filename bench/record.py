@@ -6,8 +6,9 @@ themselves:
 
     bench.smoke           `smoke`: one check per entry, the op against its float64 reference
     bench.kernel_suite    `bench`: the shapes it is timed at, its peers, the bytes and FLOPs it must move
-    bench.tune            `tuning`: the launch sites a config table may set, their candidates and problems
-    bench.compile_check   `sites` (compiled with what the launchers pick on each GPU family), `tuning.variant`
+    bench.tune            `tuning`: where the op's tunable launch sites (kernels.launches) are measured
+    bench.compile_check   `compiled` and `call`: the calls whose launches are recorded and compiled for each GPU
+                          family, with the configs the launchers pick there
     bench.targets         `goals`: the speed and memory targets read from the benchmark rows
     bench.precompile, bert-bench, bench/test_kernels.py: the record names and `bench`
 
@@ -16,7 +17,6 @@ TRITON_INTERPRET=1 first on a machine without a GPU), but compiles nothing: kern
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -93,12 +93,14 @@ class Bench(NamedTuple):
 
 
 # -- launch-config tuning and the compile check of every GPU family ------------------------------------------------
+# The launch sites themselves (their kernels, default and candidate configs, tunable fields) are the kernels'
+# own declaration (kernels.launches); a record adds where they are measured and which calls are compiled.
 
 class Variant(NamedTuple):
-    """A kernel specialised as the JIT would at BERT's shapes: every argument -> a torch dtype (pointer), "i32",
-    "i32:16" (divisible by 16), "fp32", None (absent pointer) or a constexpr's value. `needs`: "tensor_cores"
-    (every half-precision dot on the target's tensor-core instruction) or "vectors" (half-precision tensors moved
-    in 16-byte vectors), judged for half precision only."""
+    """A kernel specialised as the JIT specialises it for one recorded launch (kernels.launches.signature):
+    every argument -> a torch dtype (pointer), "i32", "i32:16" (divisible by 16), "i64", "fp32", or a constexpr's
+    value (None: an absent pointer). `needs`: its launch site's demand in half precision ("tensor_cores",
+    "vectors")."""
     name: str
     fn: object
     args: dict
@@ -106,24 +108,48 @@ class Variant(NamedTuple):
     num_stages: int = 3
     dtype: torch.dtype = torch.float32
     needs: str | None = None
+    refused: str | None = None  # the launchers' error, for a call the family refuses (fn is then None)
 
     def refusal(self, target) -> str | None:
         """Why family `target` refuses to run this variant's op in its dtype (kernels.targets.refusal, for a dot
         kernel where it `needs` tensor cores); None where it runs it."""
         from kernels.targets import refusal  # imported here: kernels imports triton
 
-        return refusal(self.name.split()[0], self.dtype, target, self.needs == "tensor_cores")
+        return self.refused or refusal(self.name.split()[0], self.dtype, target, self.needs == "tensor_cores")
 
 
-class Site(NamedTuple):
-    """One launch the compile check judges on every GPU family: launch site `part` (a tuning part, or a kernel
-    whose launch is fixed, such as attention's "preprocess") at (dtype, size), with the kernel flags `flags`
-    (keyword arguments of `Tuning.variant`) the model may set. Its config is the one the launcher picks on the
-    family checked (`Tuning.config`)."""
-    part: str
+class CompileCall(NamedTuple):
+    """One call of the op that the compile check records on every GPU family (kernels.launches.recording): the
+    launches its forward and backward make at (dtype, size), with the config each launcher picks on the family
+    checked, and the kernel flags `flags` (keyword arguments of the record's `call`)."""
     dtype: torch.dtype
     size: int
     flags: dict = {}
+
+
+class Recorded(NamedTuple):
+    launches: list              # kernels.launches.Launch, in launch order
+    refused: str | None         # the launchers' error where the family refuses the call (then no launches)
+
+
+def record_launches(rec: "Record", call: CompileCall, target, force: tuple[str, dict] | None = None) -> Recorded:
+    """The launches `call` of record `rec` makes on GPU family `target`, recorded, not run
+    (kernels.launches.recording: what the launchers pass and the configs they pick there); with `force` =
+    (launch site, config), that site's config forced (kernels.tuned.forced: a ValueError where the launcher
+    cannot take it)."""
+    import contextlib
+
+    from kernels import launches, targets, tuned  # imported here: kernels imports triton
+
+    with contextlib.ExitStack() as stack:
+        if force:
+            stack.enter_context(tuned.forced(*force, strict=True))
+        got = stack.enter_context(launches.recording(target))
+        try:
+            rec.call(call.dtype, call.size, **call.flags)
+        except targets.Refused as e:  # bfloat16, or half-precision dots, on sm_75
+            return Recorded([], str(e))
+    return Recorded(list(got), None)
 
 
 class TuneShape(NamedTuple):
@@ -134,27 +160,14 @@ class TuneShape(NamedTuple):
 
 
 class Tuning(NamedTuple):
-    """The launch sites ("<record>.<part>") a config table may set. `default(part, dtype, size, target)` is the
-    launcher's built-in config on a kernels.targets.Target (None: the interpreter); `config(part, dtype, size,
-    target)` what the launcher runs there (its table's "all" entry, else the default); `candidates[part]` the
-    configs swept (fields it may change); `variant(part, dtype, size, launch, **flags)` the compile Variant (with
-    BERT's training flags unless told; None for a part that is a choice between implementations, not a kernel);
-    `setup(shape, size, dtype, device, part)` gives (fn, inputs, {part: inputs whose gradients that backward
-    kernel writes}); parts missing there are forward kernels, timed without gradients; parts in `whole` are timed
-    forward + backward together (a strategy; a kernel that computes the gradients in the forward)."""
-    parts: tuple
-    default: Callable
-    config: Callable
-    candidates: dict
+    """Where the timed tuner measures the op's tunable launch sites ("<record>.<part>", those of
+    kernels.launches with candidates). `setup(shape, size, dtype, device, part)` gives (fn, inputs, {part:
+    inputs whose gradients that backward kernel writes}); parts missing there are forward kernels, timed without
+    gradients; parts in `whole` are timed forward + backward together (a strategy; a kernel that computes the
+    gradients in the forward)."""
     shapes: tuple
     setup: Callable
-    variant: Callable
     whole: tuple = ()
-
-
-def grid(**axes) -> list[dict]:
-    """Every combination of the axes' values, as config dicts."""
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 # -- targets --------------------------------------------------------------------------------------------------------
@@ -194,20 +207,6 @@ class Record(NamedTuple):
     bench_shapes: BenchShapes
     bench: Callable             # fn(shape, device, dtype, full) -> Iterable[Bench]
     tuning: Tuning
-    sites: Callable[[], Iterable[Site]]   # what the compile check compiles, on every GPU family
+    compiled: Callable[[], Iterable[CompileCall]]  # what the compile check records and compiles, every family
+    call: Callable              # fn(dtype, size, **flags): the op forward and backward on small CPU tensors
     goals: tuple = ()
-
-
-def records() -> list[Record]:
-    from . import ops
-
-    return list(ops.RECORDS)
-
-
-def record(name: str) -> Record:
-    """The record of op `name` ("attention", or a tuning name such as "attention.fwd")."""
-    op = name.split(".")[0]
-    for r in records():
-        if r.name == op:
-            return r
-    raise KeyError(f"no kernel record named {op!r} (have: {', '.join(r.name for r in records())})")

@@ -159,7 +159,7 @@ def checks() -> dict:
     imports triton, so this runs only once TRITON_INTERPRET is settled (main, or a worker it spawned). Filled once:
     the model checks, always present, say it has been."""
     if "bert_step" not in CHECKS:
-        from bench.record import records
+        from bench.ops import records
 
         found = {name: kernel_check(build) for r in records() for name, build in r.smoke.items()}
         for name, check in dict(found, bert_step=check_bert_step, bert_step_packed=check_bert_step_packed).items():

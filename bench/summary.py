@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-from .cli import add_speedups, markdown
+from .report import add_speedups, markdown
 from .targets import evaluate
 
 

@@ -123,7 +123,7 @@ def _add_norm(norm, dropout, h, residual):
             p = dropout.p if dropout.training else 0.0
         else:
             h = dropout(h)
-    if ops.plain(norm, nn.LayerNorm, ops._kernels().LayerNorm) and len(norm.normalized_shape) == 1:
+    if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
         return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, p, backend=ops.backend_for(h))
     return norm((F.dropout(h, p) if p else h) + residual)
 
@@ -135,12 +135,6 @@ def _attend(attention, query, key, value, x, p):
     dropout_p = attention.dropout.p if attention.training else 0.0
     return ops.self_attention(x, p, query, key, value, heads, attention.attention_head_size, dropout_p,
                               ops.backend_for(x))
-
-
-def _exporting_onnx() -> bool:
-    """In an ONNX export, where the fused modules run their original code: ONNX runtimes fuse that graph
-    themselves, and have no translation of the Triton kernels."""
-    return ops._kernels().exporting_onnx()
 
 
 # ---- the fused forwards: fuse keeps every module object (its hooks, its place, its parameters) and gives it a
@@ -219,7 +213,7 @@ def fused_class(base: type, forward: Callable) -> type:
     fuse sets it as one module object's __class__, and unfuse puts base back. It pickles (and deep-copies) as
     "this base class, fused with this forward", not by a dynamic name."""
     def fused_or_original(self, *args, **kwargs):  # an ONNX export exports the original code
-        return (base.forward if _exporting_onnx() else forward)(self, *args, **kwargs)
+        return (base.forward if ops.exporting_onnx() else forward)(self, *args, **kwargs)
 
     def reduce(self, protocol):
         return _new_fused, (base, forward), self.__dict__
@@ -625,8 +619,8 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
     head_dim = at.attention_head_size
     if type(at.dropout) is not nn.Dropout:
         reasons.append(f"attention dropout is a {type(at.dropout).__name__}, not an nn.Dropout")
-    if not ops._kernels().attention.supports_head_dim(head_dim):
-        reasons.append(f"head_dim {head_dim} is not supported by the attention kernel")
+    if why := ops.attention_refusal(head_dim):
+        reasons.append(why)
     if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
         reasons.append(f"an attention scale other than 1/sqrt(head_dim) ({at.scaling})")
     if getattr(cfg, "position_embedding_type", "absolute") not in (None, "absolute"):
@@ -695,7 +689,7 @@ class _Fuser:
         return fused
 
     def layer_norms(self, root: nn.Module) -> int:
-        return ops._kernels().fuse_layer_norms(root, retype=self.retype)
+        return ops.kernels_package().fuse_layer_norms(root, retype=self.retype)
 
 
 def _is_fused(module: nn.Module) -> bool:
@@ -806,7 +800,7 @@ class FusedMLMForward:
         # a hook on it), or an ONNX export (which exports the original code).
         if labels is None or (pretraining and nsp_label is None) or kw.get("output_attentions") \
                 or kw.get("output_hidden_states") or kw.get("return_dict") is False \
-                or not ops.plain(_get(self.task, self.head.decoder), nn.Linear) or _exporting_onnx():
+                or not ops.plain(_get(self.task, self.head.decoder), nn.Linear) or ops.exporting_onnx():
             return self.unfused(*args, **kwargs)
         kw.pop("return_dict", None)
         out = getattr(self.task, self.base)(**{k: v for k, v in kw.items() if v is not None})

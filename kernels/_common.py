@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-# Read once, as triton does when the kernels are first decorated: CPU tensors only work in the interpreter.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from . import launches, targets
+from .targets import INTERPRET
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# tl.constexpr, so the jit functions may read them (plain float globals only work in the interpreter).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 _warned: set[str] = set()
@@ -31,6 +34,21 @@ def exporting_onnx() -> bool:
     return not torch.compiler.is_dynamo_compiling() and torch.onnx.is_in_onnx_export()
 
 
+def device_refusal(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device` (None where they can): a CUDA or ROCm GPU older than they support,
+    a CPU without Triton's interpreter, any other device."""
+    if device.type == "cuda":
+        try:
+            targets.of(device)
+        except RuntimeError as e:  # a GPU older than the kernels support
+            return str(e)
+        return None
+    if device.type == "cpu" and INTERPRET:
+        return None
+    return ("the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before triton is imported for CPU "
+            "tensors")
+
+
 def backend_for(t: torch.Tensor) -> str:
     """For a drop-in module, which holds no config: "triton" where the kernels run on t's device (a CUDA or ROCm
     GPU the kernels support; the CPU under TRITON_INTERPRET=1), else "torch" (the module computes its op's
@@ -38,19 +56,10 @@ def backend_for(t: torch.Tensor) -> str:
     warning. In an ONNX export: "torch"."""
     if exporting_onnx():
         return "torch"
-    if t.is_cuda:
-        from .targets import of  # imported here: kernels.targets reads INTERPRET from this module
-
-        try:
-            of(t.device)
-        except RuntimeError as e:  # a GPU older than the kernels support
-            warn_once(str(e))
-            return "torch"
+    why = device_refusal(t.device)
+    if why is None:
         return "triton"
-    if t.device.type == "cpu" and INTERPRET:
-        return "triton"
-    warn_once(f"fused layers on {t.device.type} tensors run their PyTorch path (the Triton kernels need a CUDA "
-              "device)")
+    warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path ({why})")
     return "torch"
 
 
@@ -70,13 +79,12 @@ def check_device(op: str, **tensors) -> torch.device:
     for name, d in devices.items():
         if d != device:
             raise ValueError(f"{op}: {name} is on {d} but {first_name} is on {device}")
-    if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
+    recorded = launches.recording_active() and device.type == "cpu"  # nothing is launched: any CPU tensor does
+    if device.type != "cuda" and not ((INTERPRET or recorded) and device.type == "cpu"):
         raise ValueError(f"{op}: tensors are on {device}; the Triton kernels need a CUDA device "
                          "(or TRITON_INTERPRET=1 set before triton is imported, for CPU tensors)")
     if any(t.dtype == torch.bfloat16 for t in named.values()):
-        from .targets import check  # imported here: kernels.targets reads INTERPRET from this module
-
-        check(op, torch.bfloat16, device)
+        targets.check(op, torch.bfloat16, device)
     return device
 
 
@@ -135,8 +143,8 @@ def interpreter_upcast(*tensors):
     """Triton's interpreter computes tl.dot on bfloat16 wrongly (relative errors of 1e8), so there the kernels
     that multiply matrices get float32 copies of bfloat16 operands (bfloat16 products are exact in float32) and
     their callers cast the results back: the CPU path gives bfloat16 answers, never garbage. Compiled kernels
-    (a GPU) get the tensors unchanged."""
-    if not INTERPRET:
+    (a GPU) get the tensors unchanged, and so do recorded launches (kernels.launches), which compute nothing."""
+    if not INTERPRET or launches.recording_active():
         return tensors
     return tuple(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors)
 

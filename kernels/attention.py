@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import targets, tuned
+from . import launches, targets, tuned
 from ._common import (FLOAT_DTYPES, check_device, dense, dot_precision, dropout_keep, interpreter_upcast, keep_mask,
                       seed_tensor, unit_stride)
 
@@ -47,8 +47,15 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def supports_head_dim(head_dim: int) -> bool:
-    return 1 <= head_dim <= MAX_HEAD_DIM
+DOTS = True  # built on half-precision tl.dot (kernels.refusal)
+
+
+def shape_refusal(head_dim: int) -> str | None:
+    """Why the kernels cannot take heads of `head_dim` (kernels.refusal)."""
+    return None if 1 <= head_dim <= MAX_HEAD_DIM else f"head_dim {head_dim} is not supported; the kernels take 1 " \
+                                                          f"to {MAX_HEAD_DIM}"
+
+
 LOG2E = 1.4426950408889634
 
 
@@ -329,6 +336,23 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Targ
     return tuned.pick(f"attention.{kernel}", default, target, dtype, head_dim, max_seqlen, need=need)
 
 
+def _site(part: str, kernel, candidates=()) -> launches.LaunchSite:
+    return launches.LaunchSite(f"attention.{part}", kernel,
+                               lambda dtype, d, target: _default_config(part, d, dtype, target),
+                               lambda dtype, d, target, seqlen=None: _config(part, d, dtype, target, seqlen),
+                               candidates, needs=None if part == "preprocess" else "tensor_cores")
+
+
+_FWD, _PREPROCESS, _DKDV, _DQ = launches.declare(
+    _site("fwd", _attention_fwd_kernel, launches.grid(BLOCK_M=[64, 128], BLOCK_N=[32, 64, 128], num_warps=[4, 8],
+                                                      num_stages=[2, 3])),
+    _site("preprocess", _attention_bwd_preprocess_kernel),  # memory-bound, fixed
+    _site("dkdv", _attention_bwd_dkdv_kernel, launches.grid(BLOCK_M=[16, 32, 64], BLOCK_N=[64, 128],
+                                                            num_warps=[4, 8], num_stages=[1, 2])),
+    _site("dq", _attention_bwd_dq_kernel, launches.grid(BLOCK_M=[64, 128], BLOCK_N=[16, 32, 64], num_warps=[4, 8],
+                                                        num_stages=[1, 2])))
+
+
 def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
     op = "varlen_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -341,8 +365,8 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
         raise ValueError(f"{op}: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not supports_head_dim(q.shape[2]):
-        raise ValueError(f"{op}: head_dim {q.shape[2]} is not supported; the kernels take 1 to {MAX_HEAD_DIM}")
+    if why := shape_refusal(q.shape[2]):
+        raise ValueError(f"{op}: {why}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
             or cu_seqlens.numel() < 1:
         raise TypeError(f"{op}: cu_seqlens must be a 1-D int32 tensor [batch + 1]")
@@ -383,7 +407,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     lse = torch.zeros((heads, total), dtype=torch.float32, device=q.device)
     block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, targets.of(q.device), max_seqlen)
     if total and batch and max_seqlen:
-        _attention_fwd_kernel[(triton.cdiv(max_seqlen, block_m), batch, heads)](
+        _FWD.launch((triton.cdiv(max_seqlen, block_m), batch, heads),
             q, k, v, o, lse, cu_seqlens, seed,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
             total, max_seqlen, softmax_scale * LOG2E, dropout_p,
@@ -414,7 +438,7 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     target = targets.of(q.device)
     pre = _config("preprocess", dim, q.dtype, target, max_seqlen)
-    _attention_bwd_preprocess_kernel[(triton.cdiv(total, pre.BLOCK_M), heads)](
+    _PREPROCESS.launch((triton.cdiv(total, pre.BLOCK_M), heads),
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=pre.BLOCK_M,
         BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=pre.num_warps, num_stages=pre.num_stages)
     flags = dict(HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim),
@@ -430,11 +454,11 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                do.stride(0), do.stride(1))
     grid, meta = launch("dkdv")
-    _attention_bwd_dkdv_kernel[grid](
+    _DKDV.launch(grid,
         q, k, v, do, dk, dv, lse, delta, cu_seqlens, seed, *strides,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **meta)
     grid, meta = launch("dq")
-    _attention_bwd_dq_kernel[grid](
+    _DQ.launch(grid,
         q, k, v, do, dq, lse, delta, cu_seqlens, seed, *strides, dq.stride(0), dq.stride(1), *scalars, **meta)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 

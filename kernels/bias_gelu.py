@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from . import targets, tuned
+from . import launches, targets, tuned
 from ._common import as_rows, backend_for, check_device, check_float, dense, row_bands
 
 __all__ = ["LinearGeLU", "bias_gelu", "bias_gelu_ref"]
@@ -130,6 +130,17 @@ def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | No
                       need=lambda c, t: tuned.tile_need(c.BLOCK_M * c.BLOCK_N, c, t))  # its tile, in float32
 
 
+def _site(part: str, kernel) -> launches.LaunchSite:
+    tiles = tuple(c for c in launches.grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
+                  if c["BLOCK_M"] * c["BLOCK_N"] <= 8192)
+    return launches.LaunchSite(f"bias_gelu.{part}", kernel, lambda dtype, n, target: _default_config(n),
+                               lambda dtype, n, target, seqlen=None: _config(part, dtype, n, target), tiles,
+                               needs="vectors")
+
+
+_FWD, _BWD = launches.declare(_site("fwd", _bias_gelu_fwd_kernel), _site("bwd", _bias_gelu_bwd_kernel))
+
+
 @torch.library.custom_op("bertfuse::bias_gelu_fwd", mutates_args=())
 def _bias_gelu_fwd(x2: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     """gelu(x2 + bias) for rows x2 [M, N] (unit stride along N)."""
@@ -137,7 +148,7 @@ def _bias_gelu_fwd(x2: torch.Tensor, bias: torch.Tensor, approximate: str) -> to
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     block_m, block_n, num_warps = _config("fwd", x2.dtype, n, targets.of(x2.device))
     if m:
-        _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _FWD.launch((triton.cdiv(m, block_m), triton.cdiv(n, block_n)),
             x2, bias, y, x2.stride(0), y.stride(0), m, n,
             APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y
@@ -158,7 +169,7 @@ def _bias_gelu_bwd(dy2: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor, appr
     programs, rows_per_program = row_bands(x2.device, m, block_m)
     db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
     if m:
-        _bias_gelu_bwd_kernel[(programs, triton.cdiv(n, block_n))](
+        _BWD.launch((programs, triton.cdiv(n, block_n)),
             x2, bias, dy2, dx, db_partial, x2.stride(0), dy2.stride(0), dx.stride(0), m, n, rows_per_program,
             APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return dx, db_partial.sum(0).to(bias.dtype)

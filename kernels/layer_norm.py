@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from . import targets, tuned
+from . import launches, targets, tuned
 from ._common import (as_rows, backend_for, check_device, check_float, dense, dropout_keep, keep_mask, row_bands,
                       seed_tensor)
 
@@ -156,6 +156,15 @@ def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | No
                       need=lambda c, t: tuned.tile_need(c.BLOCK_M * c.BLOCK_N, c, t))  # its rows, in float32
 
 
+def _site(part: str, kernel) -> launches.LaunchSite:
+    return launches.LaunchSite(f"layer_norm.{part}", kernel, lambda dtype, n, target: _default_config(n),
+                               lambda dtype, n, target, seqlen=None: _config(part, dtype, n, target),
+                               launches.grid(BLOCK_M=[1, 2, 4, 8, 16], num_warps=[2, 4, 8, 16]), needs="vectors")
+
+
+_FWD, _BWD = launches.declare(_site("fwd", _layer_norm_fwd_kernel), _site("bwd", _layer_norm_bwd_kernel))
+
+
 def _check(x, weight, bias, residual, p):
     op = "layer_norm"
     check_float(op, "x", x)
@@ -192,8 +201,8 @@ def _layer_norm_fwd(x2: torch.Tensor, residual: torch.Tensor | None, weight: tor
     rstd = torch.empty_like(mean)
     block_m, block_n, num_warps = _config("fwd", x2.dtype, n, targets.of(x2.device))
     if m:
-        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, residual, weight, bias, y, mean, rstd, seed,
+        _FWD.launch(
+            (triton.cdiv(m, block_m),), x2, residual, weight, bias, y, mean, rstd, seed,
             x2.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), m, n, eps, p,
             HAS_RESIDUAL=residual is not None, HAS_DROPOUT=p > 0, HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
@@ -220,8 +229,8 @@ def _layer_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, residual: torch.Tensor 
     dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
     db_partial = torch.zeros_like(dw_partial)
     if m:
-        _layer_norm_bwd_kernel[(programs,)](
-            x2, residual, weight, dy2, dx, dr, dw_partial, db_partial, mean, rstd, seed,
+        _BWD.launch(
+            (programs,), x2, residual, weight, dy2, dx, dr, dw_partial, db_partial, mean, rstd, seed,
             x2.stride(0), residual.stride(0) if residual is not None else 0, dy2.stride(0), dx.stride(0),
             dr.stride(0) if dr is not None else 0, m, n, p, rows_per_program,
             HAS_RESIDUAL=residual is not None, HAS_DROPOUT=p > 0, HAS_WEIGHT=weight is not None,

@@ -11,12 +11,15 @@ On a ROCm build of torch, `torch.cuda` is the AMD GPU (`torch.version.hip` set):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from typing import NamedTuple
 
 import torch
 
-from ._common import INTERPRET
+# Read once, as triton does when the kernels are first decorated: CPU tensors only work in the interpreter.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class Target(NamedTuple):
@@ -120,9 +123,25 @@ def _device_target(index: int) -> Target:
     return from_properties(torch.cuda.get_device_properties(index), hip=torch.version.hip is not None)
 
 
+_assumed: list = []
+
+
+@contextlib.contextmanager
+def assume(target: Target):
+    """Inside the block every device is family `target` (kernels.launches.recording: the launchers pick their
+    configs as there, with no GPU)."""
+    _assumed.append(target)
+    try:
+        yield target
+    finally:
+        _assumed.pop()
+
+
 def of(device: torch.device) -> Target | None:
     """The target of a CUDA (or ROCm) device; None for a CPU tensor or under the interpreter, where the launchers
     use their interpreter configs."""
+    if _assumed:
+        return _assumed[-1]
     if device.type != "cuda" or INTERPRET:
         return None
     return _device_target(device.index if device.index is not None else torch.cuda.current_device())
@@ -160,10 +179,14 @@ def named(name: str) -> Target:
     return TARGETS[name]
 
 
+class Refused(TypeError):
+    """A GPU family refuses an op in a dtype (`check`)."""
+
+
 def check(op: str, dtype: torch.dtype, device: torch.device, dots: bool = False) -> None:
     """One clear error, before any kernel is compiled, where the device's GPU refuses `op` in `dtype`
     (`refusal`: a dtype it cannot run; with `dots`, a half-precision dot kernel where Triton has no tensor-core
     dots)."""
     reason = refusal(op, dtype, of(device), dots)
     if reason:
-        raise TypeError(reason)
+        raise Refused(reason)

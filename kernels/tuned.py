@@ -35,6 +35,7 @@ from .targets import Target
 
 FORMAT = 1
 _forced: dict[str, dict] = {}
+_strict: set[str] = set()  # forced kernels whose config must be taken as it is (ValueError otherwise)
 
 
 def config_dir() -> str:
@@ -207,6 +208,8 @@ def pick(kernel: str, default: NamedTuple, target: Target | None, dtype: torch.d
     if config is None:
         return default
     why = _problem(config, default, tunable, target, need)
+    if why and kernel in _strict and key is None:
+        raise ValueError(f"{kernel}: the launcher refuses the config {json.dumps(config, sort_keys=True)}: {why}")
     if why:
         where = "forced" if key is None else f"{os.path.join(config_dir(), target.name + '.json')}, {key}"
         warn_ignored(kernel, where, json.dumps(config, sort_keys=True, default=str), why)
@@ -215,14 +218,17 @@ def pick(kernel: str, default: NamedTuple, target: Target | None, dtype: torch.d
 
 
 @contextlib.contextmanager
-def forced(kernel: str, config: dict):
+def forced(kernel: str, config: dict, strict: bool = False):
     """Every launch of `kernel` inside the block uses `config` (any device, the interpreter too): the tuner's
-    sweep, and tests of non-default configs."""
-    previous = _forced.get(kernel)
+    sweep, and tests of non-default configs. A config the launcher cannot take is warned about and its default
+    used, or, `strict`, refused with a ValueError saying why (the compile check of a candidate)."""
+    previous, was_strict = _forced.get(kernel), kernel in _strict
     _forced[kernel] = dict(config)
+    _strict.add(kernel) if strict else _strict.discard(kernel)
     try:
         yield
     finally:
+        _strict.add(kernel) if was_strict else _strict.discard(kernel)
         if previous is None:
             _forced.pop(kernel, None)
         else:

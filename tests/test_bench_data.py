@@ -19,6 +19,7 @@ def test_a_scaled_corpus_is_every_document_scale_times_shuffled(tmp_path):
     assert data.scaled_corpus(source, 1, str(tmp_path)) == source
 
 
+@pytest.mark.slow
 def test_data_suite_writes_one_row_per_stage_and_scale(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(data, "MIN_TEXT_BYTES", 0)  # a corpus small enough for the CPU suite
     source = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=60, sentences=20)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import tarfile
 
+import pytest
+
 from bench import precompile
 from bench.smoke import checks
 from bench.summary import render
@@ -18,6 +20,7 @@ def run(*args, timeout=300):
     return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
     out = tmp_path / "out"
     done = run(str(out), "--budget", "60", "--stages", "smoke")
@@ -41,6 +44,7 @@ def test_arguments_are_checked(tmp_path):
     assert run().returncode == 2
 
 
+@pytest.mark.slow
 def test_a_cut_stage_is_reported_and_later_stages_still_run(tmp_path):
     out = tmp_path / "out"
     # Every stage gets at least 10 s; the GPU-test stage (pytest processes all at once) needs more than that.

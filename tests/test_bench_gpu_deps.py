@@ -30,6 +30,7 @@ def test_help_and_a_missing_folder(scratch):
     assert bad.returncode == 2 and "unknown option --fast" in bad.stderr
 
 
+@pytest.mark.slow
 def test_fills_the_folder_and_the_packages_import(scratch):
     done = run(scratch / "bench" / "gpu_deps.sh")
     if done.returncode and "pip could not install" in done.stderr:

@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 from bench import smoke  # noqa: E402
 
 
+@pytest.mark.slow
 def test_every_check_passes_on_the_cpu(tmp_path, capsys):
     path = tmp_path / "smoke.json"
     assert smoke.main(["--json", str(path), "--device", "cpu"]) == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bench import tune  # noqa: E402
+from bench import tables, tune, tune_compile, tune_problems, tune_timed  # noqa: E402
 from kernels import tuned  # noqa: E402
 from kernels.targets import TARGETS  # noqa: E402
 
@@ -25,50 +25,51 @@ def fake_timer(times):
     return timer
 
 
-TINY = [tune.Problem("layer_norm.bwd", torch.float32, 40, None, (21, 40)),
-        tune.Problem("bias_gelu.fwd", torch.float16, 48, None, (9, 48)),
-        tune.Problem("attention.dkdv", torch.float32, 16, 40, (3, 40, 2)),
-        tune.Problem("mlm_loss.dweight", torch.float32, 32, None, (10, 32, 200))]
+TINY = [tune_problems.Problem("layer_norm.bwd", torch.float32, 40, None, (21, 40)),
+        tune_problems.Problem("bias_gelu.fwd", torch.float16, 48, None, (9, 48)),
+        tune_problems.Problem("attention.dkdv", torch.float32, 16, 40, (3, 40, 2)),
+        tune_problems.Problem("mlm_loss.dweight", torch.float32, 32, None, (10, 32, 200))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", TINY, ids=str)
 def test_sweep_picks_the_fastest_verified_config(problem):
-    default = tune.default_launch(problem.kernel, problem.dtype, problem.size, None)._asdict()
-    fields = list(tune.candidates(problem.kernel)[0])
+    default = tune_problems.default_launch(problem.kernel, problem.dtype, problem.size, None)._asdict()
+    fields = list(tune_problems.candidates(problem.kernel)[0])
     other = {k: default[k] for k in fields}
     other["BLOCK_M"] = default["BLOCK_M"] * 2
     configs = [other, {"num_warps": 2}]
-    entry = tune.tune_problem(problem, CPU, fake_timer([5.0, 1.0, 3.0]), configs=configs)
+    entry = tune_timed.tune_problem(problem, CPU, fake_timer([5.0, 1.0, 3.0]), configs=configs)
     assert entry["config"] == dict({k: default[k] for k in fields}, num_warps=2)
     assert entry["ms"] == 1.0 and entry["default_ms"] == 3.0 and entry["candidates"] == 3
 
 
 def test_a_winner_whose_output_differs_is_dropped(monkeypatch):
     problem = TINY[0]
-    real = tune.run_with
+    real = tune_timed.run_with
 
     def corrupt(problem, config, run, what):
         out = real(problem, config, run, what)
         return [o * 1.01 for o in out] if what == "outputs" and config["BLOCK_M"] == 1 else out
 
-    monkeypatch.setattr(tune, "run_with", corrupt)
-    entry = tune.tune_problem(problem, CPU, fake_timer([1.0, 2.0, 3.0]),
+    monkeypatch.setattr(tune_timed, "run_with", corrupt)
+    entry = tune_timed.tune_problem(problem, CPU, fake_timer([1.0, 2.0, 3.0]),
                               configs=[{"BLOCK_M": 1, "num_warps": 4}, {"BLOCK_M": 2, "num_warps": 4}])
     assert entry["config"] == {"BLOCK_M": 2, "num_warps": 4} and entry["pruned"] == 1
 
 
 def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypatch):
-    monkeypatch.setattr(tune, "candidates", lambda kernel: [{"num_warps": 2}])
-    results = tune.sweep(TINY[:2], CPU, budget=1e9, timer=fake_timer([1.0, 2.0] * 2), prune_fn=None,
+    monkeypatch.setattr(tune_problems, "candidates", lambda kernel: [{"num_warps": 2}])
+    results = tune_timed.sweep(TINY[:2], CPU, budget=1e9, timer=fake_timer([1.0, 2.0] * 2), prune_fn=None,
                          log=lambda *_: None)
     assert set(results) == {"layer_norm.bwd", "bias_gelu.fwd"}
-    assert tune.sweep(TINY, CPU, budget=-1, timer=None, prune_fn=None, log=lambda *_: None) == {}
-    path = tune.write_table(str(tmp_path), "sm_90", results, {"device": "test"})
+    assert tune_timed.sweep(TINY, CPU, budget=-1, timer=None, prune_fn=None, log=lambda *_: None) == {}
+    path = tables.write_table(str(tmp_path), "sm_90", results, {"device": "test"})
     table = json.load(open(path))
     assert table["format"] == tuned.FORMAT and table["device"] == "test"
     assert table["kernels"]["layer_norm.bwd"]["float32/40/all"]["config"] == {"num_warps": 2}
     # Merging keeps earlier entries.
-    tune.write_table(str(tmp_path), "sm_90", {"attention.fwd": {"bfloat16/64/s512": {"config": {"BLOCK_M": 64}}}},
+    tables.write_table(str(tmp_path), "sm_90", {"attention.fwd": {"bfloat16/64/s512": {"config": {"BLOCK_M": 64}}}},
                      {})
     table = json.load(open(path))
     assert set(table["kernels"]) == {"layer_norm.bwd", "bias_gelu.fwd", "attention.fwd"}
@@ -77,7 +78,7 @@ def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypat
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
     tuned.clear_cache()
     try:
-        default = tune.default_launch("layer_norm.bwd", torch.float32, 40, SM90)
+        default = tune_problems.default_launch("layer_norm.bwd", torch.float32, 40, SM90)
         picked = tuned.pick("layer_norm.bwd", default, SM90, torch.float32, 40)
         assert picked == default._replace(num_warps=2)
     finally:
@@ -85,7 +86,7 @@ def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypat
 
 
 def test_problems_cover_bert_shapes_most_used_first():
-    todo = tune.problems(tune.families(), [torch.bfloat16, torch.float16])
+    todo = tune_problems.problems(tune_problems.families(), [torch.bfloat16, torch.float16])
     assert todo[0].dtype == torch.bfloat16 and todo[-1].dtype == torch.float16
     keys = {(p.kernel, p.key) for p in todo}
     for key in [("attention.fwd", "bfloat16/64/s128"), ("attention.dq", "float16/64/s512"),
@@ -94,21 +95,23 @@ def test_problems_cover_bert_shapes_most_used_first():
                 ("mlm_loss.ce", "float16/768/s8192")]:
         assert key in keys
     for p in todo:  # every candidate set only varies what the launcher lets a table tune
-        assert set(tune.candidates(p.kernel)[0]) <= set(tune.default_launch(p.kernel, p.dtype, p.size, SM90)._fields)
+        default = tune_problems.default_launch(p.kernel, p.dtype, p.size, SM90)
+        assert set(tune_problems.candidates(p.kernel)[0]) <= set(default._fields)
 
 
+@pytest.mark.compile
 def test_pruning_compiles_candidates_for_sm90_without_a_gpu():
     from triton.backends import backends
 
     if "nvidia" not in backends:
         pytest.skip("this triton build has no NVIDIA backend")
-    problem = tune.Problem("attention.fwd", torch.bfloat16, 64, 512, (4, 512, 12))
+    problem = tune_problems.Problem("attention.fwd", torch.bfloat16, 64, 512, (4, 512, 12))
     good = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     too_big = {"BLOCK_M": 256, "BLOCK_N": 256, "num_warps": 4, "num_stages": 3}
     narrow = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    kept, pruned = tune.prune(problem, [good, too_big, narrow], "sm_90", jobs=2, warm=False)
+    kept, pruned = tune_timed.prune(problem, [good, too_big, narrow], "sm_90", jobs=2, warm=False)
     assert kept == [good]
-    assert "shared memory" in pruned[json.dumps(too_big, sort_keys=True)]
+    assert "the launcher refuses" in pruned[json.dumps(too_big, sort_keys=True)]  # more than a thread can hold
     assert "wgmma" in pruned[json.dumps(narrow, sort_keys=True)]
 
 
@@ -121,22 +124,23 @@ def test_main_without_a_gpu_says_so(capsys):
     assert "needs --arch" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_path, monkeypatch):
     """mlm_loss.strategy is a choice, not a kernel config: no compile check prunes it, each candidate is timed on
     the whole forward + backward (the chunked strategy computes its gradients in the forward), the winner's
     gradients are checked against the default's, and the launcher's pick reads it from the table."""
     from kernels.mlm_loss import _Strategy
 
-    problem = tune.Problem("mlm_loss.strategy", torch.float32, 16, 20, (20, 16, 50))
+    problem = tune_problems.Problem("mlm_loss.strategy", torch.float32, 16, 20, (20, 16, 50))
     choices = [{"strategy": "chunked"}, {"strategy": "fused"}]
-    assert tune.prune(problem, choices, "sm_90", jobs=1, warm=False) == (choices, {})  # nothing to compile
-    run = tune.setup(problem, CPU)
+    assert tune_timed.prune(problem, choices, "sm_90", jobs=1, warm=False) == (choices, {})  # nothing to compile
+    run = tune_timed.setup(problem, CPU)
     run.timed()
     grads = run.outputs()
     assert len(grads) == 3 and all(g is not None and g.abs().sum() > 0 for g in grads)
-    entry = tune.tune_problem(problem, CPU, fake_timer([3.0, 1.0]))
+    entry = tune_timed.tune_problem(problem, CPU, fake_timer([3.0, 1.0]))
     assert entry["config"] == {"strategy": "fused"} and entry["default_ms"] == 3.0 and entry["candidates"] == 2
-    tune.write_table(str(tmp_path), "sm_90", {problem.kernel: {"bfloat16/768/s8192": entry}}, {})
+    tables.write_table(str(tmp_path), "sm_90", {problem.kernel: {"bfloat16/768/s8192": entry}}, {})
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
     tuned.clear_cache()
     try:
@@ -150,9 +154,9 @@ def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_pat
 
 
 def test_the_chunked_row_kernel_is_timed_with_its_gradient_pass():
-    problem = tune.Problem("mlm_loss.ce", torch.float16, 16, 20, (20, 16, 50))
-    default = tune.default_launch(problem.kernel, problem.dtype, problem.size, None)
-    entry = tune.tune_problem(problem, CPU, fake_timer([2.0, 1.0, 3.0]),
+    problem = tune_problems.Problem("mlm_loss.ce", torch.float16, 16, 20, (20, 16, 50))
+    default = tune_problems.default_launch(problem.kernel, problem.dtype, problem.size, None)
+    entry = tune_timed.tune_problem(problem, CPU, fake_timer([2.0, 1.0, 3.0]),
                               configs=[{"BLOCK_V": 64, "num_warps": 4}, {"BLOCK_V": 32, "num_warps": 2}])
     assert entry["config"] == {"BLOCK_V": 32, "num_warps": 2} and entry["candidates"] == 3
     assert default.BLOCK_V not in (32, 64)  # the default, a third candidate, was timed too
@@ -163,49 +167,52 @@ def test_untimed_configs_are_the_default_then_smaller_tiles_largest_first_more_w
     pool = [dict(base, BLOCK_M=128), dict(base, BLOCK_N=32), dict(base, BLOCK_N=16), base,
             dict(base, BLOCK_N=32, num_stages=3), dict(base, BLOCK_N=32, num_warps=4, num_stages=3)]
     # Larger tiles (BLOCK_M=128), or more of a tile per warp than the default (16 wide on one warp): left out.
-    assert tune.ranked(base, pool) == [base, dict(base, BLOCK_N=32, num_stages=3), dict(base, BLOCK_N=32),
+    assert tune_compile.ranked(base, pool) == [base, dict(base, BLOCK_N=32, num_stages=3), dict(base, BLOCK_N=32),
                                        dict(base, BLOCK_N=32, num_warps=4, num_stages=3), dict(base, BLOCK_N=16)]
-    assert dict(base, BLOCK_N=16, num_warps=1) not in tune.ranked(base, pool + [dict(base, BLOCK_N=16, num_warps=1)])
+    narrower = dict(base, BLOCK_N=16, num_warps=1)
+    assert narrower not in tune_compile.ranked(base, pool + [narrower])
 
 
+@pytest.mark.compile
 def test_compile_only_keeps_clean_defaults_untimed_and_leaves_timed_entries_alone():
     from triton.backends import backends
 
     if "nvidia" not in backends:
         pytest.skip("this triton build has no NVIDIA backend")
     keep = {"bias_gelu.fwd": {"bfloat16/3072/all": {"config": {"num_warps": 4}, "ms": 0.1, "timed": True}}}
-    results = tune.compile_only("sm_90", ["bias_gelu"], jobs=2, keep=keep, log=lambda *_: None)
+    results = tune_compile.compile_only("sm_90", ["bias_gelu"], jobs=2, keep=keep, log=lambda *_: None)
     assert set(results) == {"bias_gelu.fwd", "bias_gelu.bwd"}
     assert sorted(results["bias_gelu.fwd"]) == ["float16/3072/all", "float32/3072/all"]  # the timed one stays
     for kernel, entries in results.items():
         for key, entry in entries.items():
             dtype = getattr(torch, key.split("/")[0])
-            default = tune.default_launch(kernel, dtype, 3072, SM90)._asdict()
+            default = tune_problems.default_launch(kernel, dtype, 3072, SM90)._asdict()
             assert entry["timed"] is False and entry["config"] == {k: default[k] for k in entry["config"]}
     # sm_75 refuses bfloat16, so it has nothing to configure there.
-    assert {p.dtype for p in tune.compile_problems(["bias_gelu"], TARGETS["sm_75"])} == {torch.float16,
+    assert {p.dtype for p in tune_compile.compile_problems(["bias_gelu"], TARGETS["sm_75"])} == {torch.float16,
                                                                                           torch.float32}
 
 
 def test_refusal_names_what_a_family_cannot_run_and_nothing_else():
     sm75, bf16, fp16 = TARGETS["sm_75"], torch.bfloat16, torch.float16
-    assert "bfloat16" in tune.refusal(tune.Problem("layer_norm.fwd", bf16, 768, None, ()), sm75)
-    assert "tensor-core" in tune.refusal(tune.Problem("attention.fwd", fp16, 64, 128, ()), sm75)
-    assert tune.refusal(tune.Problem("layer_norm.fwd", fp16, 768, None, ()), sm75) is None
-    assert tune.refusal(tune.Problem("attention.fwd", bf16, 64, 128, ()), SM90) is None
-    assert tune.refusal(tune.Problem("mlm_loss.strategy", fp16, 768, 4915, ()), sm75) is None  # a choice
+    assert "bfloat16" in tune_problems.refusal(tune_problems.Problem("layer_norm.fwd", bf16, 768, None, ()), sm75)
+    assert "tensor-core" in tune_problems.refusal(tune_problems.Problem("attention.fwd", fp16, 64, 128, ()), sm75)
+    assert tune_problems.refusal(tune_problems.Problem("layer_norm.fwd", fp16, 768, None, ()), sm75) is None
+    assert tune_problems.refusal(tune_problems.Problem("attention.fwd", bf16, 64, 128, ()), SM90) is None
+    strategy = tune_problems.Problem("mlm_loss.strategy", fp16, 768, 4915, ())
+    assert tune_problems.refusal(strategy, sm75) is None  # a choice
 
 
 @pytest.mark.parametrize("args, why", [(["--jobs", "0"], "--jobs must be at least 1, got 0"),
                                        (["--jobs", "-2"], "--jobs must be at least 1, got -2")])
 def test_compile_only_refuses_no_workers_before_compiling(args, why, capsys, monkeypatch):
-    monkeypatch.setattr(tune, "compile_only", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr(tune_compile, "compile_only", lambda *a, **k: pytest.fail("compiled"))
     assert tune.main(["--compile-only", "--arch", "sm_90", *args]) == 2
     assert capsys.readouterr().err.strip() == f"bench.tune: {why}"
 
 
 def test_compile_only_refuses_an_output_it_cannot_write_before_compiling(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tune, "compile_only", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr(tune_compile, "compile_only", lambda *a, **k: pytest.fail("compiled"))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert tune.main(["--compile-only", "--arch", "sm_90", "--output", str(blocker / "configs")]) == 2

@@ -22,6 +22,7 @@ def test_the_first_signal_sets_a_flag_and_raises_only_where_the_run_may_stop_at_
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and stop_signals() is not stop
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_signal_inside_an_interruptible_stage_raises_there():
     with StopSignals() as stop, pytest.raises(StopRun):
@@ -83,6 +84,7 @@ commands.entry("prog", lambda: commands.run("prog", body))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["del", "atexit"])
 def test_a_second_signal_in_a_finaliser_or_at_exit_is_one_line_and_the_same_status(where, tmp_path):
@@ -100,6 +102,7 @@ def test_a_second_signal_in_a_finaliser_or_at_exit_is_one_line_and_the_same_stat
     assert "Traceback" not in err and "Exception ignored" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_signal_before_the_run_starts_is_one_line_and_stops_a_shell_chain(tmp_path):
     """`bert-pretrain ... && next`: Ctrl-C stops the chain (130), also while the arguments are still read."""

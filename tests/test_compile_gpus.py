@@ -12,6 +12,8 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
+pytestmark = pytest.mark.compile  # the compile-check tier (RUN_SLOW=1)
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "compile_gpus.py")
 
 
@@ -51,7 +53,8 @@ def test_sm75_refuses_bfloat16_and_half_precision_dots_instead_of_compiling_them
 
 def test_a_launch_config_table_compiles_entry_by_entry(tmp_path):
     """The compile check's "table" group compiles each entry of the table the lookup reads."""
-    from bench.tune import candidates, write_table
+    from bench.tables import write_table
+    from bench.tune_problems import candidates
 
     need_backend("nvidia")
     write_table(str(tmp_path), "sm_90", {"bias_gelu.fwd": {"bfloat16/3072/all": {

@@ -55,6 +55,7 @@ def sentiment_files(tmp_path, n=64):
     return str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
 
 
+@pytest.mark.slow
 def test_classify_on_the_triton_backend(tmp_path, checkpoint):
     """A short run through the fused kernels (Triton's interpreter on a CPU): trains, saves, reloads the same."""
     train, dev = sentiment_files(tmp_path, n=16)
@@ -248,6 +249,7 @@ def _ddp_worker(rank, world, port, argv):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_process(tmp_path, still_checkpoint):
     import socket
 

@@ -28,6 +28,7 @@ def check_grads(fused, ref):
     assert errs[worst] <= TOL, (worst, errs[worst])
 
 
+@pytest.mark.slow
 def test_minilm_fused_matches_original_with_padding():
     """Six layers of hidden 384 in float32: the gradients are judged against the same model in float64, ours
     within 1e-5 or twice transformers' own float32 error (which varies by ~1e-5 from process to process with
@@ -53,6 +54,7 @@ def test_minilm_fused_matches_original_with_padding():
 
 @pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
                                   "BertForTokenClassification", "BertForQuestionAnswering"])
+@pytest.mark.slow
 def test_task_models_fused_match_original(name):
     torch.manual_seed(0)
     labels = 2 if name == "BertForQuestionAnswering" else 3  # HF's QA head needs exactly start and end
@@ -271,6 +273,7 @@ def test_masks_the_kernel_cannot_express_take_the_original_path():
             assert rel_err(out[mask.bool()], expected[mask.bool()]) <= TOL
 
 
+@pytest.mark.slow
 def test_fused_model_on_the_cpu_without_the_interpreter_runs_the_pytorch_path(tmp_path):
     """Without TRITON_INTERPRET the kernels cannot take CPU tensors: the fused modules fall back, warned once."""
     import subprocess
@@ -303,6 +306,7 @@ print(len(messages), rel_err(out.loss, expected.loss))
     assert warned == "1" and float(err) <= TOL
 
 
+@pytest.mark.slow
 def test_a_fused_masked_only_model_and_its_output_unpickle_in_a_new_process(tmp_path):
     """The output classes without logits are made on first use; a new process that unpickles a saved fused model
     (or one of its outputs) before anything made them finds them by name in bert.hf."""

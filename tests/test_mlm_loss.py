@@ -73,6 +73,7 @@ def test_float32_reductions_and_vocab_sizes(device, reduction, v, strategy):
     run_case(29, v, 40, torch.float32, device, reduction, strategy=strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bert_vocab_size(device, strategy):
     run_case(3, 30522, 16, torch.float32, device, ignore_every=0, strategy=strategy)
@@ -333,6 +334,7 @@ def test_unvalidated_labels_outside_the_vocabulary_count_for_nothing_on_both_bac
     assert torch.equal(g1[[1, 2, 4]], torch.zeros_like(g1[[1, 2, 4]]))
 
 
+@pytest.mark.compile
 def test_chunked_ops_pass_opcheck_and_compile(device):
     """The chunked custom ops' schemas, fake implementations and autograd registration (torch.library.opcheck),
     and a fullgraph torch.compile of an unvalidated call giving eager's loss and gradients."""
@@ -360,6 +362,7 @@ def test_chunked_ops_pass_opcheck_and_compile(device):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.compile
 def test_validated_call_compiles_into_one_graph_for_every_labelled_count(device):
     """validate=True (the default) gathers the labelled rows, a data-dependent count: compiled, without
     fullgraph, it makes one graph with no break, eager's loss and gradients, no recompilation when only the
@@ -399,7 +402,7 @@ def test_validated_call_compiles_into_one_graph_for_every_labelled_count(device)
 def test_default_chunks_bound_the_logits():
     """The default chunk: BERT-base pre-training's labelled rows (256 x 128 tokens, ~4,915) in one chunk of
     bfloat16 logits, BERT-large's (256 x 512, ~19,660) in four equal ones; each chunk's logits within CHUNK_BYTES."""
-    from kernels.mlm_loss import CHUNK_BYTES, _chunk_bounds
+    from kernels._mlm_chunked import CHUNK_BYTES, _chunk_bounds
 
     assert _chunk_bounds(4915, 30522, 2, None) == [(0, 4915)]
     large = _chunk_bounds(19660, 30522, 2, None)
@@ -411,6 +414,7 @@ def test_default_chunks_bound_the_logits():
 @pytest.mark.parametrize("strategy,n,v,h,reduction,factor", [
     ("chunked", 512, 8192, 64, "mean", 2.0 ** 16), ("chunked", 300, 4000, 48, "sum", 2.0 ** 4),
     ("fused", 160, 2048, 32, "mean", 2.0 ** 16)])
+@pytest.mark.slow
 def test_float16_gradients_under_a_gradient_scaler(device, strategy, n, v, h, reduction, factor):
     """fp16 training multiplies the loss by a GradScaler's factor (2^16 at first) before the backward: the
     gradients must come out of that as PyTorch's own fp16 ones do (within twice its error against float64), not

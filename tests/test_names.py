@@ -4,6 +4,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,13 +17,14 @@ def _run(tmp_path, shadow: str, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_foreign_kernels_package_is_named_at_first_use(tmp_path):
     out = _run(tmp_path, "kernels", """
         import torch, bert
         from bert.model import ops
         ops.layer_norm(torch.ones(2, 4), None, None, 1e-5, backend="torch")  # the PyTorch path needs no kernels
         try:
-            ops._kernels()
+            ops.kernels_package()
         except ImportError as e:
             print("ERROR", e)
     """)
@@ -30,6 +33,7 @@ def test_a_foreign_kernels_package_is_named_at_first_use(tmp_path):
     assert str(tmp_path) in out.stdout and "virtual environments" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_foreign_bert_package_is_named_by_bench_and_no_concern_of_the_kernels(tmp_path):
     out = _run(tmp_path / "bench", "bert", "import bench")
     assert out.returncode != 0

@@ -42,6 +42,20 @@ def test_half_precision_attention_runs_in_pytorch_where_triton_has_no_tensor_cor
     assert kernels.targets.dots_refusal("attention", torch.float32, TARGETS["sm_75"]) is None
 
 
+def test_the_triton_table_names_a_public_entry_point_of_every_op_of_the_kernels():
+    kernels = pytest.importorskip("kernels")
+
+    assert set(ops.TRITON) == {s.op for s in kernels.launches.sites()}  # a new op is one row here
+    for op, name in ops.TRITON.items():
+        assert name in kernels.__all__ and getattr(kernels, name).__module__ == f"kernels.{op}", (op, name)
+
+
+def test_attention_refusal_names_what_the_kernel_cannot_take():
+    pytest.importorskip("kernels")
+    assert "head_dim 200 is not supported" in ops.attention_refusal(200)
+    assert ops.attention_refusal(64) is None and ops.attention_refusal(8, torch.device("cpu"), torch.float32) is None
+
+
 def test_backend_for_follows_where_the_kernels_run():
     """CPU tensors take the kernels only under Triton's interpreter (conftest sets it on a machine without CUDA);
     CUDA tensors always do."""

@@ -135,6 +135,7 @@ def _gone(pids, seconds=10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_closing_the_loader_with_planners_blocked_mid_send_returns_within_a_bound():
     """What hung finished runs: shard plans of ~250 KB (more than a pipe holds) being written by planning

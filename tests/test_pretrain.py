@@ -36,6 +36,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "topics.txt", n_docs=40, sentences=12)
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_mlm_and_nsp(tmp_path, corpus):
     args = args_for(tmp_path, corpus, "--steps", "300", "--eval-every", "300", "--eval-fraction", "0.1",
                     "--lr", "1e-3", "--warmup", "0.05")
@@ -57,6 +58,7 @@ def test_tiny_model_learns_mlm_and_nsp(tmp_path, corpus):
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path, corpus):
     train(args_for(tmp_path, corpus, "--save-every", "10", out="a"))
     full = read_log(tmp_path / "a" / "log.jsonl")
@@ -77,6 +79,7 @@ def test_resume_is_exact(tmp_path, corpus):
         assert torch.equal(p, q), n
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_last_k(tmp_path, corpus):
     train(args_for(tmp_path, corpus, "--save-every", "5", "--keep-checkpoints", "2"))
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step-00000015", "step-00000020"]
@@ -84,6 +87,7 @@ def test_checkpoints_keep_last_k(tmp_path, corpus):
     assert state["step"] == 20 and "optimizer" in state and "rng_cpu" in state
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     out = tmp_path / "sig"
     cmd = [sys.executable, "-m", "bert.pretrain", "--data", corpus, "--train-tokenizer", "200", "--config", "tiny",
@@ -121,6 +125,7 @@ def _ddp_worker(rank, world, port, argv, out_file):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", [True, False])
 def test_ddp_two_processes_equal_one_process(tmp_path, corpus, packing):
     """Padded: 2 ranks = one process with the same global batch. Packed: a step is ranks x accumulation packs,
@@ -171,6 +176,7 @@ def test_help_documents_every_option(capsys):
         assert option in text
 
 
+@pytest.mark.slow
 def test_output_dir_of_a_run_is_protected_and_resume_checks_settings(tmp_path, corpus):
     train(args_for(tmp_path, corpus, "--steps", "4", "--save-every", "2"))
     with pytest.raises(ValueError, match="already holds a run .*--resume .*--overwrite"):
@@ -185,6 +191,7 @@ def test_output_dir_of_a_run_is_protected_and_resume_checks_settings(tmp_path, c
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["step-00000003"]
 
 
+@pytest.mark.slow
 def test_resume_from_an_earlier_checkpoint_rewrites_the_later_log_rows(tmp_path, corpus):
     train(args_for(tmp_path, corpus, "--steps", "6", "--save-every", "3"))
     first = read_log(tmp_path / "run" / "log.jsonl")
@@ -195,6 +202,7 @@ def test_resume_from_an_earlier_checkpoint_rewrites_the_later_log_rows(tmp_path,
     assert [r["mlm_loss"] for r in again] == [r["mlm_loss"] for r in first]
 
 
+@pytest.mark.slow
 def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path, corpus):
     from bert.data.tokenizer import load_tokenizer
 
@@ -243,6 +251,7 @@ def test_missing_local_data_fails_at_once(tmp_path, capsys):
     assert "--data no/such/corpus.txt: no such file or directory" in capsys.readouterr().err
 
 
+@pytest.mark.compile
 def test_packed_run_compiles_and_logs_its_packing_efficiency(tmp_path, corpus):
     """Packing is the default; --compile traces the packed step once and trains exactly as eager does;
     --cuda-graphs without a GPU says why in one warning and trains eagerly."""
@@ -264,6 +273,7 @@ def test_a_token_budget_larger_than_the_data_names_the_token_budget(tmp_path, co
         train(args_for(tmp_path, corpus, "--tokens-per-batch", str(4096 * 64)))
 
 
+@pytest.mark.slow
 def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, corpus, capsys):
     from bert.pretrain import main
 
@@ -280,6 +290,7 @@ def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, c
         assert all(torch.isfinite(t).all() for t in sd.values()), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backend):
     """Evaluation runs in the run's own layout: packed micro-batches of its fixed shapes for a packed run, one
@@ -339,6 +350,7 @@ def _slow_rank0_worker(rank, world, port, argv, delay, out_file):
         f.write(outcome)
 
 
+@pytest.mark.slow
 def test_a_slow_rank_0_is_waited_for_as_long_as_dist_timeout_says(tmp_path, corpus):
     """Rank 0 tokenises while rank 1 waits at a barrier. Under --dist-timeout longer than that wait the run
     trains; under a shorter one rank 1 stops with one line naming the flag (so the flag, not a library default,
@@ -356,6 +368,7 @@ def test_a_slow_rank_0_is_waited_for_as_long_as_dist_timeout_says(tmp_path, corp
     assert outcomes["impatient"][0] != "ok"  # rank 0 cannot train alone either
 
 
+@pytest.mark.slow
 def test_wikipedia_jsonl_trains_and_the_log_says_how_long_steps_waited_for_data(tmp_path, monkeypatch, capsys):
     """A corpus in the schema of hf:wikimedia/wikipedia trains; every log row has data_wait_ms, the first one the
     pipeline's start-up (data_start_s); a pipeline slower than the steps is warned about, once."""
@@ -440,6 +453,7 @@ def unseen_words(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", ["training the tokenizer", "tokenising"])
 def test_sigterm_while_preparing_ends_the_run_at_once_leaving_no_file_and_no_process(tmp_path, unseen_words, stage):
@@ -472,6 +486,7 @@ def test_sigterm_while_preparing_ends_the_run_at_once_leaving_no_file_and_no_pro
         assert not (out / "tokenizer" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_run_leaves_no_process_behind_and_no_lock(tmp_path, corpus):
     """SIGKILL of the training process (no handler, no finaliser): its planners and collating workers exit on
@@ -493,6 +508,7 @@ def test_a_killed_run_leaves_no_process_behind_and_no_lock(tmp_path, corpus):
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_many_planning_processes_under_cpu_load_finish_and_stop(tmp_path, corpus):
     """--num-proc 6 on two busy cores: a finished run returns with its model, and a SIGTERM-stopped one returns
@@ -560,6 +576,7 @@ def test_resume_compares_the_tokenizer_by_content_not_by_path(tmp_path, corpus):
         train(build_parser().parse_args(resumed + ["--resume"]))
 
 
+@pytest.mark.slow
 def test_a_cache_damaged_in_place_stops_the_run_before_any_step_trains_on_it(tmp_path, corpus):
     """tokens.bin overwritten in place with ids outside the vocabulary (same size, so the cache still opens):
     every id is checked where instances are gathered from the cache (bert.data.instances.gather), before a batch

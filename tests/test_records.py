@@ -8,7 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 from bench import ops  # noqa: E402
-from bench.record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, grid, randn, record  # noqa: E402
+from bench.ops import record  # noqa: E402
+from bench.record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, randn  # noqa: E402
+from kernels import launches  # noqa: E402
 
 CPU = torch.device("cpu")
 PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 1.0, "matmul_dtype": "float32"}
@@ -34,32 +36,39 @@ DOUBLE = Record(
                                             ["y", "dx"])},
     bench_shapes=BenchShapes(quick=[(64,)], full=[(64,), (128,)], tiny=[(8,)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, size, target: _Launch(4),
-                  config=lambda part, dtype, size, target: _Launch(4),
-                  candidates={"fwd": grid(num_warps=[2, 4]), "bwd": grid(num_warps=[2, 4])},
-                  shapes=(TuneShape(16, None, (16,)),),
+    tuning=Tuning(shapes=(TuneShape(16, None, (16,)),),
                   setup=lambda shape, size, dtype, device, part: (_double, (x := randn(*shape, grad=True),),
-                                                                  {"bwd": (x,)}),
-                  variant=None),
-    sites=lambda: [],
+                                                                  {"bwd": (x,)})),
+    compiled=lambda: [],
+    call=lambda dtype, size: _double(torch.ones(size, dtype=dtype)),
     goals=(Goal("double vs eager", "faster", "double", "fwd_bwd_ms", ">", 1.0, peer="torch-eager"),),
 )
+
+
+# Its launch sites, as its kernel module would declare them (kernels.launches); the "kernel" is never started.
+SITES = [launches.LaunchSite(f"double.{part}", _double, lambda dtype, size, target: _Launch(4),
+                             lambda dtype, size, target, seqlen=None: _Launch(4), launches.grid(num_warps=[2, 4]))
+         for part in ("fwd", "bwd")]
 
 
 @pytest.fixture
 def with_double(monkeypatch):
     from bench import smoke
 
+    for site in SITES:
+        monkeypatch.setitem(launches._SITES, site.name, site)
     monkeypatch.setattr(ops, "RECORDS", ops.RECORDS + (DOUBLE,))
     monkeypatch.setattr(smoke, "CHECKS", {})  # rebuilt from the records
 
 
 def test_the_package_lists_one_record_per_op_module():
-    names = [r.name for r in ops.RECORDS]
-    assert names == ["attention", "bias_gelu", "layer_norm", "mlm_loss"]
+    import kernels
+
+    ops_here = sorted({s.op for s in launches.sites()})  # every op module of kernels declares its launch sites
+    assert [r.name for r in ops.RECORDS] == ops_here and ops_here == sorted(kernels._OPS)
     for r in ops.RECORDS:
-        assert set(r.tuning.candidates) <= set(r.tuning.parts) and r.smoke and r.bench_shapes.tiny
-        assert record(f"{r.name}.{r.tuning.parts[0]}") is r
+        assert r.smoke and r.bench_shapes.tiny and list(r.compiled())
+        assert record(f"{r.name}.{launches.sites(r.name)[0].part}") is r
     with pytest.raises(KeyError, match="no kernel record named 'nope'"):
         record("nope.fwd")
 
@@ -87,17 +96,17 @@ def test_a_new_record_reaches_the_kernel_suite_targets_and_precompile(with_doubl
 
 
 def test_a_new_record_reaches_the_tuner(with_double):
-    from bench import tune
+    from bench import tune_problems, tune_timed
 
-    assert "double" in tune.families()
-    todo = tune.problems(["double"], [torch.float32])
+    assert "double" in tune_problems.families()
+    todo = tune_problems.problems(["double"], [torch.float32])
     assert [p.kernel for p in todo] == ["double.fwd", "double.bwd"]
     times = iter([2.0, 1.0])
 
     def timer(fn):
         fn()
         return next(times)
-    entry = tune.tune_problem(todo[1], CPU, timer)
+    entry = tune_timed.tune_problem(todo[1], CPU, timer)
     assert entry["config"] == {"num_warps": 4} and entry["ms"] == 1.0
 
 

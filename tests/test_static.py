@@ -44,6 +44,7 @@ def twin_of(model):
     return twin
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_forward_has_no_graph_breaks(backend):
     explained = torch._dynamo.explain(tiny(backend))(**packed_batch())
@@ -51,6 +52,7 @@ def test_packed_forward_has_no_graph_breaks(backend):
     assert explained.graph_count == 1
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fullgraph_compiled_training_step_matches_eager(backend):
     """Dropout on: the compiled step draws the same seeds and masks from the same generator state."""

@@ -64,6 +64,23 @@ def test_bf16_and_half_precision_dots_are_refused_clearly_on_sm75(monkeypatch):
     targets.check("varlen_attention", torch.bfloat16, device, dots=True)
 
 
+def test_kernels_refusal_answers_per_op_device_dtype_and_shape(monkeypatch):
+    """kernels.refusal: the one public question "can this op run here, and if not why"."""
+    assert "need a CUDA device" in kernels.refusal("layer_norm", torch.device("meta"))
+    assert kernels.refusal("attention", head_dim=128) is None
+    assert "attention: head_dim 129 is not supported" in kernels.refusal("attention", head_dim=129)
+    with pytest.raises(KeyError, match="no op 'nope'"):
+        kernels.refusal("nope")
+    with pytest.raises(TypeError, match="no shape limits"):
+        kernels.refusal("layer_norm", head_dim=64)
+    device = fake_gpu(monkeypatch, "sm_75")
+    monkeypatch.setattr(kernels._common, "INTERPRET", False)
+    assert "bfloat16 needs" in kernels.refusal("layer_norm", device, torch.bfloat16)
+    assert "no tensor-core dots" in kernels.refusal("attention", device, torch.float16, head_dim=64)
+    assert kernels.refusal("layer_norm", device, torch.float16) is None  # no dots: runs on sm_75
+    assert kernels.refusal("attention", device, torch.float32, head_dim=64) is None
+
+
 def committed_tables():
     return sorted(glob.glob(os.path.join(CONFIGS, "*.json")))
 
@@ -79,7 +96,7 @@ def test_a_compile_checked_table_is_committed_for_every_family():
 def test_the_launchers_read_each_tables_choice_on_a_device_of_that_family(monkeypatch):
     """Each entry of each committed table, looked up through the launcher's own config function for a fake
     device of the table's family, comes back as the table's config (and a table is never read for another)."""
-    from bench.record import record
+    from kernels import launches
 
     monkeypatch.delenv("BERTFUSE_CONFIG_DIR", raising=False)
     tuned.clear_cache()
@@ -88,14 +105,14 @@ def test_the_launchers_read_each_tables_choice_on_a_device_of_that_family(monkey
         name = os.path.basename(path)[:-5]
         device = fake_gpu(monkeypatch, name)
         for kernel, entries in json.load(open(path))["kernels"].items():
-            rec, part = record(kernel), kernel.split(".")[1]
+            site = launches.site(kernel)
             for key, entry in entries.items():
                 dtype, size, bucket = key.split("/")
                 if bucket != "all":
                     continue
                 dtype, size = getattr(torch, dtype), int(size)
-                got = rec.tuning.config(part, dtype, size, targets.of(device))
-                default = rec.tuning.default(part, dtype, size, targets.of(device))
+                got = site.config(dtype, size, targets.of(device))
+                default = site.default(dtype, size, targets.of(device))
                 assert got == default._replace(**entry["config"]), (name, kernel, key)
                 checked += 1
     assert checked > 0

@@ -322,6 +322,7 @@ def _signal_when(event: threading.Event, sig=signal.SIGTERM):
     threading.Thread(target=send, daemon=True).start()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigterm_while_waiting_for_a_batch_stops_at_once_with_a_checkpoint(tmp_path):
     job = SlowJob(slow=4)
@@ -333,6 +334,7 @@ def test_sigterm_while_waiting_for_a_batch_stops_at_once_with_a_checkpoint(tmp_p
     assert [r["step"] for r in rows(tmp_path)] == [3] and not (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigterm_while_evaluating_abandons_it_and_checkpoints(tmp_path):
     job = SlowJob(slow_eval=True)
@@ -351,6 +353,7 @@ sys.exit(commands.run("train", lambda: fit(SlowJob(fatal=3), settings(sys.argv[2
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_dataloader_worker_is_one_clear_line(tmp_path):
     """In a process of its own: torch reports a dead worker from its SIGCHLD handler, wherever the process is,

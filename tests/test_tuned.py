@@ -115,7 +115,8 @@ def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path)
     import glob
     import os
 
-    from bench.tune import candidates, table_problems, write_table
+    from bench.tables import table_problems, write_table
+    from bench.tune_problems import candidates
 
     good = write_table(str(tmp_path), "sm_90", {"layer_norm.fwd": {"bfloat16/768/all": {
         "config": candidates("layer_norm.fwd")[0], "ms": 0.1}}}, {"gpu": "test"})
@@ -130,21 +131,10 @@ def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path)
 
 
 def _launcher_config(kernel: str, dtype: torch.dtype, size: int, target):
-    """What the launcher of `kernel` picks for one launch of (dtype, size) on `target`."""
-    import importlib
+    """What the launcher of `kernel` picks for one launch of (dtype, size) on `target` (its declared site)."""
+    from kernels import launches
 
-    op, part = kernel.split(".")
-    module = importlib.import_module(f"kernels.{op}")  # the op's module (the package's name is its function)
-    if op == "attention":
-        return module._config(part, size, dtype, target, None)
-    if op in ("layer_norm", "bias_gelu"):
-        return module._config(part, dtype, size, target)
-    mlm_loss = module
-    if part == "ce":
-        return mlm_loss._ce_config(dtype, size, target, None)
-    if part == "strategy":
-        return mlm_loss._strategy_config(dtype, size, target, None)
-    return mlm_loss._config(part, dtype, size, target, None)
+    return launches.site(kernel).config(dtype, size, target)
 
 
 def test_every_committed_entry_is_what_its_launcher_uses_on_its_family(recwarn):

@@ -66,6 +66,7 @@ def _pid_then_big(x):
     return os.getpid(), _big(x)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_close_with_workers_blocked_mid_send_returns_within_a_bound():
     """What hung a finished pre-training run: the consumer stops reading while workers are writing results.
@@ -89,6 +90,7 @@ def _kill_self_at(x):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_killed_worker_is_a_one_line_error_not_a_hang():
     with pytest.raises(WorkerDied, match=r"a planning process \(pid \d+\) was killed by SIGKILL before returning"):
@@ -101,6 +103,7 @@ def _fail_at(x):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_an_error_in_a_worker_is_raised_in_the_consumer():
     with pytest.raises(ValueError, match="bad item 2"):
@@ -120,6 +123,7 @@ next(sleepy)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_workers_die_with_a_killed_parent():
     """SIGKILL of the consumer (no finaliser runs): its workers exit too, none lives on as an orphan."""

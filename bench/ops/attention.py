@@ -2,12 +2,9 @@
 import torch
 import torch.nn.functional as F
 
-from kernels._common import dot_precision
-from kernels.attention import (HEAD_DIMS, _attention_bwd_dkdv_kernel, _attention_bwd_dq_kernel,
-                               _attention_bwd_preprocess_kernel, _attention_fwd_kernel, _config, _default_config,
-                               attention_dropout_mask, block_d, varlen_attention, varlen_attention_ref)
+from kernels.attention import HEAD_DIMS, attention_dropout_mask, varlen_attention, varlen_attention_ref
 
-from ..record import Bench, BenchShapes, Case, Goal, Record, Site, TuneShape, Tuning, Variant, grid, randn
+from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, randn
 
 
 def _cu_seqlens(lengths, device) -> torch.Tensor:
@@ -89,40 +86,19 @@ def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
             flops_fwd=flops, extra=extra, reference=exact[layout])
 
 
-_TENSORS = {"fwd": ("q", "k", "v", "o"), "dkdv": ("q", "k", "v", "do", "dk", "dv"), "dq": ("q", "k", "v", "do", "dq")}
-
-
-def _variant(part: str, dtype, dim: int, launch, dropout=True) -> Variant:
-    if part == "preprocess":
-        return Variant(f"attention bwd preprocess {dtype} d={dim}", _attention_bwd_preprocess_kernel,
-                       dict(O=dtype, DO=dtype, Delta=torch.float32, stride_o_t="i32:16", stride_o_h="i32:16",
-                            stride_do_t="i32:16", stride_do_h="i32:16", total_tokens="i32", BLOCK_M=launch.BLOCK_M,
-                            BLOCK_D=block_d(dim), HEAD_DIM=dim),
-                       launch.num_warps, launch.num_stages, dtype)
-    tensors = _TENSORS[part]
-    args = dict(Q=dtype, K=dtype, V=dtype, CuSeqlens=torch.int32, total_tokens="i32", max_seqlen="i32",
-                qk_scale="fp32", p_drop="fp32", Seed=torch.int64 if dropout else None, HAS_DROPOUT=dropout,
-                DOT_PRECISION=dot_precision(dtype), BLOCK_D=block_d(dim), HEAD_DIM=dim, BLOCK_M=launch.BLOCK_M,
-                BLOCK_N=launch.BLOCK_N, LSE=torch.float32,
-                **{f"stride_{t}_{d}": "i32:16" if dim % 16 == 0 else "i32" for t in tensors for d in ("t", "h")})
-    if part == "fwd":
-        args.update(O=dtype)
-        fn = _attention_fwd_kernel
-    else:
-        args.update(DO=dtype, Delta=torch.float32, softmax_scale="fp32", **{t.upper(): dtype for t in tensors[4:]})
-        fn = _attention_bwd_dkdv_kernel if part == "dkdv" else _attention_bwd_dq_kernel
-    name = f"attention {'fwd' if part == 'fwd' else 'bwd ' + part} {dtype} d={dim} dropout={dropout}"
-    return Variant(name, fn, args, launch.num_warps, launch.num_stages, dtype, "tensor_cores")
-
-
-def _sites():
+def _compiled():
     """Every head_dim in half precision (float16 is what a GPU without bfloat16 trains in), three in float32."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for dim in HEAD_DIMS if dtype != torch.float32 else (16, 64, 128):
             for dropout in (False, True):
-                for part in ("fwd", "dkdv", "dq"):
-                    yield Site(part, dtype, dim, dict(dropout=dropout))
-        yield Site("preprocess", dtype, 64)
+                yield CompileCall(dtype, dim, dict(dropout=dropout))
+
+
+def _call(dtype, dim, dropout=True):
+    """Forward and backward of two sequences (13 and 24 tokens) of 2 heads of width dim."""
+    cu = _cu_seqlens((13, 24), "cpu")
+    q, k, v = (torch.randn(37, 2, dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    varlen_attention(q, k, v, cu, 24, dropout_p=0.1 if dropout else 0.0, seed=1).sum().backward()
 
 
 def _tune_setup(shape, size, dtype, device, part=None):
@@ -151,18 +127,10 @@ RECORD = Record(
                              full=[(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)],
                              tiny=[(2, 24, 2)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "dkdv", "dq"),
-                  default=lambda part, dtype, size, target: _default_config(part, size, dtype, target),
-                  config=lambda part, dtype, size, target: _config(part, size, dtype, target, None),
-                  candidates={"fwd": grid(BLOCK_M=[64, 128], BLOCK_N=[32, 64, 128], num_warps=[4, 8],
-                                          num_stages=[2, 3]),
-                              "dkdv": grid(BLOCK_M=[16, 32, 64], BLOCK_N=[64, 128], num_warps=[4, 8],
-                                           num_stages=[1, 2]),
-                              "dq": grid(BLOCK_M=[64, 128], BLOCK_N=[16, 32, 64], num_warps=[4, 8],
-                                         num_stages=[1, 2])},
-                  shapes=(TuneShape(64, 128, (192, 128, 12)), TuneShape(64, 512, (48, 512, 12), rank=1)),
-                  setup=_tune_setup, variant=_variant),
-    sites=_sites,
+    tuning=Tuning(shapes=(TuneShape(64, 128, (192, 128, 12)), TuneShape(64, 512, (48, 512, 12), rank=1)),
+                  setup=_tune_setup),
+    compiled=_compiled,
+    call=_call,
     goals=(Goal("attention fwd, d64 s512 bf16", ">= 350 TFLOP/s (H200)", "attention", "fwd_TFLOPs", ">=", 350,
                 where=_at(512, 0.0), fmt="{:.0f} TFLOP/s", scale="matmul_TFLOPs"),
            Goal("attention bwd, d64 s512 bf16", ">= 250 TFLOP/s (H200)", "attention", "bwd_TFLOPs", ">=", 250,

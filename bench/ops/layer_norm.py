@@ -2,11 +2,10 @@
 import torch
 from torch import nn
 
-from kernels.layer_norm import (_config, _default_config, _layer_norm_bwd_kernel, _layer_norm_fwd_kernel, dropout_mask,
-                                layer_norm, layer_norm_ref)
+from kernels.layer_norm import dropout_mask, layer_norm, layer_norm_ref
 
-from ..record import (Bench, BenchShapes, Case, Goal, Record, Site, TuneShape, Tuning, Variant, grid,
-                      memory_bound_goals, optional_peer, randn)
+from ..record import (Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, memory_bound_goals,
+                      optional_peer, randn)
 
 
 def _smoke(s, device) -> Case:
@@ -55,30 +54,20 @@ def _liger():
     return lambda x, r, w, b: liger_layer_norm(x + r, w, b, 1e-12)
 
 
-def _variant(part: str, dtype, n: int, launch, residual=True, dropout=True, affine=True) -> Variant:
-    common = dict(X=dtype, R=dtype if residual else None, W=torch.float32 if affine else None,
-                  HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, HAS_WEIGHT=affine, BLOCK_M=launch.BLOCK_M,
-                  BLOCK_N=launch.BLOCK_N, M="i32", N="i32:16", p="fp32", Seed=torch.int64 if dropout else None,
-                  stride_x_m="i32:16", stride_r_m="i32:16")
-    name = f"layer_norm {part} {dtype} N={n} res={residual} drop={dropout} affine={affine}"
-    if part == "fwd":
-        fn, args = _layer_norm_fwd_kernel, dict(common, B=torch.float32 if affine else None, Y=dtype,
-                                                Mean=torch.float32, Rstd=torch.float32, stride_y_m="i32:16",
-                                                eps="fp32", HAS_BIAS=affine)
-    else:
-        fn, args = _layer_norm_bwd_kernel, dict(common, DY=dtype, DX=dtype, DR=dtype if residual else None,
-                                                DW_partial=torch.float32, DB_partial=torch.float32,
-                                                Mean=torch.float32, Rstd=torch.float32, stride_dy_m="i32:16",
-                                                stride_dx_m="i32:16", stride_dr_m="i32:16", rows_per_program="i32")
-    return Variant(name, fn, args, launch.num_warps, dtype=dtype, needs="vectors")
-
-
-def _sites():
+def _compiled():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for n in (768, 8192):
             for flags in ((True, True, True), (False, False, False)):
-                for part in ("fwd", "bwd"):
-                    yield Site(part, dtype, n, dict(zip(("residual", "dropout", "affine"), flags)))
+                yield CompileCall(dtype, n, dict(zip(("residual", "dropout", "affine"), flags)))
+
+
+def _call(dtype, n, residual=True, dropout=True, affine=True):
+    """Forward and backward at hidden size n, over 37 rows (not a multiple of 16, as a real row count may be);
+    weights in float32, as under autocast."""
+    x, r = (torch.randn(37, n, dtype=dtype, requires_grad=True) for _ in range(2))
+    w, b = (torch.ones(n, requires_grad=True), torch.zeros(n, requires_grad=True)) if affine else (None, None)
+    y = layer_norm(x, w, b, 1e-12, residual=r if residual else None, dropout_p=0.1 if dropout else 0.0, seed=1)
+    y.sum().backward()
 
 
 def _tune_setup(shape, size, dtype, device, part=None):
@@ -91,18 +80,16 @@ def _tune_setup(shape, size, dtype, device, part=None):
     return fn, (x, r, w, b), {"bwd": (x, r, w, b)}
 
 
-_ROWS = grid(BLOCK_M=[1, 2, 4, 8, 16], num_warps=[2, 4, 8, 16])
 RECORD = Record(
     name="layer_norm",
     smoke={"layer_norm": _smoke},
     bench_shapes=BenchShapes(quick=[(16384, 768), (16384, 1024)],
                              full=[(t, h) for t in (8192, 32768, 65536) for h in (768, 1024)], tiny=[(16, 48)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "bwd"), default=lambda part, dtype, n, target: _default_config(n), config=_config,
-                  candidates={"fwd": _ROWS, "bwd": _ROWS},
-                  shapes=(TuneShape(768, None, (16384, 768)), TuneShape(1024, None, (16384, 1024), rank=1)),
-                  setup=_tune_setup, variant=_variant),
-    sites=_sites,
+    tuning=Tuning(shapes=(TuneShape(768, None, (16384, 768)), TuneShape(1024, None, (16384, 1024), rank=1)),
+                  setup=_tune_setup),
+    compiled=_compiled,
+    call=_call,
     goals=(*memory_bound_goals("LayerNorm+residual+dropout", "layer_norm+residual+dropout"),
            Goal("LayerNorm+residual vs Liger-Kernel's LayerNorm", "faster", "layer_norm+residual", "fwd_bwd_ms", ">",
                 1.0, peer="liger-layer_norm")),

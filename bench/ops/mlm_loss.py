@@ -2,13 +2,9 @@
 import torch
 import torch.nn.functional as F
 
-from kernels._common import dot_precision
-from kernels.mlm_loss import (_ce_config, _ce_default, _ce_rows_kernel, _config, _mlm_loss_bwd_dhidden_kernel,
-                              _mlm_loss_bwd_dweight_kernel, _mlm_loss_fwd_kernel, _Strategy, _strategy_config, _tiles,
-                              masked_lm_loss, masked_lm_loss_ref)
+from kernels.mlm_loss import masked_lm_loss, masked_lm_loss_ref
 
-from ..record import (Bench, BenchShapes, Case, Goal, Record, Site, TuneShape, Tuning, Variant, grid, optional_peer,
-                      randn)
+from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, optional_peer, randn
 
 
 def _smoke_case(strategy: str):
@@ -79,54 +75,23 @@ def _bench(shape, device, dtype, full):
                 extra=dict(hidden=h, tokens=tokens), reference=reference)
 
 
-def _variant(part: str, dtype, h: int, tiles, bias=True) -> Variant | None:
-    if part == "strategy":
-        return None
-    if part == "ce":
-        return Variant(f"mlm_loss ce rows {dtype}", _ce_rows_kernel,
-                       dict(Z=dtype, B=torch.float32, Labels=torch.int64, Scale=torch.float32, Loss=torch.float32,
-                            Hit=torch.int8, stride_z="i32:16", V="i32", HAS_BIAS=True, WRITE_GRAD=True,
-                            BLOCK_V=tiles.BLOCK_V),
-                       tiles.num_warps, 1, dtype, "vectors")
-    args = dict(Hid=dtype, W=dtype, B=torch.float32 if bias else None, Labels=torch.int64, stride_h_n="i32:16",
-                stride_w_v="i32:16", N="i32", V="i32", H="i32:16", HAS_BIAS=bias, DOT_PRECISION=dot_precision(dtype),
-                BLOCK_M=tiles.BLOCK_M, BLOCK_V=tiles.BLOCK_V, BLOCK_H=tiles.BLOCK_H, Lse=torch.float32)
-    if part == "fwd":
-        fn = _mlm_loss_fwd_kernel
-        args.update(Target=torch.float32, Best=torch.float32, BestIdx=torch.int64, vocab_per_split="i32:16")
-    elif part == "dhidden":
-        fn = _mlm_loss_bwd_dhidden_kernel
-        args.update(G=torch.float32, BLOCK_HO=tiles.BLOCK_HO, DHid=dtype, stride_dh_n="i32:16")
-    else:
-        fn = _mlm_loss_bwd_dweight_kernel
-        args.update(G=torch.float32, BLOCK_HO=tiles.BLOCK_HO, DW=dtype, DB=torch.float32, stride_dw_v="i32:16")
-    name = f"mlm_loss {'fwd' if part == 'fwd' else 'bwd ' + part} {dtype} H={h} bias={bias}"
-    return Variant(name, fn, args, tiles.num_warps, tiles.num_stages, dtype, "tensor_cores")
-
-
-def _default(part: str, dtype, h: int, target):
-    if part == "ce":
-        return _ce_default(dtype, target)
-    if part == "strategy":
-        return _Strategy("chunked")
-    return _tiles(part, h, dtype, target)
-
-
-def _launcher_config(part: str, dtype, h: int, target):
-    if part == "ce":
-        return _ce_config(dtype, h, target, None)
-    if part == "strategy":
-        return _strategy_config(dtype, h, target, None)
-    return _config(part, dtype, h, target, None)
-
-
-def _sites():
+def _compiled():
+    """The fused strategy's kernels at BERT-base's and -large's widths, with and without a decoder bias; the
+    chunked strategy's row kernel at base's."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for h in (768, 1024):
             for bias in (True, False):
-                for part in ("fwd", "dhidden", "dweight"):
-                    yield Site(part, dtype, h, dict(bias=bias))
-        yield Site("ce", dtype, 768)
+                yield CompileCall(dtype, h, dict(strategy="fused", bias=bias))
+        yield CompileCall(dtype, 768, dict(strategy="chunked", bias=True))
+
+
+def _call(dtype, h, strategy="fused", bias=True):
+    """Forward and backward of 37 labelled rows over BERT's vocabulary (30,522), the bias in float32."""
+    hid = torch.randn(37, h, dtype=dtype, requires_grad=True)
+    w = torch.randn(30522, h, dtype=dtype, requires_grad=True)
+    b = torch.zeros(30522, requires_grad=True) if bias else None
+    labels = torch.randint(0, 30522, (37,), generator=torch.Generator().manual_seed(0))
+    masked_lm_loss(hid, w, b, labels, strategy=strategy).backward()
 
 
 # The strategy a tuning part measures: the fused kernels' parts run "fused", the row kernel's "chunked", and the
@@ -154,26 +119,12 @@ RECORD = Record(
     bench_shapes=BenchShapes(quick=[(32768, 768), (131072, 1024)], full=[(32768, 768), (32768, 1024), (131072, 1024)],
                              tiny=[(256, 768)], cpu=[(4096, 768)]),
     bench=_bench,
-    tuning=Tuning(parts=("fwd", "dhidden", "dweight", "ce", "strategy"), default=_default,
-                  config=_launcher_config,
-                  candidates={"fwd": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128, 256], BLOCK_H=[64], num_warps=[4, 8],
-                                          num_stages=[3]),
-                              "dhidden": grid(BLOCK_M=[64, 128], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
-                                              num_warps=[8], num_stages=[2, 3])
-                              + grid(BLOCK_M=[64], BLOCK_V=[32], BLOCK_HO=[512], num_warps=[8], num_stages=[2])
-                              # float32's exact products on the CUDA cores hold their accumulators in registers
-                              + grid(BLOCK_M=[16, 32], BLOCK_V=[32, 64], BLOCK_HO=[32, 64], num_warps=[4],
-                                     num_stages=[2]),
-                              "dweight": grid(BLOCK_M=[32, 64], BLOCK_V=[64, 128], BLOCK_HO=[128, 256],
-                                              num_warps=[8], num_stages=[2, 3])
-                              + grid(BLOCK_M=[64], BLOCK_V=[64], BLOCK_HO=[512], num_warps=[8], num_stages=[2]),
-                              "ce": grid(BLOCK_V=[1024, 2048, 4096, 8192], num_warps=[4, 8, 16]),
-                              "strategy": grid(strategy=["chunked", "fused"])},
-                  # keyed by the labelled rows: BERT-base at 256 x 128 tokens, BERT-large at 256 x 512
-                  shapes=(TuneShape(768, 4915, (4915, 768, 30522)),
+    # keyed by the labelled rows: BERT-base at 256 x 128 tokens, BERT-large at 256 x 512
+    tuning=Tuning(shapes=(TuneShape(768, 4915, (4915, 768, 30522)),
                           TuneShape(1024, 19660, (19660, 1024, 30522), rank=1)),
-                  setup=_tune_setup, variant=_variant, whole=("ce", "strategy")),
-    sites=_sites,
+                  setup=_tune_setup, whole=("ce", "strategy")),
+    compiled=_compiled,
+    call=_call,
     goals=(_mlm_goal("MLM loss extra memory vs full logits, H768", "<= 1%", "peak_extra_MB", "<=", 0.01,
                      "(a) full logits", share=True, where=dict(hidden=768)),
            _mlm_goal("MLM loss time vs gather + linear + CE", ">= 1x", "fwd_bwd_ms", ">=", 1.0,

@@ -1,7 +1,10 @@
 """The one boundary where the model's hot ops switch between PyTorch and the fused Triton kernels.
 
-Every function takes `backend` ("torch" or "triton", already resolved) and computes the same thing either way.
-`kernels` (and so triton) is imported only when the Triton path is taken, so the PyTorch path runs anywhere.
+Every function takes `backend` ("torch" or "triton", already resolved) and computes the same thing either way: its
+Triton path is one public entry point of `kernels`, its PyTorch path plain torch. `kernels` (and so triton) is
+imported only when the Triton path is taken, so the PyTorch path runs anywhere; that is also why the PyTorch paths
+of layer_norm and bias_gelu are written here rather than calling `kernels.layer_norm_ref` / `bias_gelu_ref`, whose
+modules import triton. Fused Hugging Face layers (bert.hf) reach the kernels through this module only.
 """
 from __future__ import annotations
 
@@ -39,23 +42,45 @@ def resolve_backend(name: str) -> str:
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
 
 
-def _kernels():
-    import kernels  # lazy: pulls in triton
+# The Triton path of each op: the public entry point of `kernels` it calls, by the op's module there.
+TRITON = {"attention": "varlen_attention", "bias_gelu": "bias_gelu", "layer_norm": "layer_norm",
+          "mlm_loss": "masked_lm_loss"}
+
+
+def _triton(op: str):
+    return getattr(kernels_package(), TRITON[op])
+
+
+def kernels_package():
+    """The `kernels` package, imported at first use (it imports triton): ours, not another distribution's
+    package of the same name."""
+    import kernels
     from bert.common.packages import ours
 
-    return ours("kernels", kernels)  # ours, not another distribution's package of the same name
+    return ours("kernels", kernels)
 
 
 def backend_for(t: torch.Tensor) -> str:
     """For a fused Hugging Face model, which holds no config: the kernels' own choice for drop-in modules
     (kernels.backend_for: 'triton' where they run on t's device, else 'torch', warned once)."""
-    return _kernels().backend_for(t)
+    return kernels_package().backend_for(t)
+
+
+def exporting_onnx() -> bool:
+    """In an ONNX export (kernels.exporting_onnx), where fused modules run their original code."""
+    return kernels_package().exporting_onnx()
+
+
+def attention_refusal(head_dim: int, device=None, dtype=None) -> str | None:
+    """Why the Triton attention cannot run heads of head_dim (on device, in dtype, where given): None where it
+    can (kernels.refusal)."""
+    return kernels_package().refusal("attention", device, dtype, head_dim=head_dim)
 
 
 # ---- LayerNorm(dropout(x) + residual) ------------------------------------------------------------
 def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torch"):
     if backend == "triton":
-        return _kernels().layer_norm(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
+        return _triton("layer_norm")(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
     if dropout_p > 0:
         x = F.dropout(x, dropout_p)
     if residual is not None:
@@ -66,7 +91,7 @@ def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torc
 # ---- GeLU(x + bias) ------------------------------------------------------------------------------
 def bias_gelu(x, bias, approximate="none", backend="torch"):
     if backend == "triton":
-        return _kernels().bias_gelu(x, bias, approximate=approximate)
+        return _triton("bias_gelu")(x, bias, approximate=approximate)
     return F.gelu(x + bias, approximate=approximate)
 
 
@@ -80,7 +105,7 @@ def linear_gelu(x, weight, bias, approximate="none", backend="torch"):
 def warn_once(message: str) -> None:
     """The kernels' warning channel (a UserWarning the first time `message` comes up in this process): only on
     paths that have imported them."""
-    _kernels()._common.warn_once(message)
+    kernels_package().warn_once(message)
 
 
 def hookless(module) -> bool:
@@ -121,18 +146,12 @@ def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, d
 def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch"):
     """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence; filler
     tokens (past cu_seqlens[-1]) get zeros."""
-    if backend == "triton" and not _kernels().attention.supports_head_dim(q.shape[-1]):
-        warn_once(f"the Triton attention kernel does not support head_dim {q.shape[-1]}; "
-                   "this model's attention runs in PyTorch")
-        backend = "torch"
-    target = _kernels().targets.of(q.device) if backend == "triton" else None
-    if target and _kernels().targets.dots_refusal("attention", q.dtype, target):
-        warn_once(f"Triton runs no tensor-core dots on {target.name} ({target.gpus}): this model's attention runs "
-                  f"in PyTorch (SDPA), which does, in {q.dtype}")
+    if backend == "triton" and (why := attention_refusal(q.shape[-1], q.device, q.dtype)):
+        warn_once(f"{why}; this model's attention runs in PyTorch (SDPA) instead")
         backend = "torch"
     if backend == "triton":
         # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.
-        return _kernels().varlen_attention(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False)
+        return _triton("attention")(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False)
     if p.rows:
         return _torch_rows_attention(q, k, v, p, dropout_p)
     return _torch_sequence_attention(q, k, v, p, dropout_p)
@@ -181,7 +200,7 @@ def labelled_rows(labels, ignore_index=-100):
     """The positions of labels [N] that are not ignore_index: nonzero, or under torch.compile the kernels' op of
     data-dependent size, which keeps the gather inside one graph."""
     if torch.compiler.is_compiling() and _HAS_TRITON:
-        return _kernels().labelled_rows(labels, ignore_index)
+        return kernels_package().labelled_rows(labels, ignore_index)
     return (labels != ignore_index).nonzero().squeeze(1)
 
 
@@ -198,8 +217,7 @@ def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
     if backend == "triton":
         # Under autocast the head's output is half precision while the tied weight is float32.
         weight = weight.to(hidden.dtype)
-        loss, correct = _kernels().masked_lm_loss(hidden, weight, bias, labels, return_correct=True,
-                                                  validate=False)
+        loss, correct = _triton("mlm_loss")(hidden, weight, bias, labels, return_correct=True, validate=False)
         return MLMLoss(loss, correct, None)
     logits = F.linear(hidden, weight, bias)
     # Rows labelled -100 (a packed batch's unused slots) are ignored; no labelled row gives 0, not F.cross_entropy's

@@ -1,0 +1,68 @@
+"""Reading, checking and writing the launch-config tables (kernels/configs/<family>.json) the tuners produce."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+
+def table_problems(path: str) -> list[str]:
+    """What is wrong with the launch-config table at `path` ([] for a good one): its format, and each entry's
+    key ("<dtype>/<size>/<bucket>") and config (only fields its launcher lets a table tune, values it accepts)."""
+    from kernels import launches, tuned
+
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    if table.get("format") != tuned.FORMAT or not isinstance(table.get("kernels"), dict):
+        return [f"{path}: not a format-{tuned.FORMAT} table"]
+    found = []
+    for kernel, entries in table["kernels"].items():
+        for key, entry in entries.items():
+            site = launches.site(kernel)
+            extra = set(entry.get("config", {})) - set(site.candidates[0] if site.candidates else ())
+            why = tuned.key_problem(key) or (
+                None if isinstance(getattr(torch, key.split("/")[0], None), torch.dtype) else "not a dtype's key")
+            if extra or why:
+                found.append(f"{kernel} {key}: " + (f"sets {sorted(extra)}, which the table may not tune" if extra
+                                                    else why))
+    return found
+
+
+def write_table(folder: str, arch: str, results: dict, meta: dict) -> str:
+    """Merge {kernel: {key: entry}} into <folder>/<arch>.json, atomically; returns the path."""
+    from bert.common.files import atomic_write
+    from kernels import tuned
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{arch}.json")
+    table = tuned.load_table(folder, arch) or {"format": tuned.FORMAT, "arch": arch, "kernels": {}}
+    table = json.loads(json.dumps(table))  # a copy: load_table's result is cached
+    table.update(meta)
+    for kernel, entries in results.items():
+        table["kernels"].setdefault(kernel, {}).update(entries)
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    atomic_write(path, write)
+    tuned.clear_cache()
+    return path
+
+
+def timed(entries: dict, problem) -> bool:
+    """Whether a table's entries ({kernel: {key: entry}}) hold a GPU-timed entry for the problem."""
+    entry = entries.get(problem.kernel, {}).get(problem.key, {})
+    return bool(entry.get("timed", "ms" in entry))
+
+
+def meta(argv) -> dict:
+    """What a table records of the run that wrote it."""
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m bench.tune " + " ".join(sys.argv[1:] if argv is None else argv)}
