@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from bert.common.files import atomic_write
-from bert.common.commands import add_debug_flag, check_numbers
+from bert.common.commands import add_debug_flag, add_flags, check_flags, flag
 
 from . import e2e, encode, precompile
 from . import kernel_suite
@@ -41,55 +41,60 @@ def device_name(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+# The command's options, declared once (bert.common.commands.flag): the parser and the number checks come from them.
+OPTIONS = (
+    flag("--suite", choices=["all", "e2e", "kernels", "encode", "data"], default="all",
+         help="what to run (default: all = e2e and kernels; the kernel suite needs a GPU, except the "
+              "MLM-loss table; encode: forward-only inference of Hugging Face models, eager, compiled "
+              "and fused; data: the pre-training input pipeline, stage by stage, on the CPU)"),
+    flag("--corpus", help="--suite data: the corpus (any bert-pretrain --data source; default: a "
+                          "synthetic ~10 MB corpus generated in the output directory)"),
+    flag("--scale", type=int, nargs="+", default=[1], metavar="N",
+         help="--suite data: the corpus replicated N times, documents shuffled; several scales run one "
+              "after another (default 1)"),
+    flag("--num-proc", type=int, check="positive", default=None,
+         help="--suite data: processes that tokenise and plan (default: the CPUs available)"),
+    flag("--families", nargs="+", choices=["bert", "roberta"],
+         help="end-to-end model families: roberta adds RobertaForMaskedLM, eager, compiled and fused, at "
+              "the first shape (default: bert; bert roberta with --full on a GPU)"),
+    flag("--encode-models", nargs="+", choices=list(encode.SHAPES),
+         help="model shapes of the encode suite (default: bert-base minilm roberta-base on a GPU, minilm "
+              "on a CPU)"),
+    flag("--config", nargs="+", choices=["tiny", "mini", "base", "large"],
+         help="model sizes for the end-to-end suite (default: base [quick] or base large [full] on a GPU, "
+              "mini on a CPU)"),
+    flag("--seq-len", type=int, nargs="+", help="sequence lengths (default: 128 [quick] or 128 512 on a "
+                                                "GPU, 128 on a CPU)"),
+    flag("--batch", type=int, check="positive",
+         help="sequences per step (default: 256 at seq 128 and 64 at seq 512 on a GPU, halved for large; 32 on a CPU)"),
+    flag("--padding", default="wiki",
+         help="'wiki' (lengths of tokenised Wikipedia paragraphs, the default) or a padding fraction in "
+              "[0, 0.5]"),
+    flag("--padding-sweep", action="store_true",
+         help="also run ours and transformers eager at padding 0, 0.25 and 0.5 (always on in --full)"),
+    flag("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on a GPU, float32 on a CPU"),
+    flag("--variants", nargs="+", choices=list(e2e.VARIANTS), help="end-to-end implementations to run"),
+    flag("--quick", dest="full", action="store_false", default=False, group="mode",
+         help="few shapes and steps (default)"),
+    flag("--full", dest="full", action="store_true", default=False, group="mode", help="all shapes, more steps"),
+    flag("--steps", type=int, check="positive",
+         help="timed steps per end-to-end run (default: 10 quick on a GPU, 5 on a CPU, 30 full)"),
+    flag("--output-dir", help="where to write JSON, CSV and plots (default: "
+                              "./bert-bench-results/<device>/, outside the source tree)"),
+    flag("--device", help="cuda or cpu (default: cuda when available)"),
+    flag("--precompile", action=argparse.BooleanOptionalAction, default=None,
+         help="compile this project's kernels for the run in parallel worker processes before timing "
+              "(default: on with a GPU)"),
+    flag("--packing-corpus", metavar="PATH",
+         help="also measure the padding share of this corpus's pre-training instances padded and packed, "
+              "at 128 and 512 (e.g. WikiText-2's train.txt; bert-base-uncased vocabulary)"),
+)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bert-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["all", "e2e", "kernels", "encode", "data"], default="all",
-                   help="what to run (default: all = e2e and kernels; the kernel suite needs a GPU, except the "
-                        "MLM-loss table; encode: forward-only inference of Hugging Face models, eager, compiled "
-                        "and fused; data: the pre-training input pipeline, stage by stage, on the CPU)")
-    p.add_argument("--corpus", help="--suite data: the corpus (any bert-pretrain --data source; default: a "
-                                    "synthetic ~10 MB corpus generated in the output directory)")
-    p.add_argument("--scale", type=int, nargs="+", default=[1], metavar="N",
-                   help="--suite data: the corpus replicated N times, documents shuffled; several scales run one "
-                        "after another (default 1)")
-    p.add_argument("--num-proc", type=int, default=None,
-                   help="--suite data: processes that tokenise and plan (default: the CPUs available)")
-    p.add_argument("--families", nargs="+", choices=["bert", "roberta"],
-                   help="end-to-end model families: roberta adds RobertaForMaskedLM, eager, compiled and fused, at "
-                        "the first shape (default: bert; bert roberta with --full on a GPU)")
-    p.add_argument("--encode-models", nargs="+", choices=list(encode.SHAPES),
-                   help="model shapes of the encode suite (default: bert-base minilm roberta-base on a GPU, minilm "
-                        "on a CPU)")
-    p.add_argument("--config", nargs="+", choices=["tiny", "mini", "base", "large"],
-                   help="model sizes for the end-to-end suite (default: base [quick] or base large [full] on a GPU, "
-                        "mini on a CPU)")
-    p.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths (default: 128 [quick] or 128 512 on a "
-                                                          "GPU, 128 on a CPU)")
-    p.add_argument("--batch", type=int, help="sequences per step (default: 256 at seq 128 and 64 at seq 512 on a GPU, "
-                                             "halved for large; 32 on a CPU)")
-    p.add_argument("--padding", default="wiki",
-                   help="'wiki' (lengths of tokenised Wikipedia paragraphs, the default) or a padding fraction in "
-                        "[0, 0.5]")
-    p.add_argument("--padding-sweep", action="store_true",
-                   help="also run ours and transformers eager at padding 0, 0.25 and 0.5 (always on in --full)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--variants", nargs="+", choices=list(e2e.VARIANTS), help="end-to-end implementations to run")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="full", action="store_false", help="few shapes and steps (default)")
-    mode.add_argument("--full", dest="full", action="store_true", help="all shapes, more steps")
-    p.set_defaults(full=False)
-    p.add_argument("--steps", type=int, help="timed steps per end-to-end run (default: 10 quick on a GPU, 5 on a "
-                                             "CPU, 30 full)")
-    p.add_argument("--output-dir", help="where to write JSON, CSV and plots (default: "
-                                        "./bert-bench-results/<device>/, outside the source tree)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile this project's kernels for the run in parallel worker processes before timing "
-                        "(default: on with a GPU)")
-    p.add_argument("--packing-corpus", metavar="PATH",
-                   help="also measure the padding share of this corpus's pre-training instances padded and packed, "
-                        "at 128 and 512 (e.g. WikiText-2's train.txt; bert-base-uncased vocabulary)")
+    add_flags(p, OPTIONS)
     add_debug_flag(p)
     return p.parse_args(argv)
 
@@ -312,7 +317,7 @@ def check_args(args) -> torch.device:
             sample_lengths(1, 8, args.padding, np.random.default_rng(0))
         except ValueError:
             raise ValueError(f"--padding {args.padding}: use 'wiki' or a padding fraction in [0, 0.5]") from None
-    check_numbers(args, positive=("batch", "steps", "num_proc"))
+    check_flags(args, OPTIONS)
     if min(args.scale) < 1:
         raise ValueError(f"--scale must be positive, got {min(args.scale)}")
     data_only = [flag for flag, given in (("--corpus", args.corpus), ("--scale", args.scale != [1]),

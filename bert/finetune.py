@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bert.common import commands, seeds
-from bert.common.commands import add_debug_flag, check_numbers, check_source
+from bert.common.commands import add_debug_flag, add_flags, check_flags, check_source, flag, resumed
 from bert.common.errors import stop_signals
 from bert.common.files import atomic_write_text, read_json_object
 from bert.data.batch import pad_batch
@@ -36,51 +36,54 @@ from bert.train.settings import Settings
 logger = logging.getLogger("bert")
 
 
+# This command's options. `resumed`: a setting that makes a fine-tuning run what it is, which --resume compares with
+# the checkpoint's, with the trainer's own (bert.train.settings).
+OPTIONS = (
+    flag("task", choices=list(TASKS), resumed=True, help="the task"),
+    flag("--model", required=True, resumed=True, help="a save_pretrained directory (ours or a Hugging Face BERT)"),
+    flag("--tokenizer", help="tokenizer directory or vocab.txt (default: the --model directory)"),
+    flag("--train", resumed=True, help="training data: a file or a Hugging Face dataset name"),
+    flag("--eval", help="evaluation data: a file or a Hugging Face dataset name"),
+    flag("--epochs", type=float, default=2.0, check="positive", resumed=True,
+         help="passes over the training data (default 2)"),
+    flag("--max-steps", type=int, default=None, check="positive", resumed=True,
+         help="stop after this many optimizer steps"),
+    flag("--batch-size", type=int, default=32, check="positive", resumed=True,
+         help="examples per optimizer step, over all ranks and accumulation steps (default 32)"),
+    flag("--eval-batch-size", type=int, default=64, check="positive", help="evaluation batch size (default 64)"),
+    flag("--max-seq-len", type=int, default=128, check="positive", resumed=True,
+         help="tokens per input, specials included (default 128; 384 is usual for qa)"),
+    flag("--doc-stride", type=int, default=128, check="non_negative", resumed=True,
+         help="qa: tokens shared by adjacent windows (default 128; 0: windows that do not overlap)"),
+    flag("--max-answer-len", type=int, default=30, check="positive", help="qa: longest answer in tokens (default 30)"),
+    flag("--n-best", type=int, default=20, check="positive", help="qa: start/end candidates per window (default 20)"),
+    flag("--max-train-examples", type=int, check="positive", resumed=True,
+         help="use only the first N training examples"),
+    flag("--max-eval-examples", type=int, check="positive", help="evaluate only the first N examples"),
+    flag("--backend", choices=["auto", "torch", "triton"], default="auto", help="hot-op implementation"),
+    flag("--allow-vocab-mismatch", action="store_true",
+         help="fine-tune although the tokenizer is not the checkpoint's (another vocabulary, or another size than "
+              "its embedding table): a warning instead of an error. A tokenizer with ids past the embedding table "
+              "is refused either way"),
+)
+RUN_SETTINGS = resumed(OPTIONS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     tasks = "".join(f"\n{name}: {' '.join(task.__doc__.split())}" for name, task in TASKS.items())
     p = argparse.ArgumentParser(prog="bert-finetune", description=__doc__ + tasks,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", choices=list(TASKS), help="the task")
-    p.add_argument("--model", required=True, help="a save_pretrained directory (ours or a Hugging Face BERT)")
-    p.add_argument("--tokenizer", help="tokenizer directory or vocab.txt (default: the --model directory)")
-    p.add_argument("--train", help="training data: a file or a Hugging Face dataset name")
-    p.add_argument("--eval", help="evaluation data: a file or a Hugging Face dataset name")
-    p.add_argument("--epochs", type=float, default=2.0, help="passes over the training data (default 2)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="examples per optimizer step, over all ranks and accumulation steps (default 32)")
-    p.add_argument("--eval-batch-size", type=int, default=64, help="evaluation batch size (default 64)")
-    p.add_argument("--max-seq-len", type=int, default=128, help="tokens per input, specials included "
-                                                                "(default 128; 384 is usual for qa)")
-    p.add_argument("--doc-stride", type=int, default=128,
-                   help="qa: tokens shared by adjacent windows (default 128; 0: windows that do not overlap)")
-    p.add_argument("--max-answer-len", type=int, default=30, help="qa: longest answer in tokens (default 30)")
-    p.add_argument("--n-best", type=int, default=20, help="qa: start/end candidates per window (default 20)")
-    p.add_argument("--max-train-examples", type=int, help="use only the first N training examples")
-    p.add_argument("--max-eval-examples", type=int, help="evaluate only the first N examples")
-    p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="hot-op implementation")
-    p.add_argument("--allow-vocab-mismatch", action="store_true",
-                   help="fine-tune although the tokenizer is not the checkpoint's (another vocabulary, or another "
-                        "size than its embedding table): a warning instead of an error. A tokenizer with ids past "
-                        "the embedding table is refused either way")
+    add_flags(p, OPTIONS)
     Settings.add_arguments(p, output_dir="runs/finetune", lr=3e-5, warmup=0.1, log_every=10, save_every=0,
                            keep_checkpoints=2, eval_every=0)
     add_debug_flag(p)
     return p
 
 
-# This command's settings that make a fine-tuning run what it is: --resume compares them with the checkpoint's,
-# with the trainer's own (bert.train.settings).
-RUN_SETTINGS = ("task", "model", "train", "max_train_examples", "epochs", "max_steps", "batch_size", "max_seq_len",
-                "doc_stride")
-
-
 def validate_args(args) -> None:
     """Everything that can be checked before loading a model or reading data."""
     Settings.check_arguments(args)
-    check_numbers(args, positive=("epochs", "max_steps", "batch_size", "eval_batch_size", "max_seq_len",
-                                  "max_answer_len", "n_best", "max_train_examples", "max_eval_examples"),
-                  non_negative=("doc_stride",))
+    check_flags(args, OPTIONS)
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
     TASKS[args.task].check_arguments(args)

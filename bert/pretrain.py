@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bert.common import seeds
-from bert.common.commands import add_debug_flag, check_numbers, check_source, entry, run
+from bert.common.commands import add_debug_flag, add_flags, check_flags, check_source, entry, flag, resumed, run
 from bert.common.errors import stop_signals
 from bert.common.workers import default_num_workers, ordered_map
 from bert.data.batch import PackedBatch
@@ -48,81 +48,77 @@ from bert.train.settings import Settings
 PRESETS = ("tiny", "mini", "base", "large")
 
 
+# This command's options. `resumed`: a setting that makes a run what it is, which --resume compares with the
+# checkpoint's, with the trainer's own (bert.train.settings; the others only say how it runs: workers, logging
+# cadence, caching). The tokenizer is compared by content (data_identity), not by where it was read from or how it
+# was made: the same vocabulary moved elsewhere, or the saved OUTPUT_DIR/tokenizer of a --train-tokenizer run,
+# continues the run.
+OPTIONS = (
+    flag("--config", default="mini", resumed=True,
+         help="model size: tiny | mini | base | large, or a config.json path (default: mini); vocab_size is taken "
+              "from the tokenizer"),
+    flag("--data", required=True, resumed=True,
+         help="corpus: text file(s) (path, directory or glob; documents separated by blank lines, WikiText "
+              "'= Title =' lines understood), a .jsonl file with a 'text' field, or a Hugging Face dataset streamed "
+              "by name as hf:NAME[:CONFIG], e.g. hf:wikimedia/wikipedia:20231101.en"),
+    flag("--tokenizer", group="tokenizer", help="an HF directory (tokenizer.json or vocab.txt) or a vocab.txt file"),
+    flag("--train-tokenizer", type=int, metavar="VOCAB_SIZE", group="tokenizer", check="positive",
+         help="train a WordPiece vocabulary of this size on the corpus (saved under OUTPUT_DIR/tokenizer)"),
+    flag("--max-seq-len", type=int, default=128, check="positive", resumed=True,
+         help="tokens per instance, specials included (default 128)"),
+    flag("--batch-size", type=int, default=32, check="positive", resumed=True,
+         help="sequences per optimizer step, over all ranks and accumulation steps (default 32)"),
+    # packing into fixed shapes, and what fixed shapes allow: one compilation, CUDA graphs
+    flag("--packing", action=argparse.BooleanOptionalAction, default=True, resumed=True,
+         help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed and almost "
+              "no padding (default on; --no-packing puts length-bucketed batches one instance per padded row "
+              "instead)"),
+    flag("--tokens-per-batch", type=int, default=None, check="positive", resumed=True,
+         help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a multiple of "
+              "--max-seq-len (rows of that length); default: its share of --batch-size times --max-seq-len"),
+    flag("--instances-per-row", type=int, default=None, check="positive", resumed=True,
+         help="with packing: the most instances a row of --max-seq-len tokens holds (default 3)"),
+    flag("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+         help="torch.compile the model (backend default inductor); with packing it compiles once"),
+    flag("--cuda-graphs", action="store_true",
+         help="capture each training step (forward, backward, clipping, fused AdamW) in one CUDA graph and replay "
+              "it; needs packing, one GPU and bf16/fp32, else runs without, with a warning"),
+    flag("--steps", type=int, default=1000, check="positive", resumed=True, help="optimizer steps (default 1000)"),
+    flag("--backend", choices=["auto", "torch", "triton"], default="auto",
+         help="hot-op implementation (default auto: triton on CUDA)"),
+    flag("--mlm-probability", type=float, default=0.15, resumed=True, help="share of tokens chosen (default 0.15)"),
+    flag("--whole-word-masking", action="store_true", resumed=True, help="choose whole words, not single pieces"),
+    flag("--eval-fraction", type=float, default=0.05, check="fraction", resumed=True,
+         help="documents held out for evaluation (default 0.05)"),
+    flag("--eval-batches", type=int, default=20, check="positive", help="batches per evaluation (default 20)"),
+    flag("--num-proc", type=int, default=1, check="positive",
+         help="processes that tokenise the corpus (rank 0, once; cached; 1: in this process, its tokenizer using "
+              "every core) and that plan each epoch's shards ahead of training in the background (every rank; at "
+              "least one) (default 1)"),
+    flag("--num-workers", type=int, default=None, check="non_negative",
+         help="DataLoader workers collating micro-batches (default: this rank's share of the CPUs less one, at most "
+              "8; 0 collates in the training process)"),
+    flag("--cache-dir", default=None, help="where the tokenised corpus is cached (default OUTPUT_DIR/cache)"),
+    flag("--max-documents", type=int, default=None, check="positive", resumed=True,
+         help="read at most this many documents"),
+)
+RUN_SETTINGS = resumed(OPTIONS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bert-pretrain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="mini", help="model size: tiny | mini | base | large, or a config.json path "
-                                                    "(default: mini); vocab_size is taken from the tokenizer")
-    p.add_argument("--data", required=True,
-                   help="corpus: text file(s) (path, directory or glob; documents separated by blank lines, "
-                        "WikiText '= Title =' lines understood), a .jsonl file with a 'text' field, or a Hugging "
-                        "Face dataset streamed by name as hf:NAME[:CONFIG], e.g. hf:wikimedia/wikipedia:20231101.en")
-    tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer", help="an HF directory (tokenizer.json or vocab.txt) or a vocab.txt file")
-    tok.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
-                     help="train a WordPiece vocabulary of this size on the corpus (saved under OUTPUT_DIR/tokenizer)")
-    p.add_argument("--max-seq-len", type=int, default=128, help="tokens per instance, specials included (default 128)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="sequences per optimizer step, over all ranks and accumulation steps (default 32)")
-    add_static_shape_options(p)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="hot-op implementation (default auto: triton on CUDA)")
-    p.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
-    p.add_argument("--whole-word-masking", action="store_true", help="choose whole words, not single pieces")
-    p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for evaluation "
-                                                                     "(default 0.05)")
-    p.add_argument("--eval-batches", type=int, default=20, help="batches per evaluation (default 20)")
-    p.add_argument("--num-proc", type=int, default=1,
-                   help="processes that tokenise the corpus (rank 0, once; cached; 1: in this process, its "
-                        "tokenizer using every core) and that plan each epoch's shards ahead of training in the "
-                        "background (every rank; at least one) (default 1)")
-    p.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader workers collating micro-batches (default: this rank's share of the CPUs "
-                        "less one, at most 8; 0 collates in the training process)")
-    p.add_argument("--cache-dir", default=None, help="where the tokenised corpus is cached "
-                                                     "(default OUTPUT_DIR/cache)")
-    p.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
+    add_flags(p, OPTIONS)
     Settings.add_arguments(p, output_dir="runs/pretrain", lr=1e-4, warmup=0.01, log_every=1, save_every=500,
                            keep_checkpoints=3, eval_every=200)
     add_debug_flag(p)
     return p
 
 
-def add_static_shape_options(p: argparse.ArgumentParser) -> None:
-    """Packing into fixed shapes, and what fixed shapes allow: one compilation, CUDA graphs."""
-    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
-                   help="pack instances end to end into micro-batches of a fixed token budget, every shape fixed "
-                        "and almost no padding (default on; --no-packing puts length-bucketed batches one instance "
-                        "per padded row instead)")
-    p.add_argument("--tokens-per-batch", type=int, default=None,
-                   help="with packing: the token budget of a micro-batch (one rank, one accumulation step), a "
-                        "multiple of --max-seq-len (rows of that length); default: its share of --batch-size "
-                        "times --max-seq-len")
-    p.add_argument("--instances-per-row", type=int, default=None,
-                   help="with packing: the most instances a row of --max-seq-len tokens holds (default 3)")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="torch.compile the model (backend default inductor); with packing it compiles once")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="capture each training step (forward, backward, clipping, fused AdamW) in one CUDA graph "
-                        "and replay it; needs packing, one GPU and bf16/fp32, else runs without, with a warning")
-
-
-# This command's settings that make a run what it is: --resume compares them with the checkpoint's, with the
-# trainer's own (bert.train.settings; the others only say how it runs: workers, logging cadence, caching). The
-# tokenizer is compared by content (data_identity), not by where it was read from or how it was made: the same
-# vocabulary moved elsewhere, or the saved OUTPUT_DIR/tokenizer of a --train-tokenizer run, continues the run.
-RUN_SETTINGS = ("config", "data", "max_seq_len", "batch_size", "packing",
-                "tokens_per_batch", "instances_per_row", "steps", "mlm_probability", "whole_word_masking",
-                "eval_fraction", "max_documents")
-
-
 def validate_args(args) -> None:
     """Everything that can be checked before any work (tokenising a corpus can take hours)."""
     Settings.check_arguments(args)
-    check_numbers(args, positive=("max_seq_len", "batch_size", "steps", "eval_batches", "num_proc", "train_tokenizer",
-                                  "max_documents", "tokens_per_batch", "instances_per_row"),
-                  non_negative=("num_workers",), fractions=("eval_fraction",))
+    check_flags(args, OPTIONS)
     if not 0 < args.mlm_probability <= 1:
         raise ValueError(f"--mlm-probability must be in (0, 1], got {args.mlm_probability}")
     if args.max_seq_len < 8:

@@ -128,3 +128,32 @@ def _parent(pid: int) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def test_options_declared_once_give_the_parser_the_checks_and_what_resume_compares():
+    import argparse
+
+    flags = (commands.flag("--rows", type=int, default=4, check="positive", resumed=True, help="rows"),
+             commands.flag("--share", type=float, default=0.5, check="fraction", help="a share"),
+             commands.flag("--a", group="one", action="store_true"), commands.flag("--b", group="one"))
+    p = argparse.ArgumentParser()
+    commands.add_flags(p, flags)
+    assert vars(p.parse_args([])) == {"rows": 4, "share": 0.5, "a": False, "b": None}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--a", "--b", "x"])  # one group: mutually exclusive
+    with pytest.raises(ValueError, match="--rows must be positive, got 0"):
+        commands.check_flags(p.parse_args(["--rows", "0"]), flags)
+    with pytest.raises(ValueError, match=r"--share must be in \[0, 1\), got 1.0"):
+        commands.check_flags(p.parse_args(["--share", "1"]), flags)
+    assert commands.resumed(flags) == ("rows",)
+    with pytest.raises(ValueError, match="unknown check"):
+        commands.flag("--x", check="even")
+
+
+def test_each_command_compares_on_resume_what_makes_its_run():
+    from bert import finetune, pretrain
+
+    assert {"max_seq_len", "batch_size", "packing", "data"} <= set(pretrain.RUN_SETTINGS)
+    assert not {"num_workers", "cache_dir", "backend"} & set(pretrain.RUN_SETTINGS)
+    assert {"task", "model", "max_seq_len", "doc_stride"} <= set(finetune.RUN_SETTINGS)
+    assert "eval_batch_size" not in finetune.RUN_SETTINGS

@@ -1,6 +1,7 @@
-"""What the command lines (bert-pretrain, bert-finetune) share: argument checks made before any work, local paths
-that do not exist caught at once (not sent to the Hugging Face Hub), and `run`, which prints expected errors and
-stops as one line without a traceback (`--debug`, or BERTFUSE_DEBUG=1 in the environment, shows it).
+"""What the command lines (bert-pretrain, bert-finetune, bert-bench) share: options declared once (`flag`: the
+flag, its check and whether --resume compares it), argument checks made before any work, local paths that do not
+exist caught at once (not sent to the Hugging Face Hub), and `run`, which prints expected errors and stops as one
+line without a traceback (`--debug`, or BERTFUSE_DEBUG=1 in the environment, shows it).
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import glob
 import os
 import signal
 import sys
+from typing import NamedTuple
 
 from bert.common.errors import ExpectedError, Interrupted, StopRun, exit_at_once, signal_name, stopped_by
 
@@ -45,6 +47,49 @@ def check_numbers(args, positive=(), non_negative=(), fractions=()) -> None:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+
+
+class Flag(NamedTuple):
+    """One option of a command, declared once: argparse's names and keywords, the check made before any work
+    ("positive", "non_negative" or "fraction": `check_numbers`), whether --resume compares it with the
+    checkpoint's (`resumed`), and the mutually exclusive group it belongs to, if any."""
+    names: tuple
+    kwargs: dict
+    check: str | None = None
+    resumed: bool = False
+    group: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or self.names[0].lstrip("-").replace("-", "_")
+
+
+def flag(*names: str, check: str | None = None, resumed: bool = False, group: str | None = None, **kwargs) -> Flag:
+    if check not in (None, "positive", "non_negative", "fraction"):
+        raise ValueError(f"flag {names[0]}: unknown check {check!r}")
+    return Flag(names, kwargs, check, resumed, group)
+
+
+def add_flags(parser, flags) -> None:
+    """Every flag on `parser` (or an argument group of it), in order; a group's flags mutually exclusive."""
+    groups = {}
+    for f in flags:
+        if f.group and f.group not in groups:
+            groups[f.group] = parser.add_mutually_exclusive_group()
+        (groups[f.group] if f.group else parser).add_argument(*f.names, **f.kwargs)
+
+
+def check_flags(args, flags) -> None:
+    """The checks the flags declare (`check_numbers`)."""
+    def named(check):
+        return tuple(f.dest for f in flags if f.check == check)
+
+    check_numbers(args, positive=named("positive"), non_negative=named("non_negative"), fractions=named("fraction"))
+
+
+def resumed(flags) -> tuple[str, ...]:
+    """The options --resume compares with the checkpoint's."""
+    return tuple(f.dest for f in flags if f.resumed)
 
 
 def add_debug_flag(parser) -> None:
