@@ -236,7 +236,10 @@ def launcher_variants(rec, t: Target):
 
 
 def variant_key(variant: Variant) -> tuple:
-    """What makes two variants the same compile: the kernel, its specialised arguments, the launch options."""
+    """What makes two variants the same compile: the kernel, its specialised arguments, the launch options (a
+    refused call, which compiles nothing, is its own)."""
+    if variant.fn is None:
+        return (variant.name,)
     args = tuple(sorted((k, str(v)) for k, v in variant.args.items()))
     return variant.fn, variant.num_warps, variant.num_stages, args
 

@@ -29,10 +29,6 @@ from bench import compile_check  # noqa: E402
 from kernels.targets import TARGETS, named  # noqa: E402
 
 
-def _key(variant) -> tuple:
-    return variant.name, variant.num_warps, variant.num_stages, tuple(sorted(variant.args.items()))
-
-
 def variants(arch: str, names: list[str]) -> list:
     """The variants of the named groups (all by default) for one family, each once."""
     groups = compile_check.groups(named(arch))
@@ -40,8 +36,8 @@ def variants(arch: str, names: list[str]) -> list:
     for name, group in groups.items():
         if name in (names or groups):
             for v in group():
-                if _key(v) not in seen:
-                    seen.add(_key(v))
+                if compile_check.variant_key(v) not in seen:
+                    seen.add(compile_check.variant_key(v))
                     out.append(v)
     return out
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
-from bert.common.commands import check_numbers
+from bert.common.commands import add_flags, check_flags, flag, resumed
 from bert.train.distributed import DIST_TIMEOUT_MINUTES
 
 
@@ -84,33 +84,39 @@ class Settings:
         return [o.flag.get("flags", (f"--{f.name.replace('_', '-')}",)) for f, o in cls.options()]
 
     @classmethod
-    def add_arguments(cls, parser, **defaults) -> None:
-        """The trainer's options as one argument group, with a command's `defaults` (field name -> value)."""
+    def as_flags(cls, **defaults) -> tuple:
+        """The trainer's options as command flags (bert.common.commands.Flag), with a command's `defaults` (field
+        name -> value)."""
         unknown = set(defaults) - {f.name for f, _ in cls.options()}
         if unknown:
             raise TypeError(f"not trainer options: {sorted(unknown)}")
-        g = parser.add_argument_group("training")
-        for (f, o), flags in zip(cls.options(), cls.flags()):
-            default = defaults.get(f.name, f.default)
+        out = []
+        for (f, o), names in zip(cls.options(), cls.flags()):
             kwargs = {k: v for k, v in o.flag.items() if k != "flags"}
             if isinstance(f.default, bool):
                 kwargs["action"] = "store_false" if f.default else "store_true"
             elif f.default is not None and "nargs" not in kwargs:
                 kwargs.setdefault("type", type(f.default))
-            g.add_argument(*flags, dest=f.name, default=default, help=o.help, **kwargs)
+            out.append(flag(*names, check=o.check, resumed=o.resumed, dest=f.name,
+                            default=defaults.get(f.name, f.default), help=o.help, **kwargs))
+        return tuple(out)
+
+    @classmethod
+    def add_arguments(cls, parser, **defaults) -> None:
+        """The trainer's options as one argument group, with a command's `defaults` (field name -> value)."""
+        add_flags(parser.add_argument_group("training"), cls.as_flags(**defaults))
 
     @classmethod
     def check_arguments(cls, args) -> None:
         """The checks of those options, each error naming its flag (before any work)."""
-        check_numbers(args, positive=tuple(f.name for f, o in cls.options() if o.check == "positive"),
-                      non_negative=tuple(f.name for f, o in cls.options() if o.check == "non_negative"))
+        check_flags(args, cls.as_flags())
         if args.resume and args.resume != "latest" and not os.path.isdir(args.resume):
             raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
 
     @classmethod
     def resumed(cls, args) -> dict:
         """The trainer options --resume compares, as parsed."""
-        return {f.name: getattr(args, f.name) for f, o in cls.options() if o.resumed}
+        return {name: getattr(args, name) for name in resumed(cls.as_flags())}
 
     @classmethod
     def from_arguments(cls, args, steps: int, run_settings: dict, **command) -> "Settings":
