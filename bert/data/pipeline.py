@@ -51,7 +51,7 @@ STEPS_PER_SHARD = 64
 
 @dataclass(frozen=True)
 class Layout:
-    """How an epoch's instances become steps. packed: `shapes` (rows of max_seqlen, `shapes.rows` a
+    """How an epoch's instances become steps. packed: `shapes` (rows of max_seq_len, `shapes.rows` a
     micro-batch); else length-bucketed global batches of `batch_size` instances, one per row. `parts` = ranks x
     accumulation steps micro-batches a step."""
     max_seq_len: int
@@ -214,7 +214,7 @@ def held_out_batches(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: 
     layout = Layout(max_seq_len, 1, shapes, batch_size)
     collator = StepCollator(corpus, masker, layout, "eval_masking")
     rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
-            else pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row))
+            else pack(span_lengths(spans), shapes.max_seq_len, shapes.per_row))
     for first in range(0, len(rows), layout.rows_per_micro):
         yield collator.collate(micro_batch_work(spans, rows[first:first + layout.rows_per_micro]))
 
