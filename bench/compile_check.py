@@ -191,9 +191,8 @@ def check(variant: Variant, t: Target) -> tuple[str | None, str]:
     """Compile one variant for family `t`: (failure reason or None, report). A dtype the family cannot run
     (bfloat16 on sm_75), or a half-precision dot kernel where Triton has no tensor-core dots (sm_75), is not
     compiled: the launchers refuse it with the error reported here."""
-    refused = variant.refusal(t)
-    if refused:
-        return None, f"refused: {refused}"
+    if variant.refused:
+        return None, f"refused: {variant.refused}"
     try:
         result = compile_variant(variant.fn, variant.args, variant.num_warps, variant.num_stages, t)
     except Exception as e:  # out of shared memory, a compiler error: the variant cannot run
@@ -224,15 +223,10 @@ def recorded(rec, call: CompileCall, t: Target, force: tuple[str, dict] | None =
 
 
 def launcher_variants(rec, t: Target):
-    """The launches of each of the record's compile calls on `t` (each once), with the configs the launchers pick
-    there (the family's table, else the default)."""
-    seen = set()
+    """The launches of each of the record's compile calls on `t`, with the configs the launchers pick there (the
+    family's table, else the default); the same launch from several calls comes more than once (`variant_key`)."""
     for call in rec.compiled():
-        for variant in recorded(rec, call, t):
-            key = variant_key(variant)
-            if key not in seen:
-                seen.add(key)
-                yield variant
+        yield from recorded(rec, call, t)
 
 
 def variant_key(variant: Variant) -> tuple:
@@ -255,8 +249,9 @@ def groups(t: Target) -> dict:
 def variants_for(kernel: str, dtype, size: int, config: dict | None, t: Target) -> list[Variant]:
     """The compile variants of one config of launch site `kernel` ("attention.fwd") at (dtype, size) on `t`: its
     launches in every compile call of the record there (BERT's training flags where none matches), the config
-    forced; [] for a launch site that chooses among implementations rather than configuring a kernel
-    (mlm_loss.strategy). A config the launcher cannot take (kernels.tuned.pick) raises ValueError."""
+    forced (a call the family refuses: its one refused variant); [] for a launch site that chooses among
+    implementations rather than configuring a kernel (mlm_loss.strategy). A config the launcher cannot take
+    (kernels.tuned.pick) raises ValueError."""
     rec, site = record(kernel), launches.site(kernel)
     if site.choice:
         return []
@@ -264,7 +259,7 @@ def variants_for(kernel: str, dtype, size: int, config: dict | None, t: Target) 
     out, seen = [], set()
     for call in calls:
         for variant in recorded(rec, call, t, (kernel, config) if config else None):
-            if variant.fn is site.kernel and variant_key(variant) not in seen:
+            if (variant.fn is site.kernel or variant.refused) and variant_key(variant) not in seen:
                 seen.add(variant_key(variant))
                 out.append(variant)
     return out

@@ -12,11 +12,13 @@ themselves:
     bench.targets         `goals`: the speed and memory targets read from the benchmark rows
     bench.precompile, bert-bench, bench/test_kernels.py: the record names and `bench`
 
-This module holds the record types only. Reading the records imports the kernels package and so triton (set
+This module holds the record types (the records are in bench.ops) and `record_launches`, which records what a
+record's compile call launches. Reading the records imports the kernels package and so triton (set
 TRITON_INTERPRET=1 first on a machine without a GPU), but compiles nothing: kernels compile at their first launch.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -108,14 +110,8 @@ class Variant(NamedTuple):
     num_stages: int = 3
     dtype: torch.dtype = torch.float32
     needs: str | None = None
-    refused: str | None = None  # the launchers' error, for a call the family refuses (fn is then None)
-
-    def refusal(self, target) -> str | None:
-        """Why family `target` refuses to run this variant's op in its dtype (kernels.targets.refusal, for a dot
-        kernel where it `needs` tensor cores); None where it runs it."""
-        from kernels.targets import refusal  # imported here: kernels imports triton
-
-        return self.refused or refusal(self.name.split()[0], self.dtype, target, self.needs == "tensor_cores")
+    refused: str | None = None  # the launchers' error, for a call the family refuses (fn is then None): a
+                                # launch they make has passed their refusals (kernels.targets.check) already
 
 
 class CompileCall(NamedTuple):
@@ -137,8 +133,6 @@ def record_launches(rec: "Record", call: CompileCall, target, force: tuple[str, 
     (kernels.launches.recording: what the launchers pass and the configs they pick there); with `force` =
     (launch site, config), that site's config forced (kernels.tuned.forced: a ValueError where the launcher
     cannot take it)."""
-    import contextlib
-
     from kernels import launches, targets, tuned  # imported here: kernels imports triton
 
     with contextlib.ExitStack() as stack:

@@ -20,9 +20,10 @@ def table_problems(path: str) -> list[str]:
         return [f"{path}: not a format-{tuned.FORMAT} table"]
     found = []
     for kernel, entries in table["kernels"].items():
+        site = launches.site(kernel)
+        tunable = set(site.candidates[0] if site.candidates else ())
         for key, entry in entries.items():
-            site = launches.site(kernel)
-            extra = set(entry.get("config", {})) - set(site.candidates[0] if site.candidates else ())
+            extra = set(entry.get("config", {})) - tunable
             why = tuned.key_problem(key) or (
                 None if isinstance(getattr(torch, key.split("/")[0], None), torch.dtype) else "not a dtype's key")
             if extra or why:

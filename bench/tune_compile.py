@@ -12,22 +12,19 @@ import torch
 from .tables import meta, timed, write_table
 from .tune_problems import Problem, check_all, pool_of, workers
 
-# -- without a GPU: the best config that compiles clean on a family -------------------------------------------------
-
 
 def compile_problems(names, target) -> list[Problem]:
     """Each (launch site, dtype, size) that the named records' compile calls launch on family `target` and a
     table may configure (a site with candidates), once, keyed for every sequence length ("all"): a call the
     family refuses (bfloat16, or half-precision dots, on sm_75) has nothing to configure."""
     from bench.ops import record
-
     from bench.record import record_launches
     from kernels import launches
 
     out = []
-    for name in names:
-        for call in record(name).compiled():
-            for launch in record_launches(record(name), call, target).launches:  # none where the family refuses
+    for rec in map(record, names):
+        for call in rec.compiled():
+            for launch in record_launches(rec, call, target).launches:  # none where the family refuses
                 problem = Problem(launch.site, call.dtype, call.size, None, ())
                 if launches.site(launch.site).candidates and problem not in out:
                     out.append(problem)

@@ -36,17 +36,18 @@ def exporting_onnx() -> bool:
 
 def device_refusal(device: torch.device) -> str | None:
     """Why the kernels cannot run on `device` (None where they can): a CUDA or ROCm GPU older than they support,
-    a CPU without Triton's interpreter, any other device."""
+    a CPU without Triton's interpreter (while launches are recorded, kernels.launches, any CPU tensor does:
+    nothing is launched), any other device."""
     if device.type == "cuda":
         try:
             targets.of(device)
         except RuntimeError as e:  # a GPU older than the kernels support
             return str(e)
         return None
-    if device.type == "cpu" and INTERPRET:
+    if device.type == "cpu" and (INTERPRET or launches.recording_active()):
         return None
-    return ("the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before triton is imported for CPU "
-            "tensors")
+    return ("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 set before triton is imported, for CPU "
+            "tensors)")
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -59,7 +60,7 @@ def backend_for(t: torch.Tensor) -> str:
     why = device_refusal(t.device)
     if why is None:
         return "triton"
-    warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path ({why})")
+    warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path: {why}")
     return "torch"
 
 
@@ -79,10 +80,8 @@ def check_device(op: str, **tensors) -> torch.device:
     for name, d in devices.items():
         if d != device:
             raise ValueError(f"{op}: {name} is on {d} but {first_name} is on {device}")
-    recorded = launches.recording_active() and device.type == "cpu"  # nothing is launched: any CPU tensor does
-    if device.type != "cuda" and not ((INTERPRET or recorded) and device.type == "cpu"):
-        raise ValueError(f"{op}: tensors are on {device}; the Triton kernels need a CUDA device "
-                         "(or TRITON_INTERPRET=1 set before triton is imported, for CPU tensors)")
+    if device.type != "cuda" and (why := device_refusal(device)):  # a GPU's own limits: targets, at its launch
+        raise ValueError(f"{op}: tensors are on {device}; {why}")
     if any(t.dtype == torch.bfloat16 for t in named.values()):
         targets.check(op, torch.bfloat16, device)
     return device

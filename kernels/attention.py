@@ -375,7 +375,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
     check_device(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
-    targets.check(op, q.dtype, q.device, dots=True)
+    targets.check(op, q.dtype, q.device, dots=DOTS)
     if validate:
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         first, last = cu_seqlens[0], cu_seqlens[-1]
