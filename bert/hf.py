@@ -19,7 +19,10 @@ family is one record. The layer structures (`Layers`) are
     attention.output.{dense,dropout,LayerNorm}, intermediate.{dense,intermediate_act_fn},
     output.{dense,dropout,LayerNorm};
   * DistilBERT-like: attention.{q_lin,k_lin,v_lin,out_lin}, sa_layer_norm, ffn.{lin1,activation,lin2,dropout},
-    output_layer_norm.
+    output_layer_norm;
+  * MPNet: attention.attn.{q,k,v,o,dropout}, attention.{dropout,LayerNorm}, intermediate, output as BERT's, and
+    a relative-position bias (encoder.relative_attention_bias, 32 buckets) the encoder computes once for all
+    layers, which the fused attention looks up inside its kernel (`Layers.position_bias`).
 What is fused:
   * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
@@ -37,11 +40,12 @@ What is fused:
     vocabulary logits never formed. By default (mlm_logits=True) the head returns transformers' full logits.
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
-`fuse_report` lists it: attention the kernel cannot express (relative or disentangled positions, a head_dim over
-128, decoders and their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call
+`fuse_report` lists it: attention the kernel cannot express (disentangled positions, a relative-position rule
+other than MPNet's, a head_dim over 128, decoders and their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call
 asking for output_attentions, output_hidden_states, cross-attention or a cache, with a mask the kernel cannot
 express (one that differs between queries, or additive values other than 0 and the minimum), or whose attention
-dropout holds a hook or was replaced, runs the original encoder code, and fuse_report counts it; compiled, such
+dropout holds a hook or was replaced (or, for MPNet, a mask with holes, whose padded slots its relative
+positions count, or a hook on its bias), runs the original encoder code, and fuse_report counts it; compiled, such
 a mask stops the call with an error instead (its values cannot choose the code inside a graph).
 """
 from __future__ import annotations
@@ -128,13 +132,14 @@ def _add_norm(norm, dropout, h, residual):
     return norm((F.dropout(h, p) if p else h) + residual)
 
 
-def _attend(attention, query, key, value, x, p):
+def _attend(attention, query, key, value, x, p, bias=None):
     """The attention context [tokens, hidden] of packed tokens x, before any output projection; q, k and v by
-    their modules (ops.project_qkv), the dropout on the probabilities inside the kernel."""
+    their modules (ops.project_qkv), the dropout on the probabilities and the relative-position bias (a
+    kernels.RelativePositionBias, or None) inside the kernel."""
     heads = getattr(attention, "num_attention_heads", None) or attention.n_heads
     dropout_p = attention.dropout.p if attention.training else 0.0
     return ops.self_attention(x, p, query, key, value, heads, attention.attention_head_size, dropout_p,
-                              ops.backend_for(x))
+                              ops.backend_for(x), position_bias=bias)
 
 
 # ---- the fused forwards: fuse keeps every module object (its hooks, its place, its parameters) and gives it a
@@ -165,36 +170,54 @@ def _generator_head_forward(self, hidden_states):
     return self.LayerNorm(_linear_gelu(self.dense, self.activation, hidden_states))
 
 
-def _bert_self_attention_forward(self, hidden_states, *args, packed=None, **kwargs):
+# Given packed tokens, a layer's fused forwards pass on `packed` (the layout) and `bias` (the encoder's
+# relative-position bias, a kernels.RelativePositionBias; None for absolute-position families).
+def _bert_self_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return _attend(self, self.query, self.key, self.value, hidden_states, packed), None
+    return _attend(self, self.query, self.key, self.value, hidden_states, packed, bias), None
 
 
-def _bert_attention_forward(self, hidden_states, *args, packed=None, **kwargs):
+def _bert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    context, _ = self.self(hidden_states, packed=packed)
+    context, _ = self.self(hidden_states, packed=packed, bias=bias)
     return self.output(context, hidden_states), None
 
 
-def _distilbert_attention_forward(self, hidden_states, *args, packed=None, **kwargs):
+def _distilbert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, hidden_states, packed)), None
+    return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, hidden_states, packed, bias)), None
 
 
-def _bert_layer_forward(self, hidden_states, *args, packed=None, **kwargs):
+def _mpnet_self_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+    """MPNetSelfAttention: o(softmax(q k^T / sqrt(d) + relative bias) v)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attention(hidden_states, packed=packed)
+    return self.o(_attend(self, self.q, self.k, self.v, hidden_states, packed, bias)), None
+
+
+def _mpnet_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+    """MPNetAttention: LayerNorm(dropout(attn(x)) + x)."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.attn(hidden_states, packed=packed, bias=bias)
+    return _add_norm(self.LayerNorm, self.dropout, attended, hidden_states), None
+
+
+def _bert_layer_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+    """BertLayer and MPNetLayer: output(intermediate(a), a) for a = attention(x)."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.attention(hidden_states, packed=packed, bias=bias)
     return self.output(self.intermediate(attended), attended)
 
 
-def _distilbert_layer_forward(self, hidden_states, *args, packed=None, **kwargs):
+def _distilbert_layer_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attention(hidden_states, packed=packed)
+    attended, _ = self.attention(hidden_states, packed=packed, bias=bias)
     x = _add_norm(self.sa_layer_norm, None, attended, hidden_states)
     ffn = self.ffn
     if getattr(type(ffn), "_bertfuse_forward", None) is _ffn_forward and ops.hookless(ffn):  # its dropout into the LayerNorm kernel
@@ -277,6 +300,9 @@ class Layers(NamedTuple):
     output: str                    # the transformers.modeling_outputs class the original encoder returns
     roles: tuple[tuple[str, tuple[str, ...]], ...]  # (path in the layer, "" itself, ".." the encoder): names
     models: tuple[tuple[str, str], ...]             # (transformers modeling module, class-name prefix "{P}")
+    # A relative-position bias the encoder computes once for all its layers: (the encoder) -> the
+    # kernels.RelativePositionBias its code computes; None for absolute positions (in the embeddings).
+    position_bias: Callable | None = None
 
 
 class MLMHead(NamedTuple):
@@ -330,6 +356,25 @@ DISTILBERT_LAYERS = Layers("distilbert", ("attention.q_lin", "attention.k_lin", 
                            (("attention", ("{P}SelfAttention", "MultiHeadSelfAttention", "{P}SdpaAttention",
                                            "{P}FlashAttention2")), ("", ("TransformerBlock",)),
                             ("..", ("Transformer",)), ("ffn", ("FFN",))), _DISTILBERT_MODELS)
+_MPNET_MODELS = (("mpnet.modeling_mpnet", "MPNet"),)
+# MPNet's encoder computes its bias with relative_position_bucket's defaults (32 buckets, max_distance 128),
+# whatever relative_attention_num_buckets says: rows past the 32nd are never read.
+MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
+
+
+def _mpnet_position_bias(encoder):
+    return ops.kernels_package().RelativePositionBias(encoder.relative_attention_bias.weight[:MPNET_BUCKETS],
+                                                      MPNET_BUCKETS, MPNET_MAX_DISTANCE)
+
+
+MPNET_LAYERS = Layers("mpnet", ("attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o",
+                                "attention.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"),
+                      "attention.attn", (("", _bert_layer_forward), ("attention", _mpnet_attention_forward),
+                                         ("attention.attn", _mpnet_self_attention_forward)),
+                      "BaseModelOutput",
+                      (("attention.attn", ("{P}SelfAttention",)), ("attention", ("{P}Attention",)),
+                       ("", ("{P}Layer",)), ("..", ("{P}Encoder",)), ("intermediate", ("{P}Intermediate",)),
+                       ("output", ("{P}Output",))), _MPNET_MODELS, position_bias=_mpnet_position_bias)
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -346,11 +391,13 @@ FAMILIES = (
            config_names=(("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
                          ("intermediate_size", "hidden_dim"), ("hidden_dropout_prob", "dropout"),
                          ("attention_probs_dropout_prob", "attention_dropout"))),
+    Family("mpnet", "MPNet", MPNET_LAYERS, _ROBERTA_MLM, 1),
 )
 
 
 # The task models whose forward the masked-only MLM loss stands in for: the families' own.
-_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS) if m[1] in {f.prefix for f in FAMILIES})
+_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS)
+                    if m[1] in {f.prefix for f in FAMILIES})
 
 
 def family(name: str) -> Family:
@@ -370,7 +417,7 @@ MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 # ---- whose code is known: a module is fused only where its class computes exactly the fused op's math ---------
 # Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
-_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, ("mpnet.modeling_mpnet", "MPNet"),
+_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS,
                  ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
 
 
@@ -476,8 +523,9 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     static = torch.compiler.is_compiling()
     p = static_layout(keys) if static else unpad_mask(keys)
     x = unpad(hidden_states, p)
+    bias = state.layers.position_bias(self) if state.layers.position_bias else None
     for layer in self.layer:
-        x = _run_layer(self, layer, x, p)
+        x = _run_layer(self, layer, x, p, bias)
     out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)  # padding kept: zero it
     # What the original encoder returns: BERT-like models read `.cache` from it too.
     return getattr(outputs, state.layers.output)(last_hidden_state=out)
@@ -498,18 +546,41 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     if not all(ops.plain(_get(layer, state.layers.attention).dropout, nn.Dropout) for layer in encoder.layer):
         wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
                   "its kernel")
+    if state.layers.position_bias:
+        wants.update(_position_bias_problems(encoder, keys))
     if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
         return ", ".join(sorted(wants)) or "cross-attention/cache"
     return None
 
 
-def _run_layer(encoder, layer, x, p):
+def _position_bias_problems(encoder, keys) -> list[str]:
+    """Why this call's relative-position bias is not what the kernel computes: a bias module that is not a plain
+    nn.Embedding (its lookup would be skipped), or a mask with holes, where the original code counts the padded
+    slots between two tokens and the kernel their distance within the packed sequence (left or right padding
+    is the same either way). One sync, as for the mask; compiled, the program checks it when it runs."""
+    why = []
+    if not ops.plain(encoder.relative_attention_bias, nn.Embedding):
+        why.append("a hook on (or a replacement of) the relative-position bias, which the fused attention reads "
+                   "inside its kernel")
+    if keys is not None and keys.shape[1] > 1:
+        runs = (keys[:, 1:] & ~keys[:, :-1]).sum(1) + keys[:, 0]  # runs of kept tokens in each row
+        contiguous = (runs <= 1).all()
+        hole = "an attention mask with holes (padding between tokens), whose relative positions the fused " \
+               "attention does not count"
+        if torch.compiler.is_compiling():
+            torch._assert_async(contiguous, f"bert.hf.fuse: {hole}; compile the unfused model for such masks")
+        elif not bool(contiguous):
+            why.append(hole)
+    return why
+
+
+def _run_layer(encoder, layer, x, p, bias):
     """One layer through its own __call__ (so its hooks fire, and a transformers 5 layer checkpoints itself
     when gradient checkpointing is on); transformers 4 checkpoints from the encoder, so this does too."""
     if getattr(encoder, "gradient_checkpointing", False) and encoder.training and torch.is_grad_enabled() \
             and not _checkpoints_itself(layer):
-        return encoder._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p), x)
-    return layer(x, packed=p)
+        return encoder._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p, bias=bias), x)
+    return layer(x, packed=p, bias=bias)
 
 
 # Arguments the fused encoder handles itself (the flags) or that its layers' code ignores: the embeddings read the
@@ -627,6 +698,8 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
         reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
         reasons.append("a decoder / cross-attention configuration")
+    if kind.position_bias and (rows := encoder.relative_attention_bias.num_embeddings) < MPNET_BUCKETS:
+        reasons.append(f"a relative-position bias of {rows} buckets, fewer than the {MPNET_BUCKETS} its rule reads")
     reasons += filter(None, [_attention_function_problem(cfg)])
     return reasons
 

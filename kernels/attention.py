@@ -20,9 +20,21 @@ D = keep / (1 - p_drop) and O = (P * D) V:
 (rowsum(dP * P) = rowsum(dO * O) holds with dropout too, which is why delta needs only O and dO.)
 One kernel walks the query blocks for each key block (dK, dV); another walks the key blocks for each query
 block (dQ): no atomics, deterministic results.
+
+Relative-position bias (optional, `RelativePositionBias`: MPNet's and T5's bucketed rule). The score of query i
+and key j of a sequence gets table[bucket(j - i), h], positions counted from the sequence's first token. The
+rule is constant past max_distance, so the launcher evaluates it once per call on the 2 * max_distance + 1
+distances (with the same float32 operations as transformers, hence the same bucket at every boundary) and
+gives the kernels each head's bias by clamped distance: one load per score, no [seq, seq] bias formed. Its
+gradient is the sum of dS over the pairs of each bucket, dTable[k, h] = sum_{bucket(j - i) = k} dS[h, i, j].
+Along a query row the distance grows with the key, and each bucket holds one run of distances (lo_k, hi_k], so
+its share of a tile row is the difference of the row's prefix sums of dS at the run's ends: the dQ kernel,
+which already holds dS, adds a cumulative sum and two gathers of num_buckets columns per tile, and stores each
+program's bucket sums; they are added in a fixed order (no atomics, deterministic).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -35,7 +47,8 @@ from . import launches, targets, tuned
 from ._common import (FLOAT_DTYPES, check_device, dense, dot_precision, dropout_keep, interpreter_upcast, keep_mask,
                       seed_tensor, unit_stride)
 
-__all__ = ["varlen_attention", "varlen_attention_ref", "padded_attention"]
+__all__ = ["varlen_attention", "varlen_attention_ref", "padded_attention", "RelativePositionBias",
+           "relative_position_bucket", "relative_bias"]
 MAX_HEAD_DIM = 128
 HEAD_DIMS = (8, 16, 32, 48, 64, 80, 128)   # the widths compiled for sm_90 and tested; any 1..MAX_HEAD_DIM runs
 
@@ -137,15 +150,43 @@ def _scores(q, kt, qk_scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _bias_tile(Bias, h, key_pos, query_pos, max_distance):
+    """The relative-position bias of head h at each (key, query) pair of a tile, from their positions in their
+    sequence (broadcast against each other): Bias[h, clamp(key - query) + max_distance], every address inside
+    the [H, 2 * max_distance + 1] table (the bucket rule is constant past max_distance)."""
+    d = tl.minimum(tl.maximum(key_pos - query_pos, -max_distance), max_distance)
+    return tl.load(Bias + h * (2 * max_distance + 1) + max_distance + d)
+
+
+@triton.jit
+def _bucket_sums(ds, key_offset, hi, lo, BLOCK_N: tl.constexpr):
+    """[BUCKETS] sums of a [BLOCK_M, BLOCK_N] tile of dS over the pairs whose distance key - query lies in each
+    bucket's (lo, hi]. Along a query row the distance grows with the key, so a bucket's keys are a run: the
+    difference of the row's prefix sums at the run's two ends (key_offset [BLOCK_M]: the first key's position
+    minus the query's, so the last key at distance t is column t - key_offset). Deterministic, no atomics."""
+    prefix = tl.cumsum(ds, axis=1)
+    return tl.sum(_prefix_at(prefix, hi[None, :] - key_offset[:, None], BLOCK_N)
+                  - _prefix_at(prefix, lo[None, :] - key_offset[:, None], BLOCK_N), axis=0)
+
+
+@triton.jit
+def _prefix_at(prefix, col, BLOCK_N: tl.constexpr):
+    """prefix[row, col] for [rows, BUCKETS] columns: 0 before the tile, the row's total past it."""
+    got = tl.gather(prefix, tl.minimum(tl.maximum(col, 0), BLOCK_N - 1), axis=1)
+    return tl.where(col >= 0, got, 0.0)
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q, K, V,       # [T, H, D]
     O,             # [T, H, D] output
     LSE,           # [H, T] float32 log2-sum-exp2 of the scaled scores of each query row
     CuSeqlens,     # [B + 1] int32
     Seed,          # [1] int64 Philox seed (unused unless HAS_DROPOUT)
+    Bias,          # [H, 2 * max_distance + 1] float32 bias by key - query distance, times log2(e) (HAS_BIAS)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
-    total_tokens, max_seqlen, qk_scale, p_drop,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    total_tokens, max_seqlen, qk_scale, p_drop, max_distance,
+    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -163,7 +204,11 @@ def _attention_fwd_kernel(
     for start_n in range(0, seq_len, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
-        s = tl.where(n_ok[None, :], _scores(q, kt, qk_scale, DOT_PRECISION), float("-inf"))
+        s = _scores(q, kt, qk_scale, DOT_PRECISION)
+        if HAS_BIAS:
+            s += _bias_tile(Bias, h, start_n + tl.arange(0, BLOCK_N)[None, :],
+                            start_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None], max_distance)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -206,10 +251,11 @@ def _attention_bwd_dkdv_kernel(
     LSE, Delta,     # [H, T] float32
     CuSeqlens,      # [B + 1] int32
     Seed,           # [1] int64, as in the forward
+    Bias,           # [H, 2 * max_distance + 1] float32, as in the forward (HAS_BIAS)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
-    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance,
+    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -230,7 +276,11 @@ def _attention_bwd_dkdv_kernel(
         qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
         do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
         lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
-        pt = tl.math.exp2(_scores(k, qt, qk_scale, DOT_PRECISION) - lse[None, :])
+        st = _scores(k, qt, qk_scale, DOT_PRECISION)
+        if HAS_BIAS:
+            st += _bias_tile(Bias, h, start_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None],
+                             start_m + tl.arange(0, BLOCK_M)[None, :], max_distance)
+        pt = tl.math.exp2(st - lse[None, :])
         pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
@@ -255,11 +305,16 @@ def _attention_bwd_dq_kernel(
     LSE, Delta,     # [H, T] float32
     CuSeqlens,      # [B + 1] int32
     Seed,           # [1] int64, as in the forward
+    Bias,           # [H, 2 * max_distance + 1] float32, as in the forward (HAS_BIAS)
+    BucketHi, BucketLo,  # [BUCKETS] int32: each bucket's distances are (lo, hi] (BIAS_GRAD)
+    DBias,          # [H, B, cdiv(max_seqlen, BLOCK_M), BUCKETS] float32 output: each program's bucket sums of
+                    # dS, the table's gradient (BIAS_GRAD)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dq_t, stride_dq_h,
-    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance,
+    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -272,11 +327,19 @@ def _attention_bwd_dq_kernel(
     do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
     lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    q_pos = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if BIAS_GRAD:
+        bucket_hi = tl.load(BucketHi + tl.arange(0, BUCKETS))
+        bucket_lo = tl.load(BucketLo + tl.arange(0, BUCKETS))
+    dbias = tl.zeros((BUCKETS,), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
-        p = tl.math.exp2(_scores(q, kt, qk_scale, DOT_PRECISION) - lse[:, None])
+        s = _scores(q, kt, qk_scale, DOT_PRECISION)
+        if HAS_BIAS:
+            s += _bias_tile(Bias, h, start_n + tl.arange(0, BLOCK_N)[None, :], q_pos[:, None], max_distance)
+        p = tl.math.exp2(s - lse[:, None])
         p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
@@ -285,8 +348,13 @@ def _attention_bwd_dq_kernel(
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+        if BIAS_GRAD:
+            dbias += _bucket_sums(ds, start_n - q_pos, bucket_hi, bucket_lo, BLOCK_N)
     dq *= softmax_scale
     _store_tile(DQ, q_rows, m_ok, stride_dq_t, h * stride_dq_h, offs_d, dq, HEAD_DIM, BLOCK_D)
+    if BIAS_GRAD:
+        slot = ((h * tl.num_programs(1) + b).to(tl.int64) * tl.num_programs(0) + start_m) * BUCKETS
+        tl.store(DBias + slot + tl.arange(0, BUCKETS), dbias)
 
 
 class _Launch(NamedTuple):
@@ -336,6 +404,37 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Targ
     return tuned.pick(f"attention.{kernel}", default, target, dtype, head_dim, max_seqlen, need=need)
 
 
+def _bias_config(kernel: str, c: _Launch, head_dim: int, target: targets.Target | None) -> _Launch:
+    """The config of a launch with the relative-position bias, from the one without: the bias tile (float32,
+    one per score) is one more buffer per pipeline stage and one more score-sized tile of registers, so the
+    forward pipelines at most 2 stages (and, for heads over 64, walks narrower key blocks where shared memory is
+    small) and the backward's
+    widest tiles take half the queries. float32 and the
+    interpreter's tiles are small already."""
+    if target is None or c.BLOCK_M * c.BLOCK_N <= 256:
+        return c
+    if kernel == "fwd":
+        # A wavefront of 64 holds twice the scores per lane group: half the queries there.
+        c = c._replace(num_stages=min(c.num_stages, 2),
+                       BLOCK_M=max(16, c.BLOCK_M // 2) if target.warp_size == 64 else c.BLOCK_M)
+        # Wide heads' key tiles are large too: walk narrower key blocks until the bias buffers take at most a
+        # third of the family's shared memory.
+        while head_dim > 64 and c.BLOCK_N > 32 and c.BLOCK_M * c.BLOCK_N * 4 * c.num_stages > target.shared_bytes / 3:
+            c = c._replace(BLOCK_N=c.BLOCK_N // 2)
+        return c
+    if kernel == "dkdv" and c.BLOCK_M * c.BLOCK_N > 2048:
+        return c._replace(BLOCK_M=max(16, c.BLOCK_M // 2))
+    if kernel == "dq" and head_dim > 64:  # its bucket sums gather along the keys: at most 32 of them
+        return c._replace(BLOCK_M=max(16, c.BLOCK_M // 2), BLOCK_N=min(c.BLOCK_N, 32))
+    return c
+
+
+def _launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Target | None,
+                   max_seqlen: int, bias: bool) -> _Launch:
+    c = _config(kernel, head_dim, dtype, target, max_seqlen)
+    return _bias_config(kernel, c, head_dim, target) if bias else c
+
+
 def _site(part: str, kernel, candidates=()) -> launches.LaunchSite:
     return launches.LaunchSite(f"attention.{part}", kernel,
                                lambda dtype, d, target: _default_config(part, d, dtype, target),
@@ -353,7 +452,52 @@ _FWD, _PREPROCESS, _DKDV, _DQ = launches.declare(
                                                         num_stages=[1, 2])))
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
+class RelativePositionBias(NamedTuple):
+    """A bucketed relative-position bias (T5's bidirectional rule, which MPNet uses): the score of query i and
+    key j of a sequence gets table[relative_position_bucket(j - i, num_buckets, max_distance), head], positions
+    counted from each sequence's first token. The table's gradient is computed too."""
+    table: torch.Tensor        # [num_buckets, heads], float32, float16 or bfloat16
+    num_buckets: int = 32
+    max_distance: int = 128
+
+
+def relative_position_bucket(distance: torch.Tensor, num_buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """The bucket (int64) of each key - query distance: half the buckets for keys after the query, half for the
+    rest; within a half, distances below max_exact = num_buckets // 4 have a bucket each and longer ones share
+    log-spaced buckets up to max_distance, past which all share the last. Computed in float32 with the same
+    operations, in the same order, as transformers' MPNet and T5 code, so a boundary distance falls into the
+    same bucket on the same device."""
+    half = num_buckets // 2
+    max_exact = half // 2
+    n = -distance
+    bucket = (n < 0).to(torch.long) * half
+    n = torch.abs(n)
+    large = max_exact + (torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (half - max_exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, half - 1))
+    return bucket + torch.where(n < max_exact, n, large)
+
+
+def _check_bias(op, bias, heads, device):
+    if not isinstance(bias, RelativePositionBias):
+        raise TypeError(f"{op}: position_bias must be a kernels.RelativePositionBias, got {type(bias).__name__}")
+    nb, md, table = bias.num_buckets, bias.max_distance, bias.table
+    if not isinstance(nb, int) or nb < 4 or nb % 2:
+        raise ValueError(f"{op}: num_buckets must be an even int of at least 4 (half for each direction, and "
+                         f"num_buckets // 4 >= 1 exact distances), got {nb!r}")
+    if not isinstance(md, int) or not nb // 4 < md < 2 ** 24:
+        raise ValueError(f"{op}: max_distance must be an int above num_buckets // 4 = {nb // 4} (and below 2^24), "
+                         f"got {md!r}")
+    if not isinstance(table, torch.Tensor) or tuple(table.shape) != (nb, heads):
+        got = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"{op}: position_bias.table must be [num_buckets, heads] = {[nb, heads]}, got {got}")
+    if table.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: position_bias.table must be float16, bfloat16 or float32, got {table.dtype}")
+    if table.device != device:
+        raise ValueError(f"{op}: position_bias.table is on {table.device}, q on {device}")
+
+
+def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate, position_bias=None):
     op = "varlen_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -375,27 +519,64 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
     check_device(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    if position_bias is not None:
+        _check_bias(op, position_bias, q.shape[1], q.device)
     targets.check(op, q.dtype, q.device, dots=DOTS)
     if validate:
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        first, last = cu_seqlens[0], cu_seqlens[-1]
-        longest = lens.max() if lens.numel() else first * 0
-        first, last, decreasing, longest = torch.stack([first, last, (lens < 0).sum(), longest]).tolist()
-        if first != 0:
-            raise ValueError(f"{op}: cu_seqlens must start at 0, starts at {first}")
-        if decreasing:
-            raise ValueError(f"{op}: cu_seqlens must be non-decreasing")
-        if last > q.shape[0]:
-            raise ValueError(f"{op}: cu_seqlens ends at {last} but there are only {q.shape[0]} tokens (total_tokens)")
-        if longest > max_seqlen:
-            raise ValueError(f"{op}: max_seqlen={max_seqlen} but a sequence has {longest} tokens")
+        _validate(op, cu_seqlens, q.shape[0], max_seqlen)
+
+
+def _validate(op, cu_seqlens, total, max_seqlen):
+    """cu_seqlens' values (one sync): from 0, non-decreasing, within the tokens, no sequence over max_seqlen."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    first, last = cu_seqlens[0], cu_seqlens[-1]
+    longest = lens.max() if lens.numel() else first * 0
+    first, last, decreasing, longest = torch.stack([first, last, (lens < 0).sum(), longest]).tolist()
+    if first != 0:
+        raise ValueError(f"{op}: cu_seqlens must start at 0, starts at {first}")
+    if decreasing:
+        raise ValueError(f"{op}: cu_seqlens must be non-decreasing")
+    if last > total:
+        raise ValueError(f"{op}: cu_seqlens ends at {last} but there are only {total} tokens (total_tokens)")
+    if longest > max_seqlen:
+        raise ValueError(f"{op}: max_seqlen={max_seqlen} but a sequence has {longest} tokens")
+
+
+_FAR = 2 ** 30  # a distance past every sequence (sequences are shorter than 2^30 tokens)
+
+
+def _bias_by_distance(table: torch.Tensor, max_distance: int) -> torch.Tensor:
+    """[H, 2 * max_distance + 1] float32: head h's bias at each distance -max_distance .. max_distance (the
+    bucket rule gives every longer distance its end's bucket), times log2(e), as the kernels' scores are."""
+    d = torch.arange(-max_distance, max_distance + 1, device=table.device)
+    buckets = relative_position_bucket(d, table.shape[0], max_distance)
+    return (table.float()[buckets] * LOG2E).t().contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_bounds(num_buckets: int, max_distance: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo), int32 [next power of two of num_buckets]: bucket k holds the distances in (lo[k], hi[k]] (each
+    bucket's distances are one run, the rule being monotone on each side of 0); the end buckets reach +-_FAR;
+    an empty bucket, and the padding, get (0, 0]."""
+    d = torch.arange(-max_distance, max_distance + 1, device=device)
+    b = relative_position_bucket(d, num_buckets, max_distance)
+    hi = torch.full((num_buckets,), -_FAR, device=device).scatter_reduce(0, b, d, "amax")
+    lo = torch.full((num_buckets,), _FAR, device=device).scatter_reduce(0, b, d, "amin") - 1
+    hi.scatter_(0, b[-1:], _FAR)
+    lo.scatter_(0, b[:1], -_FAR)
+    empty = hi == -_FAR
+    size = triton.next_power_of_2(num_buckets)
+    hi, lo = (F.pad(torch.where(empty, 0, t), (0, size - num_buckets)).to(torch.int32) for t in (hi, lo))
+    return hi, lo
 
 
 @torch.library.custom_op("bertfuse::varlen_attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                   dropout_p: float, softmax_scale: float, seed: torch.Tensor | None
+                   dropout_p: float, softmax_scale: float, seed: torch.Tensor | None,
+                   bias_table: torch.Tensor | None = None, max_distance: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, H, D], lse [H, T] float32) for q, k, v [T, H, D] with unit stride along D."""
+    """(out [T, H, D], lse [H, T] float32) for q, k, v [T, H, D] with unit stride along D; bias_table
+    [num_buckets, H] (None: no bias) by the bucket rule with max_distance."""
     dtype = q.dtype
     q, k, v = interpreter_upcast(q, k, v)
     total, heads, dim = q.shape
@@ -405,80 +586,99 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     # value (garbage there made results differ from call to call).
     o = torch.zeros_like(q)
     lse = torch.zeros((heads, total), dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = _config("fwd", dim, q.dtype, targets.of(q.device), max_seqlen)
+    bias = None if bias_table is None else _bias_by_distance(bias_table, max_distance)
+    block_m, block_n, warps, stages = _launch_config("fwd", dim, q.dtype, targets.of(q.device), max_seqlen,
+                                                     bias is not None)
     if total and batch and max_seqlen:
         _FWD.launch((triton.cdiv(max_seqlen, block_m), batch, heads),
-            q, k, v, o, lse, cu_seqlens, seed,
+            q, k, v, o, lse, cu_seqlens, seed, bias,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            total, max_seqlen, softmax_scale * LOG2E, dropout_p,
-            HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype),
+            total, max_seqlen, softmax_scale * LOG2E, dropout_p, max_distance,
+            HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=warps,
             num_stages=stages)
     return o.to(dtype), lse
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None, max_distance=0):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("bertfuse::varlen_attention_bwd", mutates_args=())
 def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float,
-                   softmax_scale: float, seed: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv); zero at filler tokens."""
+                   softmax_scale: float, seed: torch.Tensor | None, bias_table: torch.Tensor | None = None,
+                   max_distance: int = 0, bias_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dtable); zero at filler tokens; dtable [num_buckets, H] in the table's dtype where
+    bias_grad, else empty."""
     dtype = q.dtype
     do, q, k, v, o = interpreter_upcast(unit_stride(do), q, k, v, o)
     total, heads, dim = q.shape
     batch = cu_seqlens.numel() - 1
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dtable = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias_table)
     if not (total and batch and max_seqlen):
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable
     delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     target = targets.of(q.device)
     pre = _config("preprocess", dim, q.dtype, target, max_seqlen)
     _PREPROCESS.launch((triton.cdiv(total, pre.BLOCK_M), heads),
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=pre.BLOCK_M,
         BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=pre.num_warps, num_stages=pre.num_stages)
-    flags = dict(HAS_DROPOUT=dropout_p > 0, DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim),
-                 HEAD_DIM=dim)
+    bias = None if bias_table is None else _bias_by_distance(bias_table, max_distance)
+    flags = dict(HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
+                 BLOCK_D=block_d(dim), HEAD_DIM=dim)
 
     def launch(kernel: str):
-        block_m, block_n, warps, stages = _config(kernel, dim, q.dtype, target, max_seqlen)
+        block_m, block_n, warps, stages = _launch_config(kernel, dim, q.dtype, target, max_seqlen, bias is not None)
         owned = block_n if kernel == "dkdv" else block_m
         grid = (triton.cdiv(max_seqlen, owned), batch, heads)
         return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
-    scalars = (total, max_seqlen, softmax_scale * LOG2E, softmax_scale, dropout_p)
+    scalars = (total, max_seqlen, softmax_scale * LOG2E, softmax_scale, dropout_p, max_distance)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                do.stride(0), do.stride(1))
     grid, meta = launch("dkdv")
     _DKDV.launch(grid,
-        q, k, v, do, dk, dv, lse, delta, cu_seqlens, seed, *strides,
+        q, k, v, do, dk, dv, lse, delta, cu_seqlens, seed, bias, *strides,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **meta)
     grid, meta = launch("dq")
+    hi = lo = sums = None
+    buckets = 1
+    if bias_grad:
+        hi, lo = _bucket_bounds(bias_table.shape[0], max_distance, q.device)
+        buckets = hi.numel()
+        sums = torch.zeros((heads, batch, grid[0], buckets), dtype=torch.float32, device=q.device)
     _DQ.launch(grid,
-        q, k, v, do, dq, lse, delta, cu_seqlens, seed, *strides, dq.stride(0), dq.stride(1), *scalars, **meta)
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+        q, k, v, do, dq, lse, delta, cu_seqlens, seed, bias, hi, lo, sums, *strides, dq.stride(0), dq.stride(1),
+        *scalars, BIAS_GRAD=bias_grad, BUCKETS=buckets, **meta)
+    if bias_grad:  # per-program sums, added in a fixed order: deterministic
+        dtable = sums.sum((1, 2))[:, :bias_table.shape[0]].t().to(bias_table.dtype)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable
 
 
 @_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None,
+      max_distance=0, bias_grad=False):
+    dtable = torch.empty_like(bias_table) if bias_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, seed)
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table, max_distance = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, seed, bias_table)
     ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale = max_seqlen, dropout_p, softmax_scale
+    ctx.max_distance = max_distance
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, cu_seqlens, seed = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p,
-                                ctx.softmax_scale, seed)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, o, lse, cu_seqlens, seed, bias_table = ctx.saved_tensors
+    bias_grad = bias_table is not None and ctx.needs_input_grad[8]
+    dq, dk, dv, dtable = _attention_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p,
+                                        ctx.softmax_scale, seed, bias_table, ctx.max_distance, bias_grad)
+    return dq, dk, dv, None, None, None, None, None, dtable if bias_grad else None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -486,24 +686,28 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      dropout_p: float = 0.0, softmax_scale: float | None = None,
-                     seed: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """softmax(q k^T * scale) v within each packed sequence; returns a tensor of q's shape.
+                     seed: int | torch.Tensor | None = None, validate: bool = True,
+                     position_bias: RelativePositionBias | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ bias]) v within each packed sequence; returns a tensor of q's shape.
 
     q, k, v: [total_tokens, heads, head_dim] (head_dim 1 to 128; see block_d); cu_seqlens: int32 [batch + 1];
     max_seqlen: the longest sequence. Tokens at or past cu_seqlens[-1] (the filler of a packed batch of fixed
     size) belong to no sequence: their output and gradients are zero, whatever they hold. Dropout on the
     attention probabilities uses Philox with `seed` (an int or a one-element device tensor; default: drawn by
-    torch's generator of q's device, on the device). `validate=False` skips the checks of cu_seqlens' values,
-    which need a device sync; pass it only for cu_seqlens built by trusted code (the model does). Runs as the
-    custom ops bertfuse::varlen_attention_fwd / _bwd, which torch.compile traces through. Unvalidated
-    cu_seqlens never make the kernels read or write outside q, k, v and the output: each sequence is cut to the
-    tokens [0, total_tokens) inside the kernels.
+    torch's generator of q's device, on the device). position_bias (a RelativePositionBias) adds a bucketed
+    relative-position bias to every score inside the kernels, forward and backward (its table gets a gradient);
+    no [seq, seq] bias is formed. `validate=False` skips the checks of cu_seqlens' values, which need a device
+    sync; pass it only for cu_seqlens built by trusted code (the model does). Runs as the custom ops
+    bertfuse::varlen_attention_fwd / _bwd, which torch.compile traces through. Unvalidated cu_seqlens never make
+    the kernels read or write outside q, k, v and the output: each sequence is cut to the tokens [0,
+    total_tokens) inside the kernels.
     """
-    _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate)
+    _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate, position_bias)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    table, max_distance = (None, 0) if position_bias is None else (position_bias.table, position_bias.max_distance)
     out, _ = _attention_fwd(q, k, v, dense(cu_seqlens), int(max_seqlen), float(dropout_p), scale,
-                            seed_tensor(seed, q.device, dropout_p > 0))
+                            seed_tensor(seed, q.device, dropout_p > 0), table, max_distance)
     return out
 
 
@@ -540,10 +744,11 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attentio
 
 def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                          dropout_p: float = 0.0, softmax_scale: float | None = None,
-                         keep: torch.Tensor | None = None) -> torch.Tensor:
-    """`varlen_attention` in plain PyTorch, for checks: each sequence's softmax(q k^T * scale) v in turn, in the
-    inputs' dtype, the [seq, seq] probabilities formed. Dropout applies `keep` (bool [heads, total_tokens,
-    max_seqlen], `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get zeros."""
+                         keep: torch.Tensor | None = None,
+                         position_bias: RelativePositionBias | None = None) -> torch.Tensor:
+    """`varlen_attention` in plain PyTorch, for checks: each sequence's softmax(q k^T * scale + bias) v in turn,
+    in the inputs' dtype, the [seq, seq] probabilities (and bias) formed. Dropout applies `keep` (bool [heads,
+    total_tokens, max_seqlen], `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get zeros."""
     if dropout_p > 0 and keep is None:
         raise ValueError("varlen_attention_ref: dropout needs the keep-mask (attention_dropout_mask)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -551,17 +756,29 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         qq, kk, vv = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        probs = torch.softmax(qq @ kk.transpose(-1, -2) * scale, dim=-1)
+        scores = qq @ kk.transpose(-1, -2) * scale
+        if position_bias is not None:
+            scores = scores + relative_bias(position_bias, torch.arange(end - start, device=q.device)).to(scores)
+        probs = torch.softmax(scores, dim=-1)
         if dropout_p > 0:
             probs = probs * keep[:, start:end, :end - start].to(probs.dtype) / (1 - dropout_p)
         outs.append((probs @ vv).transpose(0, 1))
     return torch.cat(outs + [q.new_zeros(q.shape[0] - bounds[-1], *q.shape[1:])])
 
 
+def relative_bias(position_bias: RelativePositionBias, positions: torch.Tensor) -> torch.Tensor:
+    """The bias [..., heads, L, L] between tokens at `positions` [..., L] (query i, key j: the bucket of
+    positions[j] - positions[i]), formed in full: for references and for paths without the kernels."""
+    distance = positions[..., None, :] - positions[..., :, None]
+    buckets = relative_position_bucket(distance, position_bias.num_buckets, position_bias.max_distance)
+    return position_bias.table[buckets].movedim(-1, -3)
+
+
 def attention_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: int, dropout_p: float,
-                           seed) -> torch.Tensor:
+                           seed, total_tokens: int | None = None) -> torch.Tensor:
     """The keep-mask varlen_attention applies for this seed: bool [heads, total_tokens, max_seqlen], where entry
-    (h, t, j) belongs to query token t and the j-th key of t's sequence. For tests."""
-    total = int(cu_seqlens[-1])
+    (h, t, j) belongs to query token t and the j-th key of t's sequence. total_tokens: q's token count, filler
+    included (default cu_seqlens[-1]: none). For tests."""
+    total = int(cu_seqlens[-1]) if total_tokens is None else total_tokens
     keep = keep_mask(seed, heads * total, max_seqlen, dropout_p, cu_seqlens.device)
     return keep.view(heads, total, max_seqlen)

@@ -176,6 +176,91 @@ def test_bad_inputs(change, err, match):
         kernels.varlen_attention(**kw)
 
 
+def run_bias_case(lengths, heads, dim, dtype, device, max_distance=128, num_buckets=32, p=0.0, filler=3):
+    """varlen_attention with a relative-position bias against varlen_attention_ref: the output and the gradients
+    of q, k, v and the bias table."""
+    from kernels.attention import RelativePositionBias, varlen_attention_ref
+
+    g = torch.Generator().manual_seed(case_seed(tuple(lengths), heads, dim, str(dtype), max_distance, p))
+    total = sum(lengths) + filler
+    q, k, v, do = (torch.randn(total, heads, dim, generator=g).to(device) for _ in range(4))
+    table = torch.randn(num_buckets, heads, generator=g).to(device)
+    cu, max_len = cu_of(lengths, device), max(lengths)
+    keep = attention_dropout_mask(cu, heads, max_len, p, 7, total) if p > 0 else None
+
+    def run(cast, fn, **kw):
+        leaves = [t.to(dtype).to(cast).requires_grad_() for t in (q, k, v, table)]
+        out = fn(*leaves[:3], cu, position_bias=RelativePositionBias(leaves[3], num_buckets, max_distance),
+                 dropout_p=p, **kw)
+        return [out, *torch.autograd.grad(out, leaves, do.to(dtype).to(cast))]
+
+    ours = run(dtype, kernels.varlen_attention, max_seqlen=max_len, seed=7)
+    exact = run(torch.float64, varlen_attention_ref, keep=keep)
+    same = run(dtype, varlen_attention_ref, keep=keep)
+    for name, a, r, s in zip(("out", "dq", "dk", "dv", "dtable"), ours, exact, same):
+        assert a.dtype == dtype and a.shape == r.shape, name
+        check_against_reference(name, a, r, s, dtype, floor=1.0)
+    assert not ours[0][sum(lengths):].any()  # filler: zero output
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("max_distance", [128, 9])
+def test_relative_position_bias(device, dtype, max_distance):
+    """MPNet's rule (32 buckets, 128) and a short max_distance, so that sequences of 50 reach the clamped end."""
+    run_bias_case(LENGTHS, 3, 16, dtype, device, max_distance)
+
+
+def test_relative_position_bias_with_dropout_and_other_buckets(device):
+    run_bias_case([23, 0, 9, 40], 2, 16, torch.float32, device, max_distance=20, num_buckets=12, p=0.2)
+
+
+def test_relative_position_bias_gradient_is_deterministic_and_optional(device):
+    from kernels.attention import RelativePositionBias
+
+    lengths, heads = [40, 7, 33], 2
+    cu = cu_of(lengths, device)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(80, heads, 16, device=device, requires_grad=True) for _ in range(3))
+    table = torch.randn(32, heads, device=device, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        out = kernels.varlen_attention(q, k, v, cu, 40, position_bias=RelativePositionBias(table))
+        grads.append(torch.autograd.grad(out.square().sum(), [q, table]))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    frozen = RelativePositionBias(table.detach())  # no gradient asked of the table: the same q gradient
+    out = kernels.varlen_attention(q, k, v, cu, 40, position_bias=frozen)
+    assert torch.equal(torch.autograd.grad(out.square().sum(), q)[0], grads[0][0])
+
+
+def test_bucket_rule_is_transformers_mpnet_rule():
+    transformers = pytest.importorskip("transformers")
+    from kernels.attention import relative_position_bucket
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    distance = torch.arange(600)[None, :] - torch.arange(600)[:, None]
+    for buckets, max_distance in ((32, 128), (16, 64), (64, 300)):
+        theirs = MPNetEncoder.relative_position_bucket(distance, buckets, max_distance)
+        assert torch.equal(relative_position_bucket(distance, buckets, max_distance), theirs)
+    del transformers
+
+
+@pytest.mark.parametrize("bias, err, match", [
+    (lambda t, B: B(t[:, :1]), ValueError, r"table must be \[num_buckets, heads\] = \[32, 2\], got \(32, 1\)"),
+    (lambda t, B: B(t.long()), TypeError, "table must be float16"),
+    (lambda t, B: B(t[:31], 31), ValueError, "num_buckets must be an even int"),
+    (lambda t, B: B(t[:2], 2), ValueError, "num_buckets must be an even int of at least 4"),
+    (lambda t, B: B(t, 32, 8), ValueError, "max_distance must be an int above num_buckets // 4 = 8"),
+    (lambda t, B: B(t.to("meta")), ValueError, "table is on meta"),
+    (lambda t, B: t, TypeError, "position_bias must be a kernels.RelativePositionBias"),
+])
+def test_bad_position_bias(bias, err, match):
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(err, match=match):
+        kernels.varlen_attention(q, q, q, cu, 6, position_bias=bias(torch.randn(32, 2), kernels.RelativePositionBias))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", [16, 32, 64, 128])
@@ -188,6 +273,14 @@ def test_gpu_compiled(dtype, dim):
 def test_gpu_dropout_and_long_sequences(dtype):
     run_case([200, 63], 2, 64, dtype, torch.device("cuda"), p=0.1, seed=3)
     run_case([8192, 1000], 1, 64, dtype, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [32, 64])
+def test_gpu_relative_position_bias(dtype, dim):
+    run_bias_case([128, 0, 1, 77, 512, 300], 4, dim, dtype, torch.device("cuda"))
+    run_bias_case([200, 63], 2, dim, dtype, torch.device("cuda"), p=0.1)
 
 
 def test_strided_cu_seqlens_and_expanded_heads(device):

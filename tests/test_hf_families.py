@@ -88,15 +88,23 @@ def test_family_under_float16_autocast(family):
 @pytest.mark.parametrize("family,head", [("roberta", "ForSequenceClassification"),
                                          ("electra", "ForPreTraining"), ("electra", "ForSequenceClassification"),
                                          ("distilbert", "ForSequenceClassification"),
-                                         ("xlm-roberta", "ForTokenClassification")])
+                                         ("xlm-roberta", "ForTokenClassification"),
+                                         ("mpnet", "ForSequenceClassification"), ("mpnet", "ForTokenClassification"),
+                                         ("mpnet", "ForQuestionAnswering"), ("mpnet", "ForMultipleChoice")])
 @pytest.mark.slow
 def test_task_heads_of_the_families(family, head):
     ref = build(family, head)
     fused = fuse(copy.deepcopy(ref))
     ids, mask, _ = batch(family, seed=7)
+    if head == "ForMultipleChoice":  # the three rows as three choices of one question
+        ids, mask = ids[None], mask[None]
+    if head == "ForQuestionAnswering":  # its softmax spans padded positions too, whose hidden states fused are 0
+        mask = torch.ones_like(mask)
     kw = {"ForSequenceClassification": dict(labels=torch.tensor([0, 1, 0])),
           "ForPreTraining": dict(labels=torch.randint(0, 2, ids.shape)),
-          "ForTokenClassification": dict(labels=torch.randint(0, 2, ids.shape).masked_fill(mask == 0, -100))}[head]
+          "ForTokenClassification": dict(labels=torch.randint(0, 2, ids.shape).masked_fill(mask == 0, -100)),
+          "ForQuestionAnswering": dict(start_positions=torch.tensor([3, 1, 0]), end_positions=torch.tensor([5, 4, 1])),
+          "ForMultipleChoice": dict(labels=torch.tensor([2]))}[head]
     a = ref(input_ids=ids, attention_mask=mask, **kw)
     b = fused(input_ids=ids, attention_mask=mask, **kw)
     if head == "ForPreTraining":  # ELECTRA's discriminator: a loss over real tokens only, as HF computes it
@@ -136,9 +144,9 @@ def test_a_custom_subclass_is_matched_by_structure():
     assert "attention (varlen, padding removed once)" in fuse_report(fused)[0].fused
 
 
-@pytest.mark.parametrize("name", ["DebertaV2", "MPNet"])
+@pytest.mark.parametrize("name", ["DebertaV2"])
 def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name):
-    """Disentangled (DeBERTa) or relative-bias (MPNet) attention stays; LayerNorm and GeLU still fuse."""
+    """Disentangled (DeBERTa) attention stays; LayerNorm and GeLU still fuse."""
     kernels_common._warned.clear()
     torch.manual_seed(0)
     cfg = getattr(transformers, name + "Config")(**SMALL)
@@ -152,6 +160,32 @@ def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name):
     with torch.no_grad():
         a, b = ref(input_ids=ids, attention_mask=mask), fused(input_ids=ids, attention_mask=mask)
     assert rel_err(b.last_hidden_state[mask.bool()], a.last_hidden_state[mask.bool()]) <= TOL
+
+
+def test_mpnet_with_another_bucket_rule_stays_unfused():
+    """An MPNet whose encoder buckets relative positions by another rule keeps its attention, with the reason;
+    a mask with holes (where MPNet counts the padded slots) runs the original code for that call."""
+    from transformers.models.mpnet import modeling_mpnet
+
+    class OtherRule(modeling_mpnet.MPNetEncoder):
+        @staticmethod
+        def relative_position_bucket(relative_position, num_buckets=32, max_distance=128):
+            return relative_position.clamp(0, num_buckets - 1)
+
+    ref = build("mpnet", "Model")
+    ref.encoder.__class__ = OtherRule
+    with pytest.warns(UserWarning, match="attention stays unfused: OtherRule overrides relative_position_bucket"):
+        fuse(copy.deepcopy(ref))
+    ref.encoder.__class__ = modeling_mpnet.MPNetEncoder
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, _ = batch("mpnet")
+    mask[0, 5] = 0  # a hole inside the first row
+    with torch.no_grad(), pytest.warns(UserWarning, match="an attention mask with holes"):
+        b = fused(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        a = ref(input_ids=ids, attention_mask=mask)
+    assert rel_err(b.last_hidden_state, a.last_hidden_state) <= TOL  # its LayerNorms and GeLUs still fused
+    assert any("holes" in why for why in fuse_report(fused)[0].calls)
 
 
 def _sentence_transformer(tmp_path, family):
@@ -170,8 +204,8 @@ def _sentence_transformer(tmp_path, family):
         return st.SentenceTransformer(str(tmp_path / family), device="cpu")
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta"])
-def test_sentence_transformers_on_bert_and_roberta(tmp_path, family):
+@pytest.mark.parametrize("family", ["bert", "roberta", "mpnet"])
+def test_sentence_transformers_on_bert_roberta_and_mpnet(tmp_path, family):
     model = _sentence_transformer(tmp_path, family)
     sentences = ["word1 and word2", "word3 went to town 4 and word5 and word6 went to town 7", "town"]
     ref = model.encode(sentences, convert_to_tensor=True)

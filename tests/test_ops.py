@@ -99,6 +99,27 @@ def test_torch_attention_any_layout_against_float64(cu, max_seqlen, row_aligned)
     assert (out[filler] == 0).all() and all((grad[filler] == 0).all() for grad in got)
 
 
+@pytest.mark.parametrize("cu, max_seqlen, row_aligned", [([0, 7, 19, 24], 12, False),
+                                                      ([0, 0, 5, 8, 12, 16, 16, 20], 8, True)])
+def test_torch_attention_with_a_relative_position_bias(cu, max_seqlen, row_aligned):
+    """The PyTorch path adds the same bias as the kernels (counted from each sequence's first token), and the
+    table gets its gradient, in both layouts."""
+    kernels = pytest.importorskip("kernels")
+    total = 24
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.randn(16, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = kernels.RelativePositionBias(table, 16, 9)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    out = ops.varlen_attention(q, k, v, packed_layout(cu, total, max_seqlen, row_aligned), backend="torch",
+                               position_bias=bias)
+    want = kernels.varlen_attention_ref(q, k, v, cu, position_bias=bias)
+    torch.testing.assert_close(out, want)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, table)), torch.autograd.grad((want * w).sum(), (q, table))):
+        torch.testing.assert_close(a, b)
+
+
 def test_torch_layer_norm_and_linear_gelu():
     g = torch.Generator().manual_seed(1)
     x, r = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(5, 7, generator=g, dtype=torch.float64)

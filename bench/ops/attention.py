@@ -2,7 +2,8 @@
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import HEAD_DIMS, attention_dropout_mask, varlen_attention, varlen_attention_ref
+from kernels.attention import (HEAD_DIMS, RelativePositionBias, attention_dropout_mask, relative_bias,
+                               varlen_attention, varlen_attention_ref)
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, randn
 
@@ -50,9 +51,52 @@ def _peers(cu, max_seqlen) -> dict:
 
 
 def _bench(shape, device, dtype, full):
-    """At 0%, 25% and 50% padding: SDPA on the padded batch with a mask, then ours and the peers packed."""
+    """At 0%, 25% and 50% padding: SDPA on the padded batch with a mask, then ours and the peers packed; with
+    MPNet's relative-position bias at 0% and 50%."""
     for padding in (0.0, 0.25, 0.5):
         yield from _bench_at(*shape, padding, device, dtype, full)
+    for padding in (0.0, 0.5):
+        yield from _bench_bias_at(*shape, padding, device, dtype)
+
+
+def _bench_bias_at(batch, seqlen, heads, padding, device, dtype):
+    """MPNet's attention (32 buckets, max_distance 128, the table trained): what Hugging Face runs (eager: the
+    [B, H, L, L] scores and bias formed), SDPA given the bias and the padding as one additive float mask
+    [B, H, L, L], and ours packed, the bias looked up inside the kernels."""
+    import numpy as np
+
+    from bench.lengths import sample_lengths
+
+    lengths = torch.from_numpy(sample_lengths(batch, seqlen, padding, np.random.default_rng(0)))
+    cu, total = _cu_seqlens(lengths, device), int(lengths.sum())
+    table = (0.5 * torch.randn(32, heads, device=device)).requires_grad_()
+    pad = torch.zeros(batch, 1, 1, seqlen, device=device)
+    pad.masked_fill_(~(torch.arange(seqlen)[None] < lengths[:, None]).to(device)[:, None, None, :], float("-inf"))
+    ours = RelativePositionBias(table)
+
+    def full_mask(q, t=table):  # the padding mask plus the bias, in q's dtype, as MPNet's encoder makes it
+        return (pad + relative_bias(RelativePositionBias(t), torch.arange(seqlen, device=device))).to(q.dtype)
+
+    def eager(q, k, v):
+        probs = torch.softmax((q @ k.transpose(-1, -2)) / 8.0 + full_mask(q), dim=-1)
+        return probs @ v
+
+    padded = {"torch-eager": eager,
+              "sdpa-bias-mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(q))}
+    packed = {"ours": lambda q, k, v: varlen_attention(q, k, v, cu, seqlen, validate=False, position_bias=ours)}
+    name = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}% bias"
+    flops, extra = 4 * heads * 64 * float((lengths.double() ** 2).sum()), dict(seq_len=seqlen, padding=padding,
+                                                                                head_dim=64)
+
+    def exact_padded(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(q, table.double()))
+    exact = {"padded": exact_padded,
+             "packed": lambda q, k, v: varlen_attention_ref(q, k, v, cu,
+                                                            position_bias=RelativePositionBias(table.double()))}
+    for impls, dims, layout in ((padded, (batch, heads, seqlen, 64), "padded"), (packed, (total, heads, 64), "packed")):
+        yield Bench("attention+bias", name, impls, lambda dims=dims: tuple(
+            torch.randn(*dims, device=device, dtype=dtype, requires_grad=True) for _ in range(3)),
+            flops_fwd=flops, extra=extra, reference=exact[layout])
 
 
 def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
@@ -87,18 +131,23 @@ def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
 
 
 def _compiled():
-    """Every head_dim in half precision (float16 is what a GPU without bfloat16 trains in), three in float32."""
+    """Every head_dim in half precision (float16 is what a GPU without bfloat16 trains in), three in float32;
+    the relative-position bias (MPNet's) with dropout, as MPNet trains, at its head widths and the widest."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for dim in HEAD_DIMS if dtype != torch.float32 else (16, 64, 128):
             for dropout in (False, True):
                 yield CompileCall(dtype, dim, dict(dropout=dropout))
+        for dim in (32, 64, 128):
+            yield CompileCall(dtype, dim, dict(dropout=True, bias=True))
 
 
-def _call(dtype, dim, dropout=True):
+def _call(dtype, dim, dropout=True, bias=False):
     """Forward and backward of two sequences (13 and 24 tokens) of 2 heads of width dim."""
     cu = _cu_seqlens((13, 24), "cpu")
     q, k, v = (torch.randn(37, 2, dim, dtype=dtype, requires_grad=True) for _ in range(3))
-    varlen_attention(q, k, v, cu, 24, dropout_p=0.1 if dropout else 0.0, seed=1).sum().backward()
+    table = RelativePositionBias(torch.randn(32, 2, requires_grad=True)) if bias else None
+    varlen_attention(q, k, v, cu, 24, dropout_p=0.1 if dropout else 0.0, seed=1,
+                     position_bias=table).sum().backward()
 
 
 def _tune_setup(shape, size, dtype, device, part=None):

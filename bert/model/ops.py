@@ -136,28 +136,42 @@ def project_qkv(x, query, key, value, heads: int, head_dim: int):
     return tuple(p(x).view(x.shape[0], heads, head_dim) for p in projs)
 
 
-def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, dropout_p=0.0, backend="torch"):
+def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, dropout_p=0.0, backend="torch",
+                   position_bias=None):
     """Multi-head self-attention of packed tokens x [tokens, hidden] within their own sequences, before the
     output projection: one BERT layer's attention, for our model and the fused Hugging Face layers alike."""
     q, k, v = project_qkv(x, query, key, value, heads, head_dim)
-    return varlen_attention(q, k, v, p, dropout_p=dropout_p, backend=backend).reshape(x.shape[0], heads * head_dim)
+    out = varlen_attention(q, k, v, p, dropout_p=dropout_p, backend=backend, position_bias=position_bias)
+    return out.reshape(x.shape[0], heads * head_dim)
 
 
-def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch"):
+def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", position_bias=None):
     """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence; filler
-    tokens (past cu_seqlens[-1]) get zeros."""
+    tokens (past cu_seqlens[-1]) get zeros. position_bias: a kernels.RelativePositionBias added to the scores
+    by the distance of two tokens within their sequence (only fused Hugging Face models pass one; they have
+    imported the kernels already), or None."""
     if backend == "triton" and (why := attention_refusal(q.shape[-1], q.device, q.dtype)):
         warn_once(f"{why}; this model's attention runs in PyTorch (SDPA) instead")
         backend = "torch"
     if backend == "triton":
         # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.
-        return _triton("attention")(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False)
+        return _triton("attention")(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False,
+                                    position_bias=position_bias)
     if p.rows:
-        return _torch_rows_attention(q, k, v, p, dropout_p)
-    return _torch_sequence_attention(q, k, v, p, dropout_p)
+        return _torch_rows_attention(q, k, v, p, dropout_p, position_bias)
+    return _torch_sequence_attention(q, k, v, p, dropout_p, position_bias)
 
 
-def _torch_sequence_attention(q, k, v, p: Packed, dropout_p):
+def _bias_mask(keep, position_bias, positions, dtype):
+    """SDPA's attention mask: a boolean `keep` where there is no bias, else the bias [..., heads, L, L] of the
+    tokens at `positions` [..., L] where keep, the dtype's minimum elsewhere."""
+    if position_bias is None:
+        return keep
+    bias = kernels_package().relative_bias(position_bias, positions).to(dtype)
+    return torch.where(keep, bias, torch.finfo(dtype).min)
+
+
+def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None):
     # Each sequence padded to max_seqlen ([S, max_seqlen]) and SDPA with a key mask. Tokens outside every
     # sequence (filler, or past max_seqlen when cu_seqlens was not checked) go to one spare slot that SDPA never
     # sees, so they read and write nothing real. A finite fill instead of -inf keeps empty sequences finite.
@@ -171,22 +185,27 @@ def _torch_sequence_attention(q, k, v, p: Packed, dropout_p):
         return out.view(batch, length, heads, dim).transpose(1, 2)
 
     seqlens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
-    keep = torch.arange(length, device=q.device)[None, :] < seqlens[:, None]
-    mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(~keep[:, None, None, :], torch.finfo(q.dtype).min)
+    positions = torch.arange(length, device=q.device)
+    keep = (positions[None, :] < seqlens[:, None])[:, None, None, :]
+    if position_bias is None:
+        mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~keep, torch.finfo(q.dtype).min)
+    else:
+        mask = _bias_mask(keep, position_bias, positions, q.dtype)
     out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), attn_mask=mask, dropout_p=dropout_p)
     out = torch.cat([out.transpose(1, 2).reshape(batch * length, heads, dim), out.new_zeros(1, heads, dim)])
     return out[slot]
 
 
-def _torch_rows_attention(q, k, v, p: Packed, dropout_p):
+def _torch_rows_attention(q, k, v, p: Packed, dropout_p, position_bias=None):
     # The packer's promise (row_aligned): rows of max_seqlen tokens that no sequence crosses, so SDPA runs on
     # [rows, max_seqlen] with a block-diagonal mask (same sequence id), at the cost of one padded slot per row,
     # not per sequence. Every token sees at least itself (filler tokens share the id S), so no softmax row is empty.
     total, heads, dim = q.shape
     length = total // p.rows
     seq = p.seq.view(p.rows, length)
-    mask = (seq[:, :, None] == seq[:, None, :])[:, None]
+    mask = _bias_mask((seq[:, :, None] == seq[:, None, :])[:, None], position_bias, p.pos.view(p.rows, length),
+                      q.dtype)
 
     def rows(t):
         return t.view(p.rows, length, heads, dim).transpose(1, 2)
