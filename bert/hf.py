@@ -41,12 +41,13 @@ What is fused:
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
 `fuse_report` lists it: attention the kernel cannot express (disentangled positions, a relative-position rule
-other than MPNet's, a head_dim over 128, decoders and their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call
-asking for output_attentions, output_hidden_states, cross-attention or a cache, with a mask the kernel cannot
-express (one that differs between queries, or additive values other than 0 and the minimum), or whose attention
-dropout holds a hook or was replaced (or, for MPNet, a mask with holes, whose padded slots its relative
-positions count, or a hook on its bias), runs the original encoder code, and fuse_report counts it; compiled, such
-a mask stops the call with an error instead (its values cannot choose the code inside a graph).
+other than MPNet's, a head_dim over 128, decoders and their causal-LM heads), an activation without a kernel,
+layers of an unknown structure. A call asking for output_attentions, output_hidden_states, cross-attention or
+a cache, with a mask the kernel cannot express (one that differs between queries, or additive values other than
+0 and the minimum), or whose attention dropout holds a hook or was replaced (or, for MPNet, a mask with holes,
+whose padded slots its relative positions count, or a hook on its bias), runs the original encoder code, and
+fuse_report counts it; compiled, such a mask stops the call with an error instead (its values cannot choose the
+code inside a graph).
 """
 from __future__ import annotations
 

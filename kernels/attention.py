@@ -331,7 +331,7 @@ def _attention_bwd_dq_kernel(
     if BIAS_GRAD:
         bucket_hi = tl.load(BucketHi + tl.arange(0, BUCKETS))
         bucket_lo = tl.load(BucketLo + tl.arange(0, BUCKETS))
-    dbias = tl.zeros((BUCKETS,), dtype=tl.float32)
+        dbias = tl.zeros((BUCKETS,), dtype=tl.float32)
     for start_n in range(0, seq_len, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
@@ -408,9 +408,8 @@ def _bias_config(kernel: str, c: _Launch, head_dim: int, target: targets.Target 
     """The config of a launch with the relative-position bias, from the one without: the bias tile (float32,
     one per score) is one more buffer per pipeline stage and one more score-sized tile of registers, so the
     forward pipelines at most 2 stages (and, for heads over 64, walks narrower key blocks where shared memory is
-    small) and the backward's
-    widest tiles take half the queries. float32 and the
-    interpreter's tiles are small already."""
+    small) and the backward's widest tiles take half the queries. float32 and the interpreter's tiles are small
+    already."""
     if target is None or c.BLOCK_M * c.BLOCK_N <= 256:
         return c
     if kernel == "fwd":
@@ -419,7 +418,9 @@ def _bias_config(kernel: str, c: _Launch, head_dim: int, target: targets.Target 
                        BLOCK_M=max(16, c.BLOCK_M // 2) if target.warp_size == 64 else c.BLOCK_M)
         # Wide heads' key tiles are large too: walk narrower key blocks until the bias buffers take at most a
         # third of the family's shared memory.
-        while head_dim > 64 and c.BLOCK_N > 32 and c.BLOCK_M * c.BLOCK_N * 4 * c.num_stages > target.shared_bytes / 3:
+        def bias_buffers(c):
+            return c.BLOCK_M * c.BLOCK_N * 4 * c.num_stages
+        while head_dim > 64 and c.BLOCK_N > 32 and bias_buffers(c) > target.shared_bytes / 3:
             c = c._replace(BLOCK_N=c.BLOCK_N // 2)
         return c
     if kernel == "dkdv" and c.BLOCK_M * c.BLOCK_N > 2048:
@@ -545,11 +546,18 @@ def _validate(op, cu_seqlens, total, max_seqlen):
 _FAR = 2 ** 30  # a distance past every sequence (sequences are shorter than 2^30 tokens)
 
 
+@functools.lru_cache(maxsize=64)
+def _distance_buckets(num_buckets: int, max_distance: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distances -max_distance .. max_distance, the bucket of each): the rule evaluated once per rule and
+    device (every longer distance has its end's bucket)."""
+    d = torch.arange(-max_distance, max_distance + 1, device=device)
+    return d, relative_position_bucket(d, num_buckets, max_distance)
+
+
 def _bias_by_distance(table: torch.Tensor, max_distance: int) -> torch.Tensor:
-    """[H, 2 * max_distance + 1] float32: head h's bias at each distance -max_distance .. max_distance (the
-    bucket rule gives every longer distance its end's bucket), times log2(e), as the kernels' scores are."""
-    d = torch.arange(-max_distance, max_distance + 1, device=table.device)
-    buckets = relative_position_bucket(d, table.shape[0], max_distance)
+    """[H, 2 * max_distance + 1] float32: head h's bias at each distance -max_distance .. max_distance, times
+    log2(e), as the kernels' scores are."""
+    _, buckets = _distance_buckets(table.shape[0], max_distance, table.device)
     return (table.float()[buckets] * LOG2E).t().contiguous()
 
 
@@ -558,8 +566,7 @@ def _bucket_bounds(num_buckets: int, max_distance: int, device: torch.device) ->
     """(hi, lo), int32 [next power of two of num_buckets]: bucket k holds the distances in (lo[k], hi[k]] (each
     bucket's distances are one run, the rule being monotone on each side of 0); the end buckets reach +-_FAR;
     an empty bucket, and the padding, get (0, 0]."""
-    d = torch.arange(-max_distance, max_distance + 1, device=device)
-    b = relative_position_bucket(d, num_buckets, max_distance)
+    d, b = _distance_buckets(num_buckets, max_distance, device)
     hi = torch.full((num_buckets,), -_FAR, device=device).scatter_reduce(0, b, d, "amax")
     lo = torch.full((num_buckets,), _FAR, device=device).scatter_reduce(0, b, d, "amin") - 1
     hi.scatter_(0, b[-1:], _FAR)

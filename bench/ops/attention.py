@@ -1,4 +1,6 @@
 """What the benchmark, tuner and compile checks know about kernels.attention (bench/record.py)."""
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -59,55 +61,45 @@ def _bench(shape, device, dtype, full):
         yield from _bench_bias_at(*shape, padding, device, dtype)
 
 
-def _bench_bias_at(batch, seqlen, heads, padding, device, dtype):
-    """MPNet's attention (32 buckets, max_distance 128, the table trained): what Hugging Face runs (eager: the
-    [B, H, L, L] scores and bias formed), SDPA given the bias and the padding as one additive float mask
-    [B, H, L, L], and ours packed, the bias looked up inside the kernels."""
-    import numpy as np
-
-    from bench.lengths import sample_lengths
-
-    lengths = torch.from_numpy(sample_lengths(batch, seqlen, padding, np.random.default_rng(0)))
-    cu, total = _cu_seqlens(lengths, device), int(lengths.sum())
-    table = (0.5 * torch.randn(32, heads, device=device)).requires_grad_()
-    pad = torch.zeros(batch, 1, 1, seqlen, device=device)
-    pad.masked_fill_(~(torch.arange(seqlen)[None] < lengths[:, None]).to(device)[:, None, None, :], float("-inf"))
-    ours = RelativePositionBias(table)
-
-    def full_mask(q, t=table):  # the padding mask plus the bias, in q's dtype, as MPNet's encoder makes it
-        return (pad + relative_bias(RelativePositionBias(t), torch.arange(seqlen, device=device))).to(q.dtype)
-
-    def eager(q, k, v):
-        probs = torch.softmax((q @ k.transpose(-1, -2)) / 8.0 + full_mask(q), dim=-1)
-        return probs @ v
-
-    padded = {"torch-eager": eager,
-              "sdpa-bias-mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(q))}
-    packed = {"ours": lambda q, k, v: varlen_attention(q, k, v, cu, seqlen, validate=False, position_bias=ours)}
-    name = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}% bias"
-    flops, extra = 4 * heads * 64 * float((lengths.double() ** 2).sum()), dict(seq_len=seqlen, padding=padding,
-                                                                                head_dim=64)
-
-    def exact_padded(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(q, table.double()))
-    exact = {"padded": exact_padded,
-             "packed": lambda q, k, v: varlen_attention_ref(q, k, v, cu,
-                                                            position_bias=RelativePositionBias(table.double()))}
-    for impls, dims, layout in ((padded, (batch, heads, seqlen, 64), "padded"), (packed, (total, heads, 64), "packed")):
-        yield Bench("attention+bias", name, impls, lambda dims=dims: tuple(
-            torch.randn(*dims, device=device, dtype=dtype, requires_grad=True) for _ in range(3)),
-            flops_fwd=flops, extra=extra, reference=exact[layout])
+class _Problem(NamedTuple):
+    """One benchmarked batch: lengths drawn by the benchmark's length model, packed and padded."""
+    batch: int
+    seqlen: int
+    heads: int
+    padding: float
+    lengths: torch.Tensor     # [batch] int64, on the CPU
+    cu: torch.Tensor          # [batch + 1] int32 cu_seqlens, on the device
+    pad: torch.Tensor         # [batch, 1, 1, seqlen] float32 additive key mask: 0, or -inf past each length
 
 
-def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
+def _problem(batch, seqlen, heads, padding, device) -> _Problem:
     import numpy as np
 
     from bench.lengths import sample_lengths  # the benchmark's length model (only the benchmark calls this)
 
     lengths = torch.from_numpy(sample_lengths(batch, seqlen, padding, np.random.default_rng(0)))
-    cu, total = _cu_seqlens(lengths, device), int(lengths.sum())
-    bias = torch.zeros(batch, 1, 1, seqlen, device=device, dtype=dtype)
-    bias.masked_fill_(~(torch.arange(seqlen)[None] < lengths[:, None]).to(device)[:, None, None, :], float("-inf"))
+    pad = torch.zeros(batch, 1, 1, seqlen, device=device)
+    pad.masked_fill_(~(torch.arange(seqlen)[None] < lengths[:, None]).to(device)[:, None, None, :], float("-inf"))
+    return _Problem(batch, seqlen, heads, padding, lengths, _cu_seqlens(lengths, device), pad)
+
+
+def _rows(kernel, p: _Problem, label, padded, packed, exact, device, dtype):
+    """The two Bench rows of a problem: the padded implementations on [batch, heads, seq, 64], the packed ones on
+    [tokens, heads, 64]; exact: the float64 reference of each layout."""
+    name = f"b{p.batch} s{p.seqlen} h{p.heads} d64 pad{int(p.padding * 100)}%{label}"
+    flops = 4 * p.heads * 64 * float((p.lengths.double() ** 2).sum())
+    extra = dict(seq_len=p.seqlen, padding=p.padding, head_dim=64)
+    layouts = ((padded, (p.batch, p.heads, p.seqlen, 64), "padded"),
+               (packed, (int(p.lengths.sum()), p.heads, 64), "packed"))
+    for impls, dims, layout in layouts:
+        yield Bench(kernel, name, impls, lambda dims=dims: tuple(
+            torch.randn(*dims, device=device, dtype=dtype, requires_grad=True) for _ in range(3)),
+            flops_fwd=flops, extra=extra, reference=exact[layout])
+
+
+def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
+    p = _problem(batch, seqlen, heads, padding, device)
+    cu, bias = p.cu, p.pad.to(dtype)
     padded = {"sdpa-masked": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)}
     packed = {"ours": lambda q, k, v: varlen_attention(q, k, v, cu, seqlen, validate=False)}
     if full:  # BERT trains with attention dropout 0.1: what it costs each side
@@ -119,15 +111,33 @@ def _bench_at(batch, seqlen, heads, padding, device, dtype, full):
             *(torch.nested.nested_tensor_from_jagged(t, cu.long()).transpose(1, 2) for t in (q, k, v))
         ).transpose(1, 2).values()
         packed.update(_peers(cu, seqlen))
-    name = f"b{batch} s{seqlen} h{heads} d64 pad{int(padding * 100)}%"
-    flops, extra = 4 * heads * 64 * float((lengths.double() ** 2).sum()), dict(seq_len=seqlen, padding=padding,
-                                                                                head_dim=64)
     exact = {"padded": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias.double()),
              "packed": lambda q, k, v: varlen_attention_ref(q, k, v, cu)}
-    for impls, dims, layout in ((padded, (batch, heads, seqlen, 64), "padded"), (packed, (total, heads, 64), "packed")):
-        yield Bench("attention", name, impls, lambda dims=dims: tuple(
-            torch.randn(*dims, device=device, dtype=dtype, requires_grad=True) for _ in range(3)),
-            flops_fwd=flops, extra=extra, reference=exact[layout])
+    yield from _rows("attention", p, "", padded, packed, exact, device, dtype)
+
+
+def _bench_bias_at(batch, seqlen, heads, padding, device, dtype):
+    """MPNet's attention (32 buckets, max_distance 128, the table trained): what Hugging Face runs (eager: the
+    [B, H, L, L] scores and bias formed), SDPA given the bias and the padding as one additive float mask
+    [B, H, L, L], and ours packed, the bias looked up inside the kernels."""
+    p = _problem(batch, seqlen, heads, padding, device)
+    table = (0.5 * torch.randn(32, heads, device=device)).requires_grad_()
+    positions = torch.arange(seqlen, device=device)
+
+    def full_mask(q, t=table):  # the padding mask plus the bias, in q's dtype, as MPNet's encoder makes it
+        return (p.pad + relative_bias(RelativePositionBias(t), positions)).to(q.dtype)
+
+    def eager(q, k, v):
+        return torch.softmax((q @ k.transpose(-1, -2)) / 8.0 + full_mask(q), dim=-1) @ v
+
+    padded = {"torch-eager": eager,
+              "sdpa-bias-mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(q))}
+    ours = RelativePositionBias(table)
+    packed = {"ours": lambda q, k, v: varlen_attention(q, k, v, p.cu, seqlen, validate=False, position_bias=ours)}
+    exact = {"padded": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(q, table.double())),
+             "packed": lambda q, k, v: varlen_attention_ref(q, k, v, p.cu,
+                                                            position_bias=RelativePositionBias(table.double()))}
+    yield from _rows("attention+bias", p, " bias", padded, packed, exact, device, dtype)
 
 
 def _compiled():
