@@ -408,8 +408,8 @@ def _bias_config(kernel: str, c: _Launch, head_dim: int, target: targets.Target 
     """The config of a launch with the relative-position bias, from the one without: the bias tile (float32,
     one per score) is one more buffer per pipeline stage and one more score-sized tile of registers, so the
     forward pipelines at most 2 stages (and, for heads over 64, walks narrower key blocks where shared memory is
-    small) and the backward's widest tiles take half the queries. float32 and the interpreter's tiles are small
-    already."""
+    small) and the backward's widest tiles take half the queries (dK/dV's, unpipelined, on the registers the
+    prefetch held). float32 and the interpreter's tiles are small already."""
     if target is None or c.BLOCK_M * c.BLOCK_N <= 256:
         return c
     if kernel == "fwd":
@@ -424,7 +424,7 @@ def _bias_config(kernel: str, c: _Launch, head_dim: int, target: targets.Target 
             c = c._replace(BLOCK_N=c.BLOCK_N // 2)
         return c
     if kernel == "dkdv" and c.BLOCK_M * c.BLOCK_N > 2048:
-        return c._replace(BLOCK_M=max(16, c.BLOCK_M // 2))
+        return c._replace(BLOCK_M=max(16, c.BLOCK_M // 2), num_stages=1)
     if kernel == "dq" and head_dim > 64:  # its bucket sums gather along the keys: at most 32 of them
         return c._replace(BLOCK_M=max(16, c.BLOCK_M // 2), BLOCK_N=min(c.BLOCK_N, 32))
     return c
