@@ -10,7 +10,8 @@ inputs; the plugin (bench/hf_testers/plugin.py) fuses each model right after it 
 Each (family, heads) runs unfused, fused on the PyTorch path, and fused in the Triton interpreter; the report
 lists every test that passes unfused and fails or skips fused ("regressions"), per run, in --out/summary.md and
 --out/summary.json (each run's pytest log and junit XML in --out/logs/). Exit status 1 when there is any
-regression, 2 when the suite cannot be set up (one line says why).
+regression, 2 when the suite cannot be set up or no test passed unfused in some group, so nothing was compared
+there (one line says why).
 """
 from __future__ import annotations
 
@@ -80,7 +81,10 @@ def run(work: Path, out: Path, family: str, heads: int, mode: str, extra: list[s
 
 
 def outcomes(xml: Path) -> dict[str, str]:
+    """{test: outcome} from a run's junit XML; {} where pytest wrote none (it stopped before collecting)."""
     found = {}
+    if not xml.exists():
+        return found
     for case in ET.parse(xml).getroot().iter("testcase"):
         kinds = {child.tag for child in case}
         state = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
@@ -105,6 +109,13 @@ def run_group(work: Path, out: Path, fam: str, heads: int, modes: list[str], ext
         res = plain if mode == "unfused" else run(work, out, fam, heads, mode, extra)
         found.append({"family": fam, "heads": heads, "mode": mode, "outcomes": res, "regressions": compare(plain, res)})
     return found
+
+
+def empty_baselines(runs: list[dict]) -> list[str]:
+    """The (family, heads) groups in which no test passed unfused: nothing was compared there, so no regression
+    count means anything (the testers failed to import, or a -k expression matched nothing)."""
+    return [f"{r['family']} ({r['heads']} heads)" for r in runs
+            if r["mode"] == "unfused" and "passed" not in r["outcomes"].values()]
 
 
 def _row(r: dict) -> str:
@@ -151,6 +162,10 @@ def main(argv=None) -> int:
     (args.out / "summary.json").write_text(json.dumps({"transformers": transformers.__version__, "runs": runs},
                                                       indent=1))
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    if empty := empty_baselines(runs):
+        print(f"hf_suite: no test passed unfused in {', '.join(empty)}, so nothing was compared; see "
+              f"{args.out / 'logs'}", file=sys.stderr)
+        return 2
     return 1 if any(r["regressions"] for r in runs) else 0
 
 

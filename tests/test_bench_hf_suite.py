@@ -20,6 +20,16 @@ def test_outcomes_and_regressions_from_junit_xml(tmp_path):
     # passing unfused and failing, skipping or missing fused is a regression; failing both ways is not
     assert hf_suite.compare(plain, got) == ["test_b", "test_c", "test_e"]
     assert hf_suite.counts(got) == "1 passed, 2 failed, 1 skipped"
+    assert hf_suite.outcomes(tmp_path / "never-written.xml") == {}
+
+
+def test_a_group_where_nothing_passed_unfused_is_named():
+    """No passing baseline means nothing was compared: the run must not read as "0 regressions"."""
+    runs = [{"family": "albert", "heads": 4, "mode": "unfused", "outcomes": {"test_a": "passed"}},
+            {"family": "albert", "heads": 4, "mode": "torch", "outcomes": {}},
+            {"family": "mpnet", "heads": 2, "mode": "unfused", "outcomes": {"test_a": "failed", "test_b": "skipped"}},
+            {"family": "bert", "heads": 2, "mode": "unfused", "outcomes": {}}]
+    assert hf_suite.empty_baselines(runs) == ["mpnet (2 heads)", "bert (2 heads)"]
 
 
 def test_plugin_finds_every_model_class_of_a_family():
