@@ -1,7 +1,8 @@
 """`python -m bench.hf_parity`: how closely bert.hf.fuse reproduces each BERT-family model, float32.
 
 Small random configurations built offline (2 layers, hidden 64, 4 heads, intermediate 100; ELECTRA with a
-32-wide embedding projected up, DistilBERT with learned or sinusoidal positions), a padded batch of lengths 17,
+32-wide embedding projected up, ALBERT with a 16-wide one and one layer shared by both passes, DistilBERT with
+learned or sinusoidal positions), a padded batch of lengths 17,
 9 and 2: the relative error (max |fused - original| / max |original|) of the MLM logits at real positions, the
 MLM loss, and the worst gradient of every parameter after that loss (scaled as tests/hf_utils.grad_errors
 does). tests/test_hf_families.py builds the same models and asserts at most 1e-5. Runs on the GPU when there is

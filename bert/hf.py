@@ -22,7 +22,12 @@ family is one record. The layer structures (`Layers`) are
     output_layer_norm;
   * MPNet: attention.attn.{q,k,v,o,dropout}, attention.{dropout,LayerNorm}, intermediate, output as BERT's, and
     a relative-position bias (encoder.relative_attention_bias, 32 buckets) the encoder computes once for all
-    layers, which the fused attention looks up inside its kernel (`Layers.position_bias`).
+    layers, which the fused attention looks up inside its kernel (`Layers.position_bias`);
+  * ALBERT: attention.{query,key,value,dense,attention_dropout,output_dropout,LayerNorm}, ffn, activation,
+    ffn_output, full_layer_layer_norm; held not in a `layer` list but in `albert_layer_groups[g].albert_layers`,
+    one set of parameters that num_hidden_layers passes share (`Stack`): each shared layer is fused once, and the
+    fused encoder runs the passes through the groups as ALBERT's code does, after projecting the factorised
+    embedding (a Linear) up to the hidden size on the real tokens only.
 What is fused:
   * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
@@ -36,8 +41,10 @@ What is fused:
     each layer. Under torch.compile and torch.export a static layout replaces unpadding (no host sync, one graph
     whatever the padding); an ONNX export exports each module's original code;
   * with fuse(model, mlm_logits=False), masked-LM heads given labels (BERT's cls.predictions, RoBERTa's lm_head,
-    ELECTRA's generator, DistilBERT's vocab_*): the loss by the masked-only kernel at labelled positions, the
-    vocabulary logits never formed. By default (mlm_logits=True) the head returns transformers' full logits.
+    ELECTRA's generator, DistilBERT's vocab_*, ALBERT's predictions): the loss by the masked-only kernel at
+    labelled positions, the vocabulary logits never formed; pre-training models add their sentence-pair head's
+    loss (BERT's next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head
+    returns transformers' full logits.
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
 `fuse_report` lists it: attention the kernel cannot express (disentangled positions, a relative-position rule
@@ -133,12 +140,12 @@ def _add_norm(norm, dropout, h, residual):
     return norm((F.dropout(h, p) if p else h) + residual)
 
 
-def _attend(attention, query, key, value, x, p, bias=None):
+def _attend(attention, query, key, value, dropout, x, p, bias=None):
     """The attention context [tokens, hidden] of packed tokens x, before any output projection; q, k and v by
-    their modules (ops.project_qkv), the dropout on the probabilities and the relative-position bias (a
-    kernels.RelativePositionBias, or None) inside the kernel."""
+    their modules (ops.project_qkv), the dropout on the probabilities (`dropout`, a plain nn.Dropout: the encoder
+    checks) and the relative-position bias (a kernels.RelativePositionBias, or None) inside the kernel."""
     heads = getattr(attention, "num_attention_heads", None) or attention.n_heads
-    dropout_p = attention.dropout.p if attention.training else 0.0
+    dropout_p = dropout.p if attention.training else 0.0
     return ops.self_attention(x, p, query, key, value, heads, attention.attention_head_size, dropout_p,
                               ops.backend_for(x), position_bias=bias)
 
@@ -176,7 +183,7 @@ def _generator_head_forward(self, hidden_states):
 def _bert_self_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return _attend(self, self.query, self.key, self.value, hidden_states, packed, bias), None
+    return _attend(self, self.query, self.key, self.value, self.dropout, hidden_states, packed, bias), None
 
 
 def _bert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
@@ -189,14 +196,15 @@ def _bert_attention_forward(self, hidden_states, *args, packed=None, bias=None, 
 def _distilbert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, hidden_states, packed, bias)), None
+    return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, self.dropout, hidden_states, packed,
+                                 bias)), None
 
 
 def _mpnet_self_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
     """MPNetSelfAttention: o(softmax(q k^T / sqrt(d) + relative bias) v)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return self.o(_attend(self, self.q, self.k, self.v, hidden_states, packed, bias)), None
+    return self.o(_attend(self, self.q, self.k, self.v, self.dropout, hidden_states, packed, bias)), None
 
 
 def _mpnet_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
@@ -229,6 +237,91 @@ def _distilbert_layer_forward(self, hidden_states, *args, packed=None, bias=None
 def _ffn_forward(self, input):
     """DistilBERT's FFN: dropout(lin2(activation(lin1(x)))) (its chunking along the sequence changes nothing)."""
     return self.dropout(self.lin2(_linear_gelu(self.lin1, self.activation, input)))
+
+
+def _albert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+    """AlbertAttention: LayerNorm(x + output_dropout(dense(softmax(q k^T / sqrt(d)) v))), its probabilities'
+    dropout being attention_dropout."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    context = _attend(self, self.query, self.key, self.value, self.attention_dropout, hidden_states, packed, bias)
+    return _add_norm(self.LayerNorm, self.output_dropout, self.dense(context), hidden_states), None
+
+
+def _albert_layer_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+    """AlbertLayer: full_layer_layer_norm(ffn_output(activation(ffn(a))) + a) for a = attention(x); no dropout
+    after ffn_output (the layer's `dropout` is unused by its code), and the feed-forward's chunking along the
+    sequence changes nothing."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.attention(hidden_states, packed=packed, bias=bias)
+    ffn = self.ffn_output(_linear_gelu(self.ffn, self.activation, attended))
+    return _add_norm(self.full_layer_layer_norm, None, ffn, attended)
+
+
+def _albert_group_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+    """AlbertLayerGroup: its albert_layers in turn."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    for layer in self.albert_layers:
+        hidden_states = layer(hidden_states, packed=packed, bias=bias)
+    return hidden_states
+
+
+def _albert_mlm_head_forward(self, hidden_states):
+    """AlbertMLMHead: decoder(LayerNorm(activation(dense(x))))."""
+    return self.decoder(self.LayerNorm(_linear_gelu(self.dense, self.activation, hidden_states)))
+
+
+# ---- how an encoder holds its layers, and runs them on packed tokens ----------------------------------------
+class Stack(NamedTuple):
+    """Where an encoder's layers are and how its code runs them: a `layer` list run in order, or ALBERT's groups
+    of shared layers. The modules between the encoder and its layers (ALBERT's layer groups) are fused too, so
+    that their hooks fire; they must be of a class `group_classes` names."""
+    layers: Callable               # (encoder) -> its layer modules, each once ([] where it has none of this kind)
+    run: Callable                  # (encoder, x, packed, bias) -> x: every layer on packed tokens, as its code does
+    groups: Callable | None = None  # (encoder) -> the modules between it and its layers; None: none
+    group_forward: Callable | None = None
+    group_classes: tuple[str, ...] = ()
+
+
+def _groups_of(stack: Stack, encoder) -> list[nn.Module]:
+    return stack.groups(encoder) if stack.groups else []
+
+
+def _layer_list(encoder) -> list[nn.Module]:
+    layers = getattr(encoder, "layer", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _run_layer_list(encoder, x, p, bias):
+    for layer in encoder.layer:
+        x = _run_layer(encoder, layer, x, p, bias)
+    return x
+
+
+def _albert_groups(encoder) -> list[nn.Module]:
+    groups = getattr(encoder, "albert_layer_groups", None)
+    return list(groups) if isinstance(groups, nn.ModuleList) else []
+
+
+def _albert_layers(encoder) -> list[nn.Module]:
+    return [layer for group in _albert_groups(encoder) for layer in getattr(group, "albert_layers", ())]
+
+
+def _run_albert_groups(encoder, x, p, bias):
+    """AlbertTransformer on packed tokens: the factorised embedding's projection up to the hidden size (called
+    as its module, on the real tokens only), then num_hidden_layers passes through the shared layer groups, each
+    picked by the index its code computes."""
+    x = encoder.embedding_hidden_mapping_in(x)
+    n, groups = encoder.config.num_hidden_layers, encoder.config.num_hidden_groups
+    for i in range(n):
+        x = encoder.albert_layer_groups[int(i / (n / groups))](x, packed=p, bias=bias)
+    return x
+
+
+LAYER_LIST = Stack(_layer_list, _run_layer_list)
+ALBERT_GROUPS = Stack(_albert_layers, _run_albert_groups, _albert_groups, _albert_group_forward, ("{P}LayerGroup",))
 
 
 @functools.cache
@@ -304,6 +397,8 @@ class Layers(NamedTuple):
     # A relative-position bias the encoder computes once for all its layers: (the encoder) -> the
     # kernels.RelativePositionBias its code computes; None for absolute positions (in the embeddings).
     position_bias: Callable | None = None
+    stack: Stack = LAYER_LIST      # where the encoder holds its layers
+    probs_dropout: str = "dropout"  # the attention module's dropout on the probabilities
 
 
 class MLMHead(NamedTuple):
@@ -376,6 +471,13 @@ MPNET_LAYERS = Layers("mpnet", ("attention.attn.q", "attention.attn.k", "attenti
                       (("attention.attn", ("{P}SelfAttention",)), ("attention", ("{P}Attention",)),
                        ("", ("{P}Layer",)), ("..", ("{P}Encoder",)), ("intermediate", ("{P}Intermediate",)),
                        ("output", ("{P}Output",))), _MPNET_MODELS, position_bias=_mpnet_position_bias)
+_ALBERT_MODELS = (("albert.modeling_albert", "Albert"),)
+ALBERT_LAYERS = Layers("albert", ("attention.query", "attention.key", "attention.value", "attention.dense",
+                                  "attention.LayerNorm", "ffn", "ffn_output", "full_layer_layer_norm"),
+                       "attention", (("", _albert_layer_forward), ("attention", _albert_attention_forward)),
+                       "BaseModelOutput",
+                       (("attention", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Transformer",))),
+                       _ALBERT_MODELS, stack=ALBERT_GROUPS, probs_dropout="attention_dropout")
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -393,11 +495,14 @@ FAMILIES = (
                          ("intermediate_size", "hidden_dim"), ("hidden_dropout_prob", "dropout"),
                          ("attention_probs_dropout_prob", "attention_dropout"))),
     Family("mpnet", "MPNet", MPNET_LAYERS, _ROBERTA_MLM, 1),
+    Family("albert", "Albert", ALBERT_LAYERS,
+           MLMHead("predictions.dense", "predictions.activation", "predictions.LayerNorm", "predictions.decoder"), 0,
+           test_config=(("embedding_size", 16), ("hidden_act", "gelu_new"))),
 )
 
 
 # The task models whose forward the masked-only MLM loss stands in for: the families' own.
-_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS)
+_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS)
                     if m[1] in {f.prefix for f in FAMILIES})
 
 
@@ -413,26 +518,28 @@ def _unique(items) -> tuple:
 
 
 LAYERS = _unique(f.layers for f in FAMILIES)
+STACKS = _unique(kind.stack for kind in LAYERS)
 MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 
 # ---- whose code is known: a module is fused only where its class computes exactly the fused op's math ---------
 # Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
-_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS,
+_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS,
                  ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
 
 
 class GeluBlock(NamedTuple):
     """A module class computing [norm](act(linear(x))) and nothing else: its children and its fused forward."""
     cls: str              # the class-name template ("{P}" the model's class-name prefix)
-    children: tuple[str, ...]   # linear, activation[, norm]
+    children: tuple[str, ...]   # linear, activation[, norm[, decoder]]
     forward: Callable
 
 
 _GELU_BLOCKS = (GeluBlock("{P}Intermediate", ("dense", "intermediate_act_fn"), _intermediate_forward),
                 GeluBlock("{P}PredictionHeadTransform", ("dense", "transform_act_fn", "LayerNorm"),
                           _head_transform_forward),
-                GeluBlock("{P}GeneratorPredictions", ("dense", "activation", "LayerNorm"), _generator_head_forward))
+                GeluBlock("{P}GeneratorPredictions", ("dense", "activation", "LayerNorm"), _generator_head_forward),
+                GeluBlock("{P}MLMHead", ("dense", "activation", "LayerNorm", "decoder"), _albert_mlm_head_forward))
 # Blocks computing LayerNorm(dropout(dense(x)) + residual).
 _OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
 # transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
@@ -525,8 +632,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     p = static_layout(keys) if static else unpad_mask(keys)
     x = unpad(hidden_states, p)
     bias = state.layers.position_bias(self) if state.layers.position_bias else None
-    for layer in self.layer:
-        x = _run_layer(self, layer, x, p, bias)
+    x = state.layers.stack.run(self, x, p, bias)
     out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)  # padding kept: zero it
     # What the original encoder returns: BERT-like models read `.cache` from it too.
     return getattr(outputs, state.layers.output)(last_hidden_state=out)
@@ -544,7 +650,8 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
                   "other than 0 and the dtype's minimum)")
     # The kernel applies the attention dropout to the probabilities inside it: a module there that is not a
     # plain nn.Dropout (a hook on it, another class) is called only by the original code.
-    if not all(ops.plain(_get(layer, state.layers.attention).dropout, nn.Dropout) for layer in encoder.layer):
+    kind = state.layers
+    if not all(ops.plain(_probs_dropout(kind, layer), nn.Dropout) for layer in kind.stack.layers(encoder)):
         wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
                   "its kernel")
     if state.layers.position_bias:
@@ -552,6 +659,10 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
         return ", ".join(sorted(wants)) or "cross-attention/cache"
     return None
+
+
+def _probs_dropout(kind: Layers, layer: nn.Module) -> nn.Module:
+    return getattr(_get(layer, kind.attention), kind.probs_dropout)
 
 
 def _position_bias_problems(encoder, keys) -> list[str]:
@@ -635,13 +746,19 @@ def _is_output_block(m: nn.Module) -> bool:
         m.LayerNorm, nn.LayerNorm) and isinstance(m.dropout, nn.Dropout)
 
 
+def encoder_stack(encoder: nn.Module) -> tuple[Stack, list[nn.Module]] | None:
+    """(how it holds its layers, its layer modules each once) for a module holding encoder layers, else None."""
+    return next(((stack, layers) for stack in STACKS if (layers := stack.layers(encoder))), None)
+
+
 def encoder_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(path, encoder model, name of its encoder child) for every encoder model inside `model`."""
+    """(path, encoder model, name of its encoder child) for every encoder model inside `model`: a module with
+    `embeddings` and an `encoder` or `transformer` child holding layers (`encoder_stack`)."""
     found = []
     for path, m in model.named_modules():
         for child in ("encoder", "transformer"):
             enc = getattr(m, child, None)
-            if _has(m, "embeddings") and isinstance(getattr(enc, "layer", None), nn.ModuleList) and len(enc.layer):
+            if _has(m, "embeddings") and isinstance(enc, nn.Module) and encoder_stack(enc):
                 found.append((path or type(model).__name__, m, child))
     return found
 
@@ -679,18 +796,20 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
     """Why the fused attention may not compute what this encoder computes ([] where it does)."""
     cfg = getattr(enc_model, "config", None)
     reasons = []
+    layers = kind.stack.layers(encoder)
     for path, names in kind.roles:  # every module the fused layer stands in for: of a known class
         known = known_classes(names, kind.models)
-        modules = [encoder] if path == ".." else [_get(layer, path) if path else layer for layer in encoder.layer]
+        modules = [encoder] if path == ".." else [_get(layer, path) if path else layer for layer in layers]
         reasons += [why for m in modules if (why := unknown_code(m, known))]
+    group_classes = known_classes(kind.stack.group_classes, kind.models)
+    reasons += [why for m in _groups_of(kind.stack, encoder) if (why := unknown_code(m, group_classes))]
     if reasons:  # the first (the attention's own module comes first in roles); the rest counted
         others = len(_unique(reasons)) - 1
         return [reasons[0] + (f" (and {others} other module{'s' * (others > 1)} of unknown code)" if others else "")]
-    layer = encoder.layer[0]
-    at = _get(layer, kind.attention)
+    at = _get(layers[0], kind.attention)
     head_dim = at.attention_head_size
-    if type(at.dropout) is not nn.Dropout:
-        reasons.append(f"attention dropout is a {type(at.dropout).__name__}, not an nn.Dropout")
+    if type(dropout := _probs_dropout(kind, layers[0])) is not nn.Dropout:
+        reasons.append(f"attention dropout is a {type(dropout).__name__}, not an nn.Dropout")
     if why := ops.attention_refusal(head_dim):
         reasons.append(why)
     if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
@@ -779,8 +898,10 @@ class _EncoderState(NamedTuple):
 
 def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
     encoder = getattr(model, child)
-    kinds = {layer_kind(layer) for layer in encoder.layer}
+    stack, layers = encoder_stack(encoder)
+    kinds = {layer_kind(layer) for layer in layers}
     kind = kinds.pop() if len(kinds) == 1 else None
+    kind = kind if kind is not None and kind.stack is stack else None
     report = EncoderReport(path, type(model).__name__, kind.name if kind else "unknown")
     # Judged on the model as it came, before any module of it changes class.
     reasons = ["the layers' structure is not one the fused attention knows"] if kind is None else \
@@ -794,9 +915,11 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     if reasons:
         report.keep("attention", "; ".join(reasons))
         return report
-    for layer in encoder.layer:
+    for layer in layers:  # each once: ALBERT's layers are shared by the passes its config counts
         for path_in_layer, forward in kind.forwards:
             fuser.fused(_get(layer, path_in_layer) if path_in_layer else layer, forward)
+    for group in _groups_of(stack, encoder):
+        fuser.fused(group, stack.group_forward)
     fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report))
     fuser.fused(encoder, _encoder_forward)
     report.fused.append("attention (varlen, padding removed once)")
@@ -814,7 +937,7 @@ def _mlm_head(task: nn.Module) -> MLMHead | None:
 
 _MLM_TASK_CLASSES = ("{P}ForMaskedLM", "{P}ForPreTraining")
 _MLM_HEAD_CLASSES = ("{P}OnlyMLMHead", "{P}PreTrainingHeads", "{P}LMPredictionHead", "{P}PredictionHeadTransform",
-                     "{P}LMHead", "{P}GeneratorPredictions")
+                     "{P}LMHead", "{P}GeneratorPredictions", "{P}MLMHead")
 
 
 def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:
@@ -833,6 +956,22 @@ def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Te
     return _get(task, head.norm)(_linear_gelu(_get(task, head.dense), act, x))
 
 
+class PairHead(NamedTuple):
+    """A pre-training model's sentence-pair head, on the pooled output beside the MLM head: BERT's next-sentence
+    prediction, ALBERT's sentence order. transformers' loss is the MLM loss plus this head's cross-entropy,
+    given both labels (None otherwise)."""
+    module: str                    # its path in the task model
+    label: str                     # the task model's argument holding its labels
+    logits: str                    # the output field of its logits
+    output: str                    # the output class without the vocabulary logits (`_NARROWED`)
+
+
+_PAIR_HEADS = (PairHead("cls.seq_relationship", "next_sentence_label", "seq_relationship_logits",
+                        "BertForPreTrainingOutputWithoutLogits"),
+               PairHead("sop_classifier", "sentence_order_label", "sop_logits",
+                        "AlbertForPreTrainingOutputWithoutLogits"))
+
+
 class FusedMLMForward:
     """A masked-LM task model's forward that, given labels, never forms the vocabulary logits; set as the task
     model's `forward` attribute. Arguments bind as the model's own forward binds them (so a positional call means
@@ -841,9 +980,9 @@ class FusedMLMForward:
     def __init__(self, task: nn.Module, head: MLMHead, base: str):
         self.task, self.head, self.base = task, head, base
         self.original = task.__dict__.get("forward")  # another wrapper's, if any; else the class's forward
-        self.pretraining = _has(task, "cls.seq_relationship")
+        self.pair = next((h for h in _PAIR_HEADS if _has(task, h.module)), None)  # pre-training's second head
         # Its output class, made here: making a class inside a call is not something torch.compile traces.
-        self.output = __getattr__(_OUTPUTS[self.pretraining])
+        self.output = __getattr__(self.pair.output if self.pair else "MaskedLMOutputWithoutLogits")
 
     def unfused(self, *args, **kwargs):
         if self.original is not None:
@@ -866,21 +1005,21 @@ class FusedMLMForward:
 
     def __call__(self, *args, **kwargs):
         kw = self._arguments(args, kwargs)
-        labels, nsp_label = kw.pop("labels", None), kw.pop("next_sentence_label", None)
-        pretraining = self.pretraining
+        pair = self.pair
+        labels, pair_label = kw.pop("labels", None), kw.pop(pair.label, None) if pair else None
         # The original code wherever transformers' answer is not the masked-only loss: no labels (the logits are
-        # the answer), BERT pre-training without a next-sentence label (transformers' loss is then None), a call
+        # the answer), pre-training without the pair head's label (transformers' loss is then None), a call
         # asking for more than loss and logits, a decoder the kernel cannot read (a quantised Linear, an adapter,
         # a hook on it), or an ONNX export (which exports the original code).
-        if labels is None or (pretraining and nsp_label is None) or kw.get("output_attentions") \
+        if labels is None or (pair and pair_label is None) or kw.get("output_attentions") \
                 or kw.get("output_hidden_states") or kw.get("return_dict") is False \
                 or not ops.plain(_get(self.task, self.head.decoder), nn.Linear) or ops.exporting_onnx():
             return self.unfused(*args, **kwargs)
         kw.pop("return_dict", None)
         out = getattr(self.task, self.base)(**{k: v for k, v in kw.items() if v is not None})
-        return self._loss(out, labels, nsp_label if pretraining else None)
+        return self._loss(out, labels, pair_label)
 
-    def _loss(self, out, labels, nsp_label):
+    def _loss(self, out, labels, pair_label):
         task, head = self.task, self.head
         hidden, labels = out[0], labels.reshape(-1)
         decoder = _get(task, head.decoder)
@@ -888,10 +1027,10 @@ class FusedMLMForward:
         rows = ops.labelled_rows(labels)
         h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
         loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=ops.backend_for(h)).loss
-        if nsp_label is not None:  # BERT pre-training: next-sentence prediction as well
-            nsp_logits = task.cls.seq_relationship(out[1])
-            loss = loss + F.cross_entropy(nsp_logits.view(-1, 2).float(), nsp_label.view(-1))
-            return self.output(loss=loss, seq_relationship_logits=nsp_logits)
+        if pair_label is not None:  # pre-training: the sentence-pair head's loss as well
+            pair_logits = _get(task, self.pair.module)(out[1])
+            loss = loss + F.cross_entropy(pair_logits.view(-1, 2).float(), pair_label.view(-1))
+            return self.output(loss=loss, **{self.pair.logits: pair_logits})
         return self.output(loss=loss)
 
 
@@ -915,9 +1054,10 @@ def _without_logits(output: type) -> type:
     return cls
 
 
-# The outputs without logits, by name, with the transformers class each one narrows (pretraining or not).
-_OUTPUTS = {False: "MaskedLMOutputWithoutLogits", True: "BertForPreTrainingOutputWithoutLogits"}
+# The outputs without logits, by name, with the transformers class each one narrows.
 _NARROWED = {"MaskedLMOutputWithoutLogits": ("transformers.modeling_outputs", "MaskedLMOutput"),
+             "AlbertForPreTrainingOutputWithoutLogits": ("transformers.models.albert.modeling_albert",
+                                                         "AlbertForPreTrainingOutput"),
              "BertForPreTrainingOutputWithoutLogits": ("transformers.models.bert.modeling_bert",
                                                        "BertForPreTrainingOutput")}
 

@@ -50,6 +50,17 @@ def grad_errors(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, flo
     return errs
 
 
+def assert_same_gradients(ours: torch.nn.Module, theirs: torch.nn.Module, our_loss: torch.Tensor,
+                          their_loss: torch.Tensor, exempt: tuple[str, ...] = ()) -> None:
+    """Backpropagates both losses; every parameter gradient within TOL of the reference's (grad_errors' scaling),
+    but those named in `exempt` (gradients exactly zero in exact arithmetic, which the caller checks itself)."""
+    their_loss.backward()
+    our_loss.backward()
+    errs = {n: e for n, e in grad_errors(ours, theirs).items() if n not in exempt}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, (worst, errs[worst])
+
+
 def assert_grads_no_worse(ours: torch.nn.Module, own: torch.nn.Module, truth: torch.nn.Module,
                           floor: float = 2e-3) -> None:
     """Per parameter (grad_errors' scaling): our gradient's error against `truth` (the model in a higher

@@ -40,11 +40,11 @@ DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "a
 OVERRIDES = {"layoutlmv3": dict(coordinate_size=4, shape_size=8), "lilt": dict(hidden_size=48),
              "radio": dict(patch_dim=192)}
 MAX_PARAMETERS = 200_000_000   # a "tiny" config still larger than this keeps some size we do not know of
-# The model types whose attention stays fused: the true copies of BERT's layer (and DistilBERT's), MPNet, and DPR, whose
-# encoders are BertModels.
+# The model types whose attention stays fused: the true copies of BERT's layer (and DistilBERT's), MPNet, ALBERT, and
+# DPR, whose encoders are BertModels.
 FUSED_ATTENTION = {"bert", "bert-generation", "camembert", "roberta", "xlm-roberta", "data2vec-text", "electra",
                    "ernie", "layoutlm", "markuplm", "roc_bert", "splinter", "tapas", "visual_bert", "distilbert",
-                   "dpr", "mpnet", "grounding-dino", "mm-grounding-dino", "vision-text-dual-encoder"}
+                   "dpr", "mpnet", "albert", "grounding-dino", "mm-grounding-dino", "vision-text-dual-encoder"}
 LOOK_ALIKES = {"roformer", "mra", "nystromformer", "yoso"}   # BERT's submodule names, other attention math
 
 

@@ -27,6 +27,10 @@ MODEL_CLASSES = tuple(getattr(transformers, FAMILY.prefix + s) for s in HEADS_SU
                       if hasattr(transformers, FAMILY.prefix + s))
 CONFIG = getattr(transformers, FAMILY.prefix + "Config")
 NAMES = dict(FAMILY.config_names)
+# Pre-training's second head on the pooled output: its label argument and its logits' field, by family.
+PAIR_HEADS = {"bert": ("next_sentence_label", "seq_relationship_logits"),
+              "albert": ("sentence_order_label", "sop_logits")}
+PAIR_LABELS = tuple(label for label, _ in PAIR_HEADS.values())
 
 
 class FamilyTester:
@@ -46,8 +50,8 @@ class FamilyTester:
                      attention_probs_dropout_prob=0.1, max_position_embeddings=512, initializer_range=0.02)
         if FAMILY.name != "distilbert":
             sizes.update(type_vocab_size=self.type_vocab_size, hidden_act="gelu")
-        extra = dict(FAMILY.test_config, pad_token_id=FAMILY.pad_token_id, **changes)
-        return CONFIG(**{NAMES.get(k, k): v for k, v in sizes.items()}, **extra)
+        sizes = {NAMES.get(k, k): v for k, v in sizes.items()}  # the family's test config wins (ALBERT's gelu_new)
+        return CONFIG(**dict(sizes, **dict(FAMILY.test_config), pad_token_id=FAMILY.pad_token_id, **changes))
 
     def prepare_config_and_inputs(self):
         ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -76,8 +80,9 @@ class FamilyModelTest(ModelTesterMixin, *((GenerationTesterMixin,) if GENERATES 
         if return_labels and model_class.__name__ in MODEL_FOR_PRETRAINING_MAPPING_NAMES.values():
             t = self.model_tester
             inputs_dict["labels"] = torch.zeros((t.batch_size, t.seq_length), dtype=torch.long)
-            if "next_sentence_label" in inspect.signature(model_class.forward).parameters:  # not ELECTRA's
-                inputs_dict["next_sentence_label"] = torch.zeros(t.batch_size, dtype=torch.long)
+            for pair in PAIR_LABELS:  # BERT's next-sentence or ALBERT's sentence-order label (not ELECTRA's)
+                if pair in inspect.signature(model_class.forward).parameters:
+                    inputs_dict[pair] = torch.zeros(t.batch_size, dtype=torch.long)
         return inputs_dict
 
     def test_config(self):
@@ -110,15 +115,16 @@ class FamilyModelTest(ModelTesterMixin, *((GenerationTesterMixin,) if GENERATES 
         torch.testing.assert_close(out.loss, ref)
 
     def test_pretraining_outputs(self):
-        if FAMILY.name != "bert":
-            self.skipTest("BERT's pre-training heads (MLM + NSP) only")
+        if FAMILY.name not in PAIR_HEADS:
+            self.skipTest("pre-training heads of MLM + a sentence-pair head (BERT's NSP, ALBERT's SOP) only")
+        label, field = PAIR_HEADS[FAMILY.name]
         model, inputs = self._model("ForPreTraining")
         t = self.model_tester
         labels = ids_tensor([t.batch_size, t.seq_length], t.vocab_size)
-        out = model(**inputs, labels=labels, next_sentence_label=ids_tensor([t.batch_size], 2))
+        out = model(**inputs, labels=labels, **{label: ids_tensor([t.batch_size], 2)})
         self.assertEqual(out.prediction_logits.shape, (t.batch_size, t.seq_length, t.vocab_size))
         self.assertEqual(out[1].shape, (t.batch_size, t.seq_length, t.vocab_size))
-        self.assertEqual(out.seq_relationship_logits.shape, (t.batch_size, 2))
+        self.assertEqual(getattr(out, field).shape, (t.batch_size, 2))
         self.assertIsNone(model(**inputs, labels=labels).loss)
 
     def _causal(self):
