@@ -83,6 +83,20 @@ def test_family_under_float16_autocast(family):
     assert_grads_no_worse(fused, ref, truth)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_padded_row_equals_the_row_alone(family):
+    """Fused, each row of a padded batch (left-aligned, lengths 17, 9, 2) gets the hidden states it gets alone,
+    without padding: relative positions (MPNet) and shared layers (ALBERT) see only the row's own tokens."""
+    fused = fuse(build(family, "Model"))
+    ids, mask, _ = batch(family)
+    with torch.no_grad():
+        together = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+        for row, n in enumerate(mask.sum(1).tolist()):
+            alone = fused(input_ids=ids[row:row + 1, :n], attention_mask=mask[row:row + 1, :n]).last_hidden_state
+            assert rel_err(together[row, :n], alone[0]) <= TOL, (row, n)
+
+
 @pytest.mark.parametrize("family,head", [("roberta", "ForSequenceClassification"),
                                          ("electra", "ForPreTraining"), ("electra", "ForSequenceClassification"),
                                          ("distilbert", "ForSequenceClassification"),
