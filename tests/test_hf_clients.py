@@ -1,7 +1,7 @@
 """What users put on top of a fused Hugging Face model keeps meaning what it means unfused: PEFT's LoRA adapters
 (on q/v and on every Linear, added before or after fuse), torch's dynamic quantisation, pruning and forward hooks,
 ONNX export run by onnxruntime, and torch.compile(fullgraph=True) at a fixed batch shape. BERT, RoBERTa and
-DistilBERT, small random models, float32, padded batches of uneven lengths; PEFT, onnxruntime and onnxscript are
+DistilBERT (MPNet and ALBERT compiled too), small random models, float32, padded batches of uneven lengths; PEFT, onnxruntime and onnxscript are
 test extras, each test skipped with one line where its package is missing."""
 import copy
 import warnings
@@ -280,7 +280,7 @@ def test_onnx_export_of_a_fused_model_runs_in_onnxruntime(family, dynamo, tmp_pa
 
 # ---- torch.compile: one graph at a fixed batch shape, whatever the padding -----------------------------------------
 @pytest.mark.compile
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "mpnet", "albert"])  # + a relative-position bias, shared layers
 def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, monkeypatch):
     from torch._dynamo.utils import counters
 
@@ -309,7 +309,7 @@ def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, mon
 
 
 @pytest.mark.parametrize("family,head", [("bert", "ForPreTraining"), ("roberta", "ForMaskedLM"),
-                                         ("distilbert", "ForMaskedLM")])
+                                         ("distilbert", "ForMaskedLM"), ("albert", "ForPreTraining")])
 @pytest.mark.compile
 def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(family, head):
     """fuse(mlm_logits=False) gathers the labelled rows, whose count is data: compiled, that count is a symbol of
@@ -319,7 +319,8 @@ def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(fam
 
     ref = build(family, head)
     fused = quiet(fuse, copy.deepcopy(ref), mlm_logits=False)
-    nsp = {"next_sentence_label": torch.tensor([0, 1, 0])} if head == "ForPreTraining" else {}
+    pair = {"bert": "next_sentence_label", "albert": "sentence_order_label"}  # pre-training's pair head's label
+    nsp = {pair[family]: torch.tensor([0, 1, 0])} if head == "ForPreTraining" else {}
     ids, mask, labels = batch(family)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fused)(input_ids=ids, attention_mask=mask, labels=labels, **nsp)
