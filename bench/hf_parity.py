@@ -26,8 +26,9 @@ def _record(name: str):
     return hf.family(name.removesuffix("-sinusoidal"))
 
 
-def build(family: str, head: str = "ForMaskedLM"):
-    """A small random transformers model of `family` with the task head `head` ("Model" for the bare one)."""
+def build(family: str, head: str = "ForMaskedLM", **changes):
+    """A small random transformers model of `family` with the task head `head` ("Model" for the bare one);
+    `changes` to its configuration (in the family's own field names) on top."""
     import torch
     import transformers
 
@@ -36,7 +37,8 @@ def build(family: str, head: str = "ForMaskedLM"):
     names = dict(record.config_names)  # the family's own field names, its test extras (bert.hf.Family)
     sizes = {names.get(k, k): v for k, v in SMALL.items()}
     extra = dict(record.test_config, **({"sinusoidal_pos_embds": True} if family.endswith("-sinusoidal") else {}))
-    cfg = getattr(transformers, record.prefix + "Config")(**sizes, **extra, pad_token_id=record.pad_token_id)
+    sizes.update(extra, **changes)
+    cfg = getattr(transformers, record.prefix + "Config")(**sizes, pad_token_id=record.pad_token_id)
     return getattr(transformers, record.prefix + head)(cfg).eval()
 
 

@@ -274,24 +274,29 @@ def _albert_mlm_head_forward(self, hidden_states):
 
 
 # ---- how an encoder holds its layers, and runs them on packed tokens ----------------------------------------
+def _module_list(module, name: str) -> list[nn.Module]:
+    """The modules of `module.<name>` where it is an nn.ModuleList; [] where it is absent or anything else."""
+    found = getattr(module, name, None)
+    return list(found) if isinstance(found, nn.ModuleList) else []
+
+
+def _no_groups(encoder) -> list[nn.Module]:
+    return []
+
+
 class Stack(NamedTuple):
     """Where an encoder's layers are and how its code runs them: a `layer` list run in order, or ALBERT's groups
     of shared layers. The modules between the encoder and its layers (ALBERT's layer groups) are fused too, so
     that their hooks fire; they must be of a class `group_classes` names."""
     layers: Callable               # (encoder) -> its layer modules, each once ([] where it has none of this kind)
     run: Callable                  # (encoder, x, packed, bias) -> x: every layer on packed tokens, as its code does
-    groups: Callable | None = None  # (encoder) -> the modules between it and its layers; None: none
+    groups: Callable = _no_groups  # (encoder) -> the modules between it and its layers
     group_forward: Callable | None = None
     group_classes: tuple[str, ...] = ()
 
 
-def _groups_of(stack: Stack, encoder) -> list[nn.Module]:
-    return stack.groups(encoder) if stack.groups else []
-
-
 def _layer_list(encoder) -> list[nn.Module]:
-    layers = getattr(encoder, "layer", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
+    return _module_list(encoder, "layer")
 
 
 def _run_layer_list(encoder, x, p, bias):
@@ -301,12 +306,11 @@ def _run_layer_list(encoder, x, p, bias):
 
 
 def _albert_groups(encoder) -> list[nn.Module]:
-    groups = getattr(encoder, "albert_layer_groups", None)
-    return list(groups) if isinstance(groups, nn.ModuleList) else []
+    return _module_list(encoder, "albert_layer_groups")
 
 
 def _albert_layers(encoder) -> list[nn.Module]:
-    return [layer for group in _albert_groups(encoder) for layer in getattr(group, "albert_layers", ())]
+    return [layer for group in _albert_groups(encoder) for layer in _module_list(group, "albert_layers")]
 
 
 def _run_albert_groups(encoder, x, p, bias):
@@ -802,7 +806,7 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
         modules = [encoder] if path == ".." else [_get(layer, path) if path else layer for layer in layers]
         reasons += [why for m in modules if (why := unknown_code(m, known))]
     group_classes = known_classes(kind.stack.group_classes, kind.models)
-    reasons += [why for m in _groups_of(kind.stack, encoder) if (why := unknown_code(m, group_classes))]
+    reasons += [why for m in kind.stack.groups(encoder) if (why := unknown_code(m, group_classes))]
     if reasons:  # the first (the attention's own module comes first in roles); the rest counted
         others = len(_unique(reasons)) - 1
         return [reasons[0] + (f" (and {others} other module{'s' * (others > 1)} of unknown code)" if others else "")]
@@ -918,7 +922,7 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     for layer in layers:  # each once: ALBERT's layers are shared by the passes its config counts
         for path_in_layer, forward in kind.forwards:
             fuser.fused(_get(layer, path_in_layer) if path_in_layer else layer, forward)
-    for group in _groups_of(stack, encoder):
+    for group in stack.groups(encoder):
         fuser.fused(group, stack.group_forward)
     fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report))
     fuser.fused(encoder, _encoder_forward)
@@ -966,10 +970,15 @@ class PairHead(NamedTuple):
     output: str                    # the output class without the vocabulary logits (`_NARROWED`)
 
 
-_PAIR_HEADS = (PairHead("cls.seq_relationship", "next_sentence_label", "seq_relationship_logits",
+PAIR_HEADS = (PairHead("cls.seq_relationship", "next_sentence_label", "seq_relationship_logits",
                         "BertForPreTrainingOutputWithoutLogits"),
                PairHead("sop_classifier", "sentence_order_label", "sop_logits",
                         "AlbertForPreTrainingOutputWithoutLogits"))
+
+
+def pair_head(task: nn.Module) -> PairHead | None:
+    """The sentence-pair head (PAIR_HEADS) a pre-training task model has, or None."""
+    return next((h for h in PAIR_HEADS if _has(task, h.module)), None)
 
 
 class FusedMLMForward:
@@ -980,7 +989,7 @@ class FusedMLMForward:
     def __init__(self, task: nn.Module, head: MLMHead, base: str):
         self.task, self.head, self.base = task, head, base
         self.original = task.__dict__.get("forward")  # another wrapper's, if any; else the class's forward
-        self.pair = next((h for h in _PAIR_HEADS if _has(task, h.module)), None)  # pre-training's second head
+        self.pair = pair_head(task)  # pre-training's second head, if any
         # Its output class, made here: making a class inside a call is not something torch.compile traces.
         self.output = __getattr__(self.pair.output if self.pair else "MaskedLMOutputWithoutLogits")
 

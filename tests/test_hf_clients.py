@@ -14,7 +14,7 @@ from hf_utils import TOL, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
-from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
+from bert.hf import fuse, fuse_report, pair_head, unfuse  # noqa: E402
 
 from bench.hf_parity import batch, build  # noqa: E402  (the parity table's small models and batches)
 
@@ -319,8 +319,8 @@ def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(fam
 
     ref = build(family, head)
     fused = quiet(fuse, copy.deepcopy(ref), mlm_logits=False)
-    pair = {"bert": "next_sentence_label", "albert": "sentence_order_label"}  # pre-training's pair head's label
-    nsp = {pair[family]: torch.tensor([0, 1, 0])} if head == "ForPreTraining" else {}
+    pair = pair_head(ref)
+    nsp = {pair.label: torch.tensor([0, 1, 0])} if pair else {}  # pre-training's sentence-pair label
     ids, mask, labels = batch(family)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fused)(input_ids=ids, attention_mask=mask, labels=labels, **nsp)

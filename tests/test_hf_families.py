@@ -4,6 +4,7 @@ embedding, discriminator), DistilBERT (learned and sinusoidal positions), MPNet 
 offline, float32 in the interpreter, padded inputs of uneven lengths: outputs, the MLM loss and every parameter
 gradient against the unfused model; the kernels really called; unfuse bit-identical; state_dict unchanged;
 float16 autocast; families whose attention the kernel cannot express; sentence-transformers; transformers.Trainer."""
+import collections
 import copy
 import inspect
 import sys
@@ -17,26 +18,40 @@ from hf_utils import TOL, assert_grads_no_worse, assert_same_gradients, rel_err
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
 import kernels._common as kernels_common  # noqa: E402
-from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
+from bert.hf import PAIR_HEADS, fuse, fuse_report, unfuse  # noqa: E402
 from bert.model import ops  # noqa: E402
 
 from bench.hf_parity import FAMILIES as ALL_FAMILIES, SMALL, batch, build  # noqa: E402  (the parity table's models)
 
 
 class Calls:
-    """Counts the kernel calls the fused model makes (a silent fallback to PyTorch would make none)."""
+    """Records the kernel calls the fused model makes (a silent fallback to PyTorch would make none): each
+    call's entry point and its arguments by name. fixed_seeds: a call that takes a seed gets 1000 + its index,
+    so that a test can rebuild the dropout mask the kernel drew."""
 
-    def __init__(self, monkeypatch):
-        self.counts = {}
+    def __init__(self, monkeypatch, fixed_seeds=False):
+        self.calls = []
         for module, name in ops.TRITON.items():  # each op's entry point of kernels (the model's table)
             original = getattr(kernels, name)
 
-            def counted(*a, _name=name, _original=original, **k):
-                self.counts[_name] = self.counts.get(_name, 0) + 1
-                return _original(*a, **k)
+            def recorded(*a, _name=name, _original=original, _signature=inspect.signature(original), **k):
+                bound = _signature.bind(*a, **k)
+                bound.apply_defaults()
+                if fixed_seeds and "seed" in bound.arguments:
+                    bound.arguments["seed"] = 1000 + len(self.calls)
+                self.calls.append((_name, dict(bound.arguments)))
+                return _original(*bound.args, **bound.kwargs)
             # the package's name (bert.model.ops calls it) and the op module's own (its drop-in module calls that)
-            monkeypatch.setattr(kernels, name, counted)
-            monkeypatch.setattr(sys.modules[f"kernels.{module}"], name, counted)
+            monkeypatch.setattr(kernels, name, recorded)
+            monkeypatch.setattr(sys.modules[f"kernels.{module}"], name, recorded)
+
+    @property
+    def counts(self) -> collections.Counter:
+        return collections.Counter(name for name, _ in self.calls)
+
+    def of(self, name: str) -> list[dict]:
+        """The arguments of every call of entry point `name`, in order."""
+        return [arguments for n, arguments in self.calls if n == name]
 
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_hf.py
@@ -262,7 +277,7 @@ MLM_CLASSES = [("bert", "ForPreTraining"), ("bert", "ForMaskedLM"), ("roberta", 
                ("xlm-roberta", "ForMaskedLM"), ("camembert", "ForMaskedLM"), ("electra", "ForMaskedLM"),
                ("distilbert", "ForMaskedLM"), ("mpnet", "ForMaskedLM"), ("albert", "ForMaskedLM"),
                ("albert", "ForPreTraining")]
-PAIR_LABELS = ("next_sentence_label", "sentence_order_label")  # BERT's and ALBERT's pre-training pair heads
+PAIR_LABELS = tuple(h.label for h in PAIR_HEADS)  # BERT's and ALBERT's pre-training pair heads
 
 
 def _positional(model, ids, mask, labels):
@@ -317,11 +332,9 @@ def test_a_fused_model_pickles_both_ways(tmp_path):
 
 
 def _albert(head: str, **changes):
-    """A small random ALBERT (bench.hf_parity's sizes) with `changes` to its config: 2 passes through one group of
-    2 shared layers unless told otherwise."""
-    torch.manual_seed(0)
-    sizes = dict(SMALL, num_hidden_layers=2, num_hidden_groups=1, inner_group_num=2, embedding_size=16)
-    return getattr(transformers, "Albert" + head)(transformers.AlbertConfig(**dict(sizes, **changes))).eval()
+    """bench.hf_parity's small ALBERT with `changes` to its config: 2 passes through one group of 2 shared layers
+    unless told otherwise."""
+    return build("albert", head, **{"num_hidden_groups": 1, "inner_group_num": 2, **changes})
 
 
 def test_albert_shared_layers_are_fused_once_and_stay_shared():
@@ -408,26 +421,12 @@ def test_albert_training_passes_its_dropouts_and_tanh_gelu_to_the_kernels(monkey
     p_attn, p_hidden = 0.25, 0.125
     model = fuse(_albert("ForMaskedLM", attention_probs_dropout_prob=p_attn, hidden_dropout_prob=p_hidden,
                          hidden_act="gelu_new", inner_group_num=1)).train()
-    calls = []
-    for module, name in (("attention", "varlen_attention"), ("layer_norm", "layer_norm"), ("bias_gelu", "bias_gelu")):
-        original = getattr(kernels, name)
-        signature = inspect.signature(original)
-
-        def spy(*args, _name=name, _original=original, _signature=signature, **kw):
-            bound = _signature.bind(*args, **kw)
-            bound.apply_defaults()
-            if "seed" in bound.arguments:
-                bound.arguments["seed"] = 1000 + len(calls)
-            calls.append((_name, dict(bound.arguments)))
-            return _original(*bound.args, **bound.kwargs)
-        # the package's name (bert.model.ops calls it) and the op module's own (its drop-in module calls that)
-        monkeypatch.setattr(kernels, name, spy)
-        monkeypatch.setattr(sys.modules[f"kernels.{module}"], name, spy)
+    calls = Calls(monkeypatch, fixed_seeds=True)
     ids, mask, labels = batch("albert")
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
     assert torch.isfinite(loss)
-    attn, norms, gelus = ([a for n, a in calls if n == op] for op in ("varlen_attention", "layer_norm", "bias_gelu"))
+    attn, norms, gelus = (calls.of(op) for op in ("varlen_attention", "layer_norm", "bias_gelu"))
     passes = 2  # through the one shared layer
     assert len(attn) == passes and all(a["dropout_p"] == p_attn for a in attn)
     # the attention outputs' LayerNorms drop; the layers' last ones, the embeddings' and the MLM head's do not

@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_PRETRAINING_MAPPING_NAMES
 
-from bert.hf import family
+from bert.hf import PAIR_HEADS, family
 from hf_tests.test_configuration_common import ConfigTester
 from hf_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor, random_attention_mask
 from hf_tests.generation.test_utils import GenerationTesterMixin
@@ -27,10 +27,12 @@ MODEL_CLASSES = tuple(getattr(transformers, FAMILY.prefix + s) for s in HEADS_SU
                       if hasattr(transformers, FAMILY.prefix + s))
 CONFIG = getattr(transformers, FAMILY.prefix + "Config")
 NAMES = dict(FAMILY.config_names)
-# Pre-training's second head on the pooled output: its label argument and its logits' field, by family.
-PAIR_HEADS = {"bert": ("next_sentence_label", "seq_relationship_logits"),
-              "albert": ("sentence_order_label", "sop_logits")}
-PAIR_LABELS = tuple(label for label, _ in PAIR_HEADS.values())
+
+
+def _pair_head(model_class):
+    """The sentence-pair head (bert.hf.PAIR_HEADS) whose label `model_class`'s forward takes, or None."""
+    params = inspect.signature(model_class.forward).parameters
+    return next((h for h in PAIR_HEADS if h.label in params), None)
 
 
 class FamilyTester:
@@ -80,9 +82,8 @@ class FamilyModelTest(ModelTesterMixin, *((GenerationTesterMixin,) if GENERATES 
         if return_labels and model_class.__name__ in MODEL_FOR_PRETRAINING_MAPPING_NAMES.values():
             t = self.model_tester
             inputs_dict["labels"] = torch.zeros((t.batch_size, t.seq_length), dtype=torch.long)
-            for pair in PAIR_LABELS:  # BERT's next-sentence or ALBERT's sentence-order label (not ELECTRA's)
-                if pair in inspect.signature(model_class.forward).parameters:
-                    inputs_dict[pair] = torch.zeros(t.batch_size, dtype=torch.long)
+            if pair := _pair_head(model_class):  # BERT's next-sentence or ALBERT's sentence-order label
+                inputs_dict[pair.label] = torch.zeros(t.batch_size, dtype=torch.long)
         return inputs_dict
 
     def test_config(self):
@@ -115,16 +116,16 @@ class FamilyModelTest(ModelTesterMixin, *((GenerationTesterMixin,) if GENERATES 
         torch.testing.assert_close(out.loss, ref)
 
     def test_pretraining_outputs(self):
-        if FAMILY.name not in PAIR_HEADS:
-            self.skipTest("pre-training heads of MLM + a sentence-pair head (BERT's NSP, ALBERT's SOP) only")
-        label, field = PAIR_HEADS[FAMILY.name]
         model, inputs = self._model("ForPreTraining")
+        pair = _pair_head(type(model))
+        if pair is None:  # ELECTRA's pre-training model is its discriminator
+            self.skipTest("pre-training heads of MLM + a sentence-pair head (BERT's NSP, ALBERT's SOP) only")
         t = self.model_tester
         labels = ids_tensor([t.batch_size, t.seq_length], t.vocab_size)
-        out = model(**inputs, labels=labels, **{label: ids_tensor([t.batch_size], 2)})
+        out = model(**inputs, labels=labels, **{pair.label: ids_tensor([t.batch_size], 2)})
         self.assertEqual(out.prediction_logits.shape, (t.batch_size, t.seq_length, t.vocab_size))
         self.assertEqual(out[1].shape, (t.batch_size, t.seq_length, t.vocab_size))
-        self.assertEqual(getattr(out, field).shape, (t.batch_size, 2))
+        self.assertEqual(getattr(out, pair.logits).shape, (t.batch_size, 2))
         self.assertIsNone(model(**inputs, labels=labels).loss)
 
     def _causal(self):
