@@ -64,6 +64,8 @@ OPTIONS = (
     flag("--tokenizer", group="tokenizer", help="an HF directory (tokenizer.json or vocab.txt) or a vocab.txt file"),
     flag("--train-tokenizer", type=int, metavar="VOCAB_SIZE", group="tokenizer", check="positive",
          help="train a WordPiece vocabulary of this size on the corpus (saved under OUTPUT_DIR/tokenizer)"),
+    # Read once into the run's structures, where it is `max_seqlen` (PackedShapes, Layout, PretrainData) as it is
+    # for the batch, the model and the kernels; args.max_seq_len stays the flag's name, the key saved runs compare.
     flag("--max-seq-len", type=int, default=128, check="positive", resumed=True,
          help="tokens per instance, specials included (default 128)"),
     flag("--batch-size", type=int, default=32, check="positive", resumed=True,
@@ -175,7 +177,7 @@ class PretrainData:
     train_ids: np.ndarray
     eval_ids: np.ndarray
     special: SpecialIds
-    max_seq_len: int
+    max_seqlen: int
     seed: int
 
 
@@ -273,7 +275,7 @@ class PretrainJob(Job):
 
     def planner(self, d: Dist, accum: int) -> Planner:
         if self._planner is None:
-            layout = Layout(self.data.max_seq_len, d.world * accum, self.shapes, self.batch_size)
+            layout = Layout(self.data.max_seqlen, d.world * accum, self.shapes, self.batch_size)
             self._planner = Planner(self.data.corpus, self.data.train_ids, layout, self.data.seed)
         return self._planner
 
@@ -306,7 +308,7 @@ class PretrainJob(Job):
 
     def no_full_step(self):
         layout = self._planner.layout
-        unit = (f"{layout.rows_per_micro} row(s) of {layout.max_seq_len} tokens" if layout.shapes else
+        unit = (f"{layout.rows_per_micro} row(s) of {layout.max_seqlen} tokens" if layout.shapes else
                 f"{layout.batch_size} sequences")
         return (f"the corpus's {len(self.data.train_ids)} training documents do not fill one step of {unit} per "
                 f"micro-batch x {self.grad_accum} accumulation step(s) x the ranks; lower --tokens-per-batch (or "
@@ -316,7 +318,7 @@ class PretrainJob(Job):
         if not len(self.data.eval_ids):
             return {}
         d = self.data
-        batches = held_out_batches(d.corpus, d.eval_ids, d.max_seq_len, d.seed, self.masker, self.shapes,
+        batches = held_out_batches(d.corpus, d.eval_ids, d.max_seqlen, d.seed, self.masker, self.shapes,
                                    self.batch_size, self.eval_batches)
         return evaluate(model, batches, self.device)
 

@@ -24,10 +24,10 @@ def materialize(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) 
             for a, b, x in zip([0] + ends[:-1], ends, spans["label"].tolist())]
 
 
-def iter_instances(documents, max_seq_len: int, special, seed: int) -> Iterator[dict]:
+def iter_instances(documents, max_seqlen: int, special, seed: int) -> Iterator[dict]:
     """NSP instances of `documents` (a TokenisedCorpus, or documents of sentences of ids) as dicts, in order."""
     corpus = documents if isinstance(documents, TokenisedCorpus) else TokenisedCorpus.from_documents(documents)
-    for span in iter_spans(corpus, np.arange(len(corpus)), max_seq_len, seed):
+    for span in iter_spans(corpus, np.arange(len(corpus)), max_seqlen, seed):
         yield from materialize(corpus, np.array([span], dtype=SPAN), special.cls, special.sep)
 
 

@@ -19,9 +19,9 @@ from corpus_utils import topic_documents, write_corpus
 from kernel_utils import binomial_ok
 
 
-def create_instances(documents, max_seq_len, special, seed):
+def create_instances(documents, max_seqlen, special, seed):
     """All NSP instances of `documents` as a list."""
-    return list(iter_instances(documents, max_seq_len, special, seed))
+    return list(iter_instances(documents, max_seqlen, special, seed))
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=50_000, special=(0, 1, 2, 3, 4))  # id_documents: < 42,000
 
@@ -97,7 +97,7 @@ def test_tokenize_corpus_is_cached(tmp_path):
 
 def test_nsp_instances():
     docs = id_documents()
-    instances = create_instances(docs, max_seq_len=512, special=SPECIAL, seed=0)
+    instances = create_instances(docs, max_seqlen=512, special=SPECIAL, seed=0)
     labels = [x["next_sentence_label"] for x in instances]
     assert binomial_ok(sum(labels), len(labels), 0.5)
     for x in instances:
@@ -117,18 +117,18 @@ def test_nsp_instances():
 
 def test_instances_fit_short_lengths_and_are_deterministic():
     docs = id_documents(length=7)
-    a = create_instances(docs, max_seq_len=32, special=SPECIAL, seed=3)
-    assert a == create_instances(docs, max_seq_len=32, special=SPECIAL, seed=3)
-    assert a != create_instances(docs, max_seq_len=32, special=SPECIAL, seed=4)
+    a = create_instances(docs, max_seqlen=32, special=SPECIAL, seed=3)
+    assert a == create_instances(docs, max_seqlen=32, special=SPECIAL, seed=3)
+    assert a != create_instances(docs, max_seqlen=32, special=SPECIAL, seed=4)
     assert max(len(x["input_ids"]) for x in a) <= 32
     short = sum(len(x["input_ids"]) < 32 for x in a) / len(a)
     assert 0.02 < short < 0.4  # about 10% draw a shorter target (and some random-B pairs come up short)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        create_instances(docs, max_seq_len=4, special=SPECIAL, seed=0)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        create_instances(docs, max_seqlen=4, special=SPECIAL, seed=0)
 
 
 def test_masking_statistics():
-    instances = create_instances(id_documents(n_docs=40), max_seq_len=128, special=SPECIAL, seed=0)
+    instances = create_instances(id_documents(n_docs=40), max_seqlen=128, special=SPECIAL, seed=0)
     vocab = 50000
     special = SpecialIds(2, 3, 4, 0, vocab, (0, 1, 2, 3, 4))
     collator = DictMasker(special, seed=1)
@@ -160,7 +160,7 @@ def test_masking_statistics():
 
 
 def test_masking_differs_between_draws_of_the_same_instance():
-    instances = create_instances(id_documents(), max_seq_len=128, special=SPECIAL, seed=0)[:8]
+    instances = create_instances(id_documents(), max_seqlen=128, special=SPECIAL, seed=0)[:8]
     collator = DictMasker(SPECIAL, seed=0)
     assert not torch.equal(collator(instances, keys=range(8))["labels"],
                            collator(instances, keys=range(8, 16))["labels"])
@@ -255,7 +255,7 @@ def test_an_unreadable_cache_is_rebuilt(tmp_path):
 
 
 def test_exact_count_by_default_and_bernoulli_as_an_option():
-    instances = create_instances(id_documents(n_docs=40), max_seq_len=128, special=SPECIAL, seed=0)[:200]
+    instances = create_instances(id_documents(n_docs=40), max_seqlen=128, special=SPECIAL, seed=0)[:200]
     exact, bernoulli = DictMasker(SPECIAL, seed=2), DictMasker(SPECIAL, seed=2, exact=False)
     counts, chosen, candidates = set(), 0, 0
     for k, x in enumerate(instances):
@@ -307,7 +307,7 @@ def test_a_batch_is_masked_as_each_instance_alone(whole_word):
     """mask_flat over a whole micro-batch gives each instance what masking it alone (mask) gives: masking is
     keyed per instance, never by its neighbours or its place in the batch."""
     collator = DictMasker(SPECIAL, whole_word=whole_word, continuation_ids=range(21000, 21500), seed=7)
-    instances = create_instances(id_documents(n_docs=12), max_seq_len=64, special=SPECIAL, seed=0)[:30]
+    instances = create_instances(id_documents(n_docs=12), max_seqlen=64, special=SPECIAL, seed=0)[:30]
     rows = [np.array(x["input_ids"]) for x in instances]
     keys = np.array([[3, 100 + i] for i in range(len(rows))], dtype=np.uint64)
     masked, labels = collator.mask_flat(np.concatenate(rows), np.array([len(r) for r in rows]), keys)

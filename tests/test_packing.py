@@ -50,7 +50,7 @@ def instance(n, rng, nsp):
 def test_packed_micro_batch_has_fixed_shapes_aligned_rows_and_exact_label_counts(whole_word):
     rng = random.Random(1)
     masker = DictMasker(SPECIAL, whole_word=whole_word, continuation_ids=range(500, 700), seed=3)
-    shapes = PackedShapes.for_rows(rows=3, max_seq_len=48, per_row=2, mlm_probability=0.15)
+    shapes = PackedShapes.for_rows(rows=3, max_seqlen=48, per_row=2, mlm_probability=0.15)
     assert (shapes.tokens, shapes.sequences, shapes.labels) == (144, 9, 22 + 3)
     collate = DictPacker(masker, shapes)
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
@@ -87,7 +87,7 @@ def test_labels_past_the_bound_are_undone_as_bert_caps_them():
     extra chosen tokens get their original ids back (unlabelled tokens must be unchanged)."""
     rng = random.Random(3)
     insts = [instance(n, rng, 0) for n in (40, 44)]
-    shapes = PackedShapes.for_rows(rows=2, max_seq_len=48, per_row=1, mlm_probability=0.15)
+    shapes = PackedShapes.for_rows(rows=2, max_seqlen=48, per_row=1, mlm_probability=0.15)
     b = DictPacker(DictMasker(SPECIAL, mlm_probability=0.5, seed=1), shapes)([[insts[0]], [insts[1]]],
                                                                                   keys=[0, 1])
     original = torch.zeros(96, dtype=torch.long)
@@ -253,7 +253,7 @@ def _model_and_batch(backend="torch"):
                                                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     rng = random.Random(2)
     insts = [instance(n, rng, nsp) for n, nsp in ((40, 0), (9, 1), (31, 1))]
-    shapes = PackedShapes.for_rows(rows=2, max_seq_len=48, per_row=2, mlm_probability=0.15)
+    shapes = PackedShapes.for_rows(rows=2, max_seqlen=48, per_row=2, mlm_probability=0.15)
     batch = DictPacker(DictMasker(SPECIAL, seed=3), shapes)([[insts[0]], [insts[1], insts[2]]], keys=[1, 2, 3])
     return model, batch
 
@@ -358,7 +358,7 @@ def test_an_instance_is_masked_the_same_padded_and_packed(whole_word):
     insts = [instance(n, rng, 1) for n in (40, 9, 31, 20)]
     keys = [(2, 5), (2, 6), (2, 7), (2, 8)]
     padded = masker(insts, keys=keys)
-    packed = DictPacker(masker, PackedShapes.for_rows(rows=2, max_seq_len=64, per_row=2, mlm_probability=0.15))(
+    packed = DictPacker(masker, PackedShapes.for_rows(rows=2, max_seqlen=64, per_row=2, mlm_probability=0.15))(
         [insts[:2], insts[2:]], keys=keys)
     starts = packed.cu_seqlens.tolist()
     for i, x in enumerate(insts):

@@ -309,7 +309,7 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     docs = [[[5 + (7 * d + s + j) % 290 for j in range(6 + s % 5)] for s in range(8)] for d in range(6)]
     corpus = TokenisedCorpus.from_documents(docs)
     collator = DictMasker(special, seed=4)
-    shapes = PackedShapes.for_rows(rows=4, max_seq_len=32, per_row=3, mlm_probability=0.15)
+    shapes = PackedShapes.for_rows(rows=4, max_seqlen=32, per_row=3, mlm_probability=0.15)
     padded, packed = (list(held_out_batches(corpus, np.arange(6), 32, 4, collator, layout, 6, 3))
                       for layout in (None, shapes))
     assert all(isinstance(b, PackedBatch) for b in padded + packed)  # one batch type, two layouts

@@ -20,20 +20,20 @@ def test_ner_labels_on_first_subtoken(tok):
 
     s = NerSentence(["John", "plays", "in", "New", "York"], ["B-PER", "O", "O", "B-LOC", "I-LOC"], "x:1")
     label2id = {"O": 0, "B-PER": 1, "B-LOC": 2, "I-LOC": 3}
-    (f,) = ner_features([s], tok, label2id, max_len=32)
+    (f,) = ner_features([s], tok, label2id, max_seqlen=32)
     tokens = [VOCAB[i] for i in f["input_ids"]]
     assert tokens == ["[CLS]", "john", "play", "##s", "in", "new", "york", "[SEP]"]
     assert f["labels"] == [-100, 1, 0, -100, 0, 2, 3, -100]
     assert f["first_token"] == [1, 2, 4, 5, 6]
     with pytest.raises(ValueError, match=r"x:1: tag 'B-MISC' is not in the label set"):
-        ner_features([NerSentence(["John"], ["B-MISC"], "x:1")], tok, label2id, max_len=32)
+        ner_features([NerSentence(["John"], ["B-MISC"], "x:1")], tok, label2id, max_seqlen=32)
 
 
 def test_qa_windows_answer_across_boundary_and_at_end(tok):
     context = "a b c d e f the cat sat on the mat"
     # The answer "sat on the mat" ends the passage.
     ex = QAExample("q1", "where does the cat sat ?", context, ["sat on the mat"], context.index("sat on"), "t")
-    windows = qa_windows([ex], tok, max_len=16, doc_stride=4)
+    windows = qa_windows([ex], tok, max_seqlen=16, doc_stride=4)
     assert len(windows) > 1
     holding = [w for w in windows if w.start_position]
     assert holding, "some window must hold the whole answer"

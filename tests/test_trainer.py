@@ -234,7 +234,7 @@ def test_both_commands_take_the_trainer_options_from_one_group():
     parsers = {"pretrain": pretrain.build_parser(), "finetune": finetune.build_parser()}
     helps = {name: p.format_help().split("\ntraining:\n")[1].split("\n\n")[0] for name, p in parsers.items()}
     flags = {name: re.findall(r"^  (--[a-z-]+)", text, re.M) for name, text in helps.items()}
-    assert flags["pretrain"] == flags["finetune"] == [f[0] for f in Settings.flags()]
+    assert flags["pretrain"] == flags["finetune"] == [f.names[0] for f in Settings.as_flags()]
     pre = parsers["pretrain"].parse_args(["--data", "x.txt", "--lr", "2e-4", "--no-progress"])
     fine = parsers["finetune"].parse_args(["classify", "--model", "m", "--resume"])
     assert (pre.lr, pre.save_every, fine.lr, fine.save_every, fine.resume) == (2e-4, 500, 3e-5, 0, "latest")

@@ -1,6 +1,6 @@
 """NSP instances as spans of the flat tokenised corpus (bert.data.corpus), drawn document by document.
 
-An instance, as in BERT, is [CLS] A [SEP] B [SEP]: a target length of max_seq_len - 3 tokens (10% of the time a
+An instance, as in BERT, is [CLS] A [SEP] B [SEP]: a target length of max_seqlen - 3 tokens (10% of the time a
 shorter random one), A the first sentences of a chunk of consecutive sentences reaching the target, B the rest
 of the chunk (the true continuation: label 0) or, half of the time, sentences of a random other document (label
 1; A's unused sentences are then drawn again), the longer side trimmed at a random end until both fit.
@@ -37,13 +37,13 @@ def span_lengths(spans: np.ndarray) -> np.ndarray:
     return spans["a_len"].astype(np.int64) + spans["b_len"] + 3
 
 
-def iter_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, seed: int, first: int = 0,
+def iter_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, first: int = 0,
                last: int | None = None, short_seq_prob: float = 0.1, nsp_random_prob: float = 0.5) -> Iterator[tuple]:
     """(a_start, a_len, b_start, b_len, label) of the instances of documents doc_ids[first:last], in order,
     deterministic in `seed`; a random B comes from any other document of `doc_ids`."""
-    if max_seq_len < 8:
-        raise ValueError(f"max_seq_len must be at least 8, got {max_seq_len}")
-    rng, max_tokens, n_docs = random.Random(seed), max_seq_len - 3, len(doc_ids)
+    if max_seqlen < 8:
+        raise ValueError(f"max_seqlen must be at least 8, got {max_seqlen}")
+    rng, max_tokens, n_docs = random.Random(seed), max_seqlen - 3, len(doc_ids)
     for d in range(first, n_docs if last is None else last):
         bounds = corpus.sentence_bounds(int(doc_ids[d])).tolist()
         i, n = 0, len(bounds) - 1
@@ -105,10 +105,10 @@ def _truncate(a0: int, la: int, b0: int, lb: int, max_tokens: int, rng: random.R
     return a0, la, b0, lb
 
 
-def draw_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, seed: int, first: int = 0,
+def draw_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, first: int = 0,
                last: int | None = None) -> np.ndarray:
     """The instances of documents doc_ids[first:last] (iter_spans) as a SPAN array."""
-    return np.array(list(iter_spans(corpus, doc_ids, max_seq_len, seed, first, last)), dtype=SPAN)
+    return np.array(list(iter_spans(corpus, doc_ids, max_seqlen, seed, first, last)), dtype=SPAN)
 
 
 def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:

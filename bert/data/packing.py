@@ -1,7 +1,7 @@
 """Packing pre-training instances into micro-batches of a fixed token budget (the data side of static shapes).
 
 Instead of padding every instance to the longest of its batch, instances are packed, as Krell et al. (2021) do
-for BERT, into rows of max_seq_len tokens (L) holding up to a few instances each, and a micro-batch is a fixed
+for BERT, into rows of max_seqlen tokens (L) holding up to a few instances each, and a micro-batch is a fixed
 number of rows: T = rows x L tokens. Every packed batch then has the same shapes, whatever the lengths, and
 almost no token is padding. Packing (`pack`) is shortest-pack-first histogram packing, as Krell et al. do: best
 fit decreasing computed on the histogram of lengths rather than instance by instance, so an epoch packs in one
@@ -121,22 +121,23 @@ def efficiency(lengths, rows: np.ndarray, budget: int) -> float:
 
 
 class PackedShapes(NamedTuple):
-    """The fixed shape of a packed micro-batch, built once from the command line (--max-seq-len is L); the batch it
-    makes carries L as `max_seqlen`, the name the model's packed forward and the kernels take it by."""
-    tokens: int          # T = rows x max_seq_len, the token budget of a micro-batch
+    """The fixed shape of a packed micro-batch, built once from the command line (--max-seq-len is L). L is
+    `max_seqlen` from here to the kernels: the batch, the model's packed forward and varlen attention take it by
+    that name, as a bound on every sequence's length."""
+    tokens: int          # T = rows x max_seqlen, the token budget of a micro-batch
     sequences: int       # S = rows x (per_row + 1): instances and each row's filler tail
     labels: int          # R, the most labelled tokens a micro-batch holds
-    max_seq_len: int     # L, the length of a row and so of the longest instance
+    max_seqlen: int      # L, the length of a row and so of the longest instance
     per_row: int         # the most instances a row holds
 
     @classmethod
-    def for_rows(cls, rows: int, max_seq_len: int, per_row: int, mlm_probability: float) -> "PackedShapes":
-        tokens = rows * max_seq_len
-        return cls(tokens, rows * (per_row + 1), math.ceil(mlm_probability * tokens) + rows, max_seq_len, per_row)
+    def for_rows(cls, rows: int, max_seqlen: int, per_row: int, mlm_probability: float) -> "PackedShapes":
+        tokens = rows * max_seqlen
+        return cls(tokens, rows * (per_row + 1), math.ceil(mlm_probability * tokens) + rows, max_seqlen, per_row)
 
     @property
     def rows(self) -> int:
-        return self.tokens // self.max_seq_len
+        return self.tokens // self.max_seqlen
 
 
 class FlatInstances(NamedTuple):
@@ -160,7 +161,7 @@ class PackingCollator:
         self.masker, self.shapes = masker, shapes
 
     def _check(self, per_row: np.ndarray, row_tokens: np.ndarray) -> None:
-        L, n = self.shapes.max_seq_len, self.shapes.per_row
+        L, n = self.shapes.max_seqlen, self.shapes.per_row
         if len(per_row) > self.shapes.rows:
             raise ValueError(f"{len(per_row)} rows do not fit a micro-batch of {self.shapes.rows}")
         bad = np.flatnonzero((per_row > n) | (row_tokens > L))

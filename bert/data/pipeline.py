@@ -51,10 +51,10 @@ STEPS_PER_SHARD = 64
 
 @dataclass(frozen=True)
 class Layout:
-    """How an epoch's instances become steps. packed: `shapes` (rows of max_seq_len, `shapes.rows` a
+    """How an epoch's instances become steps. packed: `shapes` (rows of max_seqlen, `shapes.rows` a
     micro-batch); else length-bucketed global batches of `batch_size` instances, one per row. `parts` = ranks x
     accumulation steps micro-batches a step."""
-    max_seq_len: int
+    max_seqlen: int
     parts: int
     shapes: PackedShapes | None = None
     batch_size: int = 0
@@ -65,7 +65,7 @@ class Layout:
 
     @property
     def step_tokens(self) -> int:
-        return self.parts * self.rows_per_micro * self.max_seq_len
+        return self.parts * self.rows_per_micro * self.max_seqlen
 
 
 class ShardPlan(NamedTuple):
@@ -110,12 +110,12 @@ class Planner:
 
     def plan(self, epoch: int, shard: int) -> ShardPlan:
         seed = seeds.integer(self.seed, "nsp", epoch, shard)
-        spans = draw_spans(self.corpus, self.doc_ids, self.layout.max_seq_len, seed, int(self.starts[shard]),
+        spans = draw_spans(self.corpus, self.doc_ids, self.layout.max_seqlen, seed, int(self.starts[shard]),
                            int(self.starts[shard + 1]))
         rng = seeds.rng(self.seed, "order", epoch, shard)  # (the key epoch alone orders the shards)
         lengths = span_lengths(spans)
         if self.layout.shapes:
-            rows = epoch_rows(lengths, self.layout.max_seq_len, self.layout.shapes.per_row, rng)
+            rows = epoch_rows(lengths, self.layout.max_seqlen, self.layout.shapes.per_row, rng)
         else:
             rows = bucket_rows(lengths, self.layout.batch_size, rng)
         per_step = self.layout.parts * self.layout.rows_per_micro
@@ -203,18 +203,18 @@ class StepCollator(torch.utils.data.Dataset):
         return one_per_row(self.masker, flat, w.keys.astype(np.uint64), self.stream)
 
 
-def held_out_batches(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seq_len: int, seed: int, masker: Masker,
+def held_out_batches(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, masker: Masker,
                      shapes: PackedShapes | None, batch_size: int, batches: int) -> Iterator:
     """Evaluation's micro-batches: the held-out documents' first `batches` x `batch_size` instances (the run's
     "eval_nsp" stream) collated as training collates them (StepCollator), one per row in batches of `batch_size`,
     or packed into micro-batches of the run's fixed `shapes`. Each instance is masked by the "eval_masking" stream
     keyed by its index: the same at every evaluation, and the same either way."""
-    draws = iter_spans(corpus, doc_ids, max_seq_len, seeds.integer(seed, "eval_nsp"))
+    draws = iter_spans(corpus, doc_ids, max_seqlen, seeds.integer(seed, "eval_nsp"))
     spans = np.array(list(itertools.islice(draws, batches * batch_size)), dtype=SPAN)
-    layout = Layout(max_seq_len, 1, shapes, batch_size)
+    layout = Layout(max_seqlen, 1, shapes, batch_size)
     collator = StepCollator(corpus, masker, layout, "eval_masking")
     rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
-            else pack(span_lengths(spans), shapes.max_seq_len, shapes.per_row))
+            else pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row))
     for first in range(0, len(rows), layout.rows_per_micro):
         yield collator.collate(micro_batch_work(spans, rows[first:first + layout.rows_per_micro]))
 

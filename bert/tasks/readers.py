@@ -17,9 +17,9 @@ PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question
 
 
 @contextlib.contextmanager
-def truncation(tokenizer, max_len: int, **kwargs):
-    """Truncate to max_len (tokenizers' enable_truncation options) inside the block, and off again after it."""
-    tokenizer.enable_truncation(max_len, **kwargs)
+def truncation(tokenizer, max_seqlen: int, **kwargs):
+    """Truncate to max_seqlen (tokenizers' enable_truncation options) inside the block, and off again after it."""
+    tokenizer.enable_truncation(max_seqlen, **kwargs)
     try:
         yield tokenizer
     finally:
@@ -122,8 +122,8 @@ def _hf_classification(name: str, split: str) -> list[TextExample]:
             for i, r in enumerate(ds)]
 
 
-def classification_features(examples: list[TextExample], tokenizer, label2id: dict[str, int], max_len: int):
-    with truncation(tokenizer, max_len):
+def classification_features(examples: list[TextExample], tokenizer, label2id: dict[str, int], max_seqlen: int):
+    with truncation(tokenizer, max_seqlen):
         encs = tokenizer.encode_batch([(e.text, e.pair) if e.pair is not None else e.text for e in examples])
     feats = []
     for e, enc in zip(examples, encs):
@@ -178,10 +178,10 @@ def _hf_conll(name: str, split: str) -> list[NerSentence]:
     return [NerSentence(r["tokens"], [names[t] for t in r["ner_tags"]], f"{name}[{i}]") for i, r in enumerate(ds)]
 
 
-def ner_features(sentences: list[NerSentence], tokenizer, label2id: dict[str, int], max_len: int):
+def ner_features(sentences: list[NerSentence], tokenizer, label2id: dict[str, int], max_seqlen: int):
     """Label the first sub-token of each word; the other pieces and the special tokens get -100.
-    Words cut off by max_len are recorded, so their predictions can be filled in as 'O'."""
-    with truncation(tokenizer, max_len):
+    Words cut off by max_seqlen are recorded, so their predictions can be filled in as 'O'."""
+    with truncation(tokenizer, max_seqlen):
         encs = tokenizer.encode_batch([s.words for s in sentences], is_pretokenized=True)
     feats = []
     for s, enc in zip(sentences, encs):
@@ -274,16 +274,16 @@ class QAWindow:
     features: dict = field(default_factory=dict)
 
 
-def qa_windows(examples: list[QAExample], tokenizer, max_len: int, doc_stride: int) -> list[QAWindow]:
+def qa_windows(examples: list[QAExample], tokenizer, max_seqlen: int, doc_stride: int) -> list[QAWindow]:
     """Question as segment A, passage as segment B; long passages become overlapping windows that share
     `doc_stride` tokens. Each window's targets are the answer's first and last tokens when it lies inside."""
     windows = []
     specials = tokenizer.num_special_tokens_to_add(True)
-    with truncation(tokenizer, max_len, stride=doc_stride, strategy="only_second"):
+    with truncation(tokenizer, max_seqlen, stride=doc_stride, strategy="only_second"):
         for i, ex in enumerate(examples):
-            room = max_len - specials - len(tokenizer.encode(ex.question, add_special_tokens=False).ids)
+            room = max_seqlen - specials - len(tokenizer.encode(ex.question, add_special_tokens=False).ids)
             if room <= 0:
-                raise ValueError(f"{ex.where}: the question does not fit in max_seq_len={max_len}")
+                raise ValueError(f"{ex.where}: the question does not fit in --max-seq-len {max_seqlen}")
             if doc_stride >= room:  # (the tokenizer would panic: windows could not advance)
                 raise ValueError(f"{ex.where}: the question leaves {room} passage tokens a window, so --doc-stride "
                                  f"{doc_stride} leaves no room to advance; lower --doc-stride below {room} or raise "

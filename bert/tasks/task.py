@@ -24,8 +24,8 @@ class Task:
     model_cls = None
     prediction_file = "predictions.txt"
 
-    def __init__(self, tokenizer, max_seq_len: int, **options):
-        self.tok, self.max_seq_len, self.options = tokenizer, max_seq_len, options
+    def __init__(self, tokenizer, max_seqlen: int, **options):
+        self.tok, self.max_seqlen, self.options = tokenizer, max_seqlen, options
 
     @classmethod
     def check_arguments(cls, args) -> None:
@@ -83,7 +83,7 @@ class ClassifyTask(Task):
         return sorted(labels, key=lambda x: (not x.lstrip("-").isdigit(), int(x) if x.lstrip("-").isdigit() else 0, x))
 
     def features(self, data, label2id, train):
-        return Features(classification_features(data, self.tok, label2id, self.max_seq_len))
+        return Features(classification_features(data, self.tok, label2id, self.max_seqlen))
 
     def predict(self, outputs, data, features, id2label):
         pred_ids = [int(p) for out in outputs for p in out.logits.float().argmax(-1).cpu()]
@@ -111,14 +111,14 @@ class NerTask(Task):
         return sorted(labels, key=lambda t: (t != "O", t[2:], t[:2]))
 
     def features(self, data, label2id, train):
-        return Features(ner_features(data, self.tok, label2id, self.max_seq_len))
+        return Features(ner_features(data, self.tok, label2id, self.max_seqlen))
 
     def predict(self, outputs, data, features, id2label):
         tags = [row for out in outputs for row in out.logits.float().argmax(-1).cpu()]
         predicted = []
         for s, f, p in zip(data, features.rows, tags):
             words = [id2label[int(p[t])] for t in f["first_token"]]
-            predicted.append(words + ["O"] * (len(s.words) - len(words)))  # words cut off by max_seq_len
+            predicted.append(words + ["O"] * (len(s.words) - len(words)))  # words cut off by max_seqlen
         return ner_scores([s.tags for s in data], predicted), predicted
 
     def write_predictions(self, data, predictions, path):
@@ -147,7 +147,7 @@ class QATask(Task):
         return None
 
     def features(self, data, label2id, train):
-        windows = qa_windows(data, self.tok, self.max_seq_len, self.options["doc_stride"])
+        windows = qa_windows(data, self.tok, self.max_seqlen, self.options["doc_stride"])
         rows = [{"input_ids": w.input_ids, "token_type_ids": w.token_type_ids} for w in windows]
         if train:
             for r, w in zip(rows, windows):

@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
-
 from bert.common.commands import add_flags, check_flags, flag, resumed
 from bert.train.distributed import DIST_TIMEOUT_MINUTES
 
 
-class Option(NamedTuple):
-    help: str                   # the flag's help (argparse's %(default)s shows the command's default)
-    check: str | None = None    # "positive" or "non_negative", checked before any work
-    resumed: bool = False       # --resume refuses a run whose value differs from the checkpoint's
-    flag: dict = {}             # more of argparse's keywords: type is the field's default's, else given here
-
-
-def option(default, help: str, *, check: str | None = None, resumed: bool = False, **flag):
-    """A Settings field that is a trainer option (see the module docstring)."""
-    return field(default=default, metadata={"option": Option(help, check, resumed, flag)})
+def option(default, help: str, *, check: str | None = None, resumed: bool = False, flags: tuple = (), **kwargs):
+    """A Settings field that is a trainer option: its flag (bert.common.commands.Flag), less what the field gives
+    it in `Settings.as_flags` (the name `--<field-name>` unless `flags` names it, dest, default, and the type of the
+    default). help's %(default)s shows the command's default."""
+    return field(default=default, metadata={"option": flag(*flags, check=check, resumed=resumed, help=help, **kwargs)})
 
 
 @dataclass
@@ -75,13 +68,8 @@ class Settings:
 
     @classmethod
     def options(cls) -> list:
-        """(field, Option) of every trainer option, in declaration order."""
+        """(field, its declared Flag) of every trainer option, in declaration order."""
         return [(f, f.metadata["option"]) for f in fields(cls) if "option" in f.metadata]
-
-    @classmethod
-    def flags(cls) -> list[tuple]:
-        """The flag strings of every trainer option, in declaration order (`--<name>`, unless declared)."""
-        return [o.flag.get("flags", (f"--{f.name.replace('_', '-')}",)) for f, o in cls.options()]
 
     @classmethod
     def as_flags(cls, **defaults) -> tuple:
@@ -91,14 +79,13 @@ class Settings:
         if unknown:
             raise TypeError(f"not trainer options: {sorted(unknown)}")
         out = []
-        for (f, o), names in zip(cls.options(), cls.flags()):
-            kwargs = {k: v for k, v in o.flag.items() if k != "flags"}
+        for f, declared in cls.options():
+            kwargs = dict(declared.kwargs, dest=f.name, default=defaults.get(f.name, f.default))
             if isinstance(f.default, bool):
                 kwargs["action"] = "store_false" if f.default else "store_true"
             elif f.default is not None and "nargs" not in kwargs:
                 kwargs.setdefault("type", type(f.default))
-            out.append(flag(*names, check=o.check, resumed=o.resumed, dest=f.name,
-                            default=defaults.get(f.name, f.default), help=o.help, **kwargs))
+            out.append(declared._replace(names=declared.names or (f"--{f.name.replace('_', '-')}",), kwargs=kwargs))
         return tuple(out)
 
     @classmethod
