@@ -58,12 +58,16 @@ def run_case(lengths, heads, dim, dtype, device, p=0.0, seed=0, scale=None):
 LENGTHS = [37, 0, 1, 16, 50]
 
 
-@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+# The fast tier runs a subset of each sweep; RUN_SLOW=1 runs the rest (the float16 sweep covers 16 and 64 too).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("dim", [pytest.param(16, marks=SLOW), 32, pytest.param(64, marks=SLOW), 128])
 def test_float32_head_dims(device, dim):
     run_case(LENGTHS, 2, dim, torch.float32, device)
 
 
-@pytest.mark.parametrize("dim", [1, 8, 24, 80])
+@pytest.mark.parametrize("dim", [1, pytest.param(8, marks=SLOW), 24, pytest.param(80, marks=SLOW)])
 def test_head_dims_padded_inside_the_kernel(device, dim):
     """Heads narrower than 16 (transformers' tiny test models use 8) or not a power of two run on tiles zero-padded
     to the next power of two >= 16: the padded lanes must add nothing to q.k and never be stored (a strided
@@ -204,13 +208,15 @@ def run_bias_case(lengths, heads, dim, dtype, device, max_distance=128, num_buck
     return ours
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("max_distance", [128, 9])
+@pytest.mark.parametrize("dtype, max_distance", [(torch.float32, 9), (torch.float16, 128),
+                                                 pytest.param(torch.float32, 128, marks=SLOW),
+                                                 pytest.param(torch.float16, 9, marks=SLOW)])
 def test_relative_position_bias(device, dtype, max_distance):
     """MPNet's rule (32 buckets, 128) and a short max_distance, so that sequences of 50 reach the clamped end."""
     run_bias_case(LENGTHS, 3, 16, dtype, device, max_distance)
 
 
+@SLOW
 def test_relative_position_bias_with_dropout_and_other_buckets(device):
     run_bias_case([23, 0, 9, 40], 2, 16, torch.float32, device, max_distance=20, num_buckets=12, p=0.2)
 

@@ -379,6 +379,7 @@ def test_albert_shared_layers_are_fused_once_and_stay_shared():
     assert torch.equal(b.logits, a.logits)
 
 
+@pytest.mark.slow
 def test_albert_group_schedule():
     """num_hidden_layers passes through num_hidden_groups groups, picked by ALBERT's own index rule (6 passes
     over 3 groups: 0 0 1 1 2 2), padded batch, hidden states at real positions."""
@@ -392,6 +393,7 @@ def test_albert_group_schedule():
     assert rel_err(b.pooler_output, a.pooler_output) <= TOL
 
 
+@pytest.mark.slow
 def test_albert_pretraining_adds_the_sentence_order_loss():
     """AlbertForPreTraining fused with the masked-only loss: MLM loss + sentence-order loss as transformers
     computes it, its sop_logits, no vocabulary logits; without the sentence-order label transformers' loss is
@@ -412,6 +414,7 @@ def test_albert_pretraining_adds_the_sentence_order_loss():
     assert c.loss is None and rel_err(c.prediction_logits[mask.bool()], d.prediction_logits[mask.bool()]) <= TOL
 
 
+@pytest.mark.slow
 def test_albert_training_passes_its_dropouts_and_tanh_gelu_to_the_kernels(monkeypatch):
     """In training, each pass's attention kernel drops the probabilities with attention_probs_dropout_prob, the
     attention output's LayerNorm kernel drops dense's output with hidden_dropout_prob (the layer's last LayerNorm
