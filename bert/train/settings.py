@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+
 from bert.common.commands import add_flags, check_flags, flag, resumed
 from bert.train.distributed import DIST_TIMEOUT_MINUTES
 
