@@ -21,6 +21,18 @@ D = keep / (1 - p_drop) and O = (P * D) V:
 One kernel walks the query blocks for each key block (dK, dV); another walks the key blocks for each query
 block (dQ): no atomics, deterministic results.
 
+Grouped-query heads (k and v with fewer heads than q, EuroBERT's num_key_value_heads): query head h reads k/v head
+h // group in the forward and dQ kernels; a dK/dV program owns one k/v head and walks the queries of every head
+of its group in turn, summing their shares in registers, so k and v are never repeated in memory and the
+gradients need no atomics.
+
+Sliding window (optional, window_size = (left, right), ModernBERT's local attention): query i sees keys
+i - left .. i + right of its sequence. A program walks only the tiles its block's window reaches (the forward
+and dQ from the first key block a query of the block can see to the last; dK/dV the query blocks that see its
+keys), so the FLOPs of the tiles outside are never spent, and masks the scores outside the window inside the
+tiles it visits. A row may see no key of the first tiles it visits, so the running max is taken as 0 while it
+is still -inf (2^(-inf - 0) = 0, never NaN).
+
 Relative-position bias (optional, `RelativePositionBias`: MPNet's and T5's bucketed rule). The score of query i
 and key j of a sequence gets table[bucket(j - i), h], positions counted from the sequence's first token. The
 rule is constant past max_distance, so the launcher evaluates it once per call on the 2 * max_distance + 1
@@ -47,7 +59,7 @@ from . import launches, targets, tuned
 from ._common import (FLOAT_DTYPES, check_device, dense, dot_precision, dropout_keep, interpreter_upcast, keep_mask,
                       seed_tensor, unit_stride)
 
-__all__ = ["varlen_attention", "varlen_attention_ref", "padded_attention", "RelativePositionBias",
+__all__ = ["varlen_attention", "varlen_attention_ref", "padded_attention", "RelativePositionBias", "window_mask",
            "relative_position_bucket", "relative_bias"]
 MAX_HEAD_DIM = 128
 HEAD_DIMS = (8, 16, 32, 48, 64, 80, 128)   # the widths compiled for sm_90 and tested; any 1..MAX_HEAD_DIM runs
@@ -136,6 +148,24 @@ def _mask_rows(h, total_tokens, q_rows):
 
 
 @triton.jit
+def _reach(first, last, seq_len, before, after, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[lo, hi): the positions of a sequence that the positions first .. last can see, with a window reaching
+    `before` positions back and `after` ahead (the whole sequence without one); lo rounded down to a multiple of
+    BLOCK, so that the walked blocks are the same tiles as without a window. Tiles outside are never visited."""
+    if HAS_WINDOW:
+        return tl.maximum(first - before, 0) // BLOCK * BLOCK, tl.minimum(last + after + 1, seq_len)
+    else:
+        return 0, seq_len
+
+
+@triton.jit
+def _in_window(key_pos, query_pos, window_left, window_right):
+    """Whether key and query (broadcast against each other) see each other: query - left <= key <= query + right."""
+    d = key_pos - query_pos
+    return (d >= -window_left) & (d <= window_right)
+
+
+@triton.jit
 def _seed(Seed, HAS_DROPOUT: tl.constexpr):
     """The Philox seed, read once per program from its device tensor (0, unread, without dropout)."""
     if HAS_DROPOUT:
@@ -185,41 +215,54 @@ def _attention_fwd_kernel(
     Seed,          # [1] int64 Philox seed (unused unless HAS_DROPOUT)
     Bias,          # [H, 2 * max_distance + 1] float32 bias by key - query distance, times log2(e) (HAS_BIAS)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
-    total_tokens, max_seqlen, qk_scale, p_drop, max_distance,
-    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    total_tokens, max_seqlen, qk_scale, p_drop, max_distance, kv_group, window_left, window_right,
+    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
     if start_m * BLOCK_M >= seq_len:
         return
+    h_kv = h // kv_group  # K and V: [T, H / kv_group, D], one head per group of query heads
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
     q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
+    q_pos = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
+    lo, hi = _reach(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, seq_len, window_left, window_right, BLOCK_N,
+                    HAS_WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
-        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
+        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h_kv * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         s = _scores(q, kt, qk_scale, DOT_PRECISION)
+        k_pos = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            s += _bias_tile(Bias, h, start_n + tl.arange(0, BLOCK_N)[None, :],
-                            start_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None], max_distance)
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+            s += _bias_tile(Bias, h, k_pos[None, :], q_pos[:, None], max_distance)
+        seen = n_ok[None, :]
+        if HAS_WINDOW:
+            seen = seen & _in_window(k_pos[None, :], q_pos[:, None], window_left, window_right)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        if HAS_WINDOW:  # a row may see no key of this tile, nor of any before: its max is still -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop,
                                 BLOCK_N)
             p = tl.where(keep, p, 0.0)
-        v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
+        v = _tile(V, k_rows, n_ok, stride_v_t, h_kv * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if HAS_WINDOW:  # rows past the sequence may see no key at all: keep their (unstored) values finite
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if HAS_DROPOUT:
         out = out / (1.0 - p_drop)
@@ -245,57 +288,93 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, Bias, seed, h, start_m, k_pos, n_ok, seq_start, seq_len, offs_d,
+               stride_q_t, stride_q_h, stride_do_t, stride_do_h, total_tokens, max_seqlen, qk_scale, p_drop,
+               max_distance, window_left, window_right, start_n,
+               HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """One query block of head h against the owned key block: (dk, dv) with its shares added."""
+    m_ok, q_rows = _span(seq_start, seq_len, start_m, BLOCK_M)
+    qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
+    do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
+    lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
+    st = _scores(k, qt, qk_scale, DOT_PRECISION)
+    q_pos = start_m + tl.arange(0, BLOCK_M)
+    if HAS_BIAS:
+        st += _bias_tile(Bias, h, k_pos[:, None], q_pos[None, :], max_distance)
+    pt = tl.math.exp2(st - lse[None, :])
+    seen = n_ok[:, None] & m_ok[None, :]
+    if HAS_WINDOW:
+        seen = seen & _in_window(k_pos[:, None], q_pos[None, :], window_left, window_right)
+    pt = tl.where(seen, pt, 0.0)
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep = tl.trans(dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n * BLOCK_N,
+                                     p_drop, BLOCK_N))
+        pt_dropped = tl.where(keep, pt / (1.0 - p_drop), 0.0)
+        dpt = tl.where(keep, dpt / (1.0 - p_drop), 0.0)
+    else:
+        pt_dropped = pt
+    dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dst = pt * (dpt - delta[None, :])
+    dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO,    # [T, H, D]
-    DK, DV,         # [T, H, D] outputs
+    Q, DO,          # [T, H, D]
+    K, V,           # [T, H / kv_group, D]
+    DK, DV,         # [T, H / kv_group, D] outputs
     LSE, Delta,     # [H, T] float32
     CuSeqlens,      # [B + 1] int32
     Seed,           # [1] int64, as in the forward
     Bias,           # [H, 2 * max_distance + 1] float32, as in the forward (HAS_BIAS)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
-    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance,
-    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance, kv_group, window_left, window_right,
+    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
-    start_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start_n, b, h_kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
     if start_n * BLOCK_N >= seq_len:
         return
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     n_ok, k_rows = _span(seq_start, seq_len, start_n * BLOCK_N, BLOCK_N)
+    k_pos = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Tiles transposed to [keys, queries], so that the owned key block is the M side of every dot (tensor-core
     # instructions want M >= 64; the walked query block is narrower): S^T = K Q^T, dP^T = V dO^T.
-    k = _tile(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
-    v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
+    k = _tile(K, k_rows, n_ok, stride_k_t, h_kv * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
+    v = _tile(V, k_rows, n_ok, stride_v_t, h_kv * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for start_m in range(0, seq_len, BLOCK_M):
-        m_ok, q_rows = _span(seq_start, seq_len, start_m, BLOCK_M)
-        qt = _tile_t(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
-        do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
-        lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
-        st = _scores(k, qt, qk_scale, DOT_PRECISION)
-        if HAS_BIAS:
-            st += _bias_tile(Bias, h, start_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None],
-                             start_m + tl.arange(0, BLOCK_M)[None, :], max_distance)
-        pt = tl.math.exp2(st - lse[None, :])
-        pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if HAS_DROPOUT:
-            keep = tl.trans(dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen,
-                                         start_n * BLOCK_N, p_drop, BLOCK_N))
-            pt_dropped = tl.where(keep, pt / (1.0 - p_drop), 0.0)
-            dpt = tl.where(keep, dpt / (1.0 - p_drop), 0.0)
-        else:
-            pt_dropped = pt
-        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+    # The queries that see this key block: keys reach back `right` queries and ahead `left`.
+    lo, hi = _reach(start_n * BLOCK_N, start_n * BLOCK_N + BLOCK_N - 1, seq_len, window_right, window_left, BLOCK_M,
+                    HAS_WINDOW)
+    if GROUPED:  # every query head of the group in turn, summed here (no atomics), as one flat loop over
+        # (head, query block), which software-pipelines as the plain loop does (a nested loop spilled on sm_80)
+        blocks = tl.cdiv(hi - lo, BLOCK_M)
+        for step in range(0, kv_group * blocks):
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, Bias, seed, h_kv * kv_group + step // blocks,
+                                lo + (step % blocks) * BLOCK_M, k_pos, n_ok, seq_start, seq_len, offs_d,
+                                stride_q_t, stride_q_h, stride_do_t, stride_do_h, total_tokens, max_seqlen,
+                                qk_scale, p_drop, max_distance, window_left, window_right, start_n,
+                                HAS_DROPOUT, HAS_BIAS, HAS_WINDOW, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D,
+                                HEAD_DIM)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, Bias, seed, h_kv, start_m, k_pos, n_ok, seq_start,
+                                seq_len, offs_d, stride_q_t, stride_q_h, stride_do_t, stride_do_h, total_tokens,
+                                max_seqlen, qk_scale, p_drop, max_distance, window_left, window_right, start_n,
+                                HAS_DROPOUT, HAS_BIAS, HAS_WINDOW, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D,
+                                HEAD_DIM)
     dk *= softmax_scale
-    _store_tile(DK, k_rows, n_ok, stride_dk_t, h * stride_dk_h, offs_d, dk, HEAD_DIM, BLOCK_D)
-    _store_tile(DV, k_rows, n_ok, stride_dv_t, h * stride_dv_h, offs_d, dv, HEAD_DIM, BLOCK_D)
+    _store_tile(DK, k_rows, n_ok, stride_dk_t, h_kv * stride_dk_h, offs_d, dk, HEAD_DIM, BLOCK_D)
+    _store_tile(DV, k_rows, n_ok, stride_dv_t, h_kv * stride_dv_h, offs_d, dv, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -311,8 +390,8 @@ def _attention_bwd_dq_kernel(
                     # dS, the table's gradient (BIAS_GRAD)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dq_t, stride_dq_h,
-    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance,
-    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance, kv_group, window_left, window_right,
+    HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BIAS_GRAD: tl.constexpr, BUCKETS: tl.constexpr,
 ):
@@ -320,6 +399,7 @@ def _attention_bwd_dq_kernel(
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
     if start_m * BLOCK_M >= seq_len:
         return
+    h_kv = h // kv_group
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     m_ok, q_rows = _span(seq_start, seq_len, start_m * BLOCK_M, BLOCK_M)
@@ -332,15 +412,21 @@ def _attention_bwd_dq_kernel(
         bucket_hi = tl.load(BucketHi + tl.arange(0, BUCKETS))
         bucket_lo = tl.load(BucketLo + tl.arange(0, BUCKETS))
         dbias = tl.zeros((BUCKETS,), dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
+    lo, hi = _reach(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, seq_len, window_left, window_right, BLOCK_N,
+                    HAS_WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
-        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
-        vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
+        kt = _tile_t(K, k_rows, n_ok, stride_k_t, h_kv * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
+        vt = _tile_t(V, k_rows, n_ok, stride_v_t, h_kv * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         s = _scores(q, kt, qk_scale, DOT_PRECISION)
+        k_pos = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            s += _bias_tile(Bias, h, start_n + tl.arange(0, BLOCK_N)[None, :], q_pos[:, None], max_distance)
+            s += _bias_tile(Bias, h, k_pos[None, :], q_pos[:, None], max_distance)
         p = tl.math.exp2(s - lse[:, None])
-        p = tl.where(m_ok[:, None] & n_ok[None, :], p, 0.0)
+        seen = m_ok[:, None] & n_ok[None, :]
+        if HAS_WINDOW:
+            seen = seen & _in_window(k_pos[None, :], q_pos[:, None], window_left, window_right)
+        p = tl.where(seen, p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop,
@@ -431,9 +517,14 @@ def _bias_config(kernel: str, c: _Launch, head_dim: int, target: targets.Target 
 
 
 def _launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Target | None,
-                   max_seqlen: int, bias: bool) -> _Launch:
+                   max_seqlen: int, bias: bool, window: bool = False) -> _Launch:
+    """The config of a launch: the table's or default one, narrowed for the bias's tiles, and for a window's on
+    a wavefront of 64 (its masks are one more score-sized tile of registers, which spilled on gfx90a and gfx942
+    at heads of 128)."""
     c = _config(kernel, head_dim, dtype, target, max_seqlen)
-    return _bias_config(kernel, c, head_dim, target) if bias else c
+    if bias or (window and target is not None and target.warp_size == 64):
+        return _bias_config(kernel, c, head_dim, target)
+    return c
 
 
 def _site(part: str, kernel, candidates=()) -> launches.LaunchSite:
@@ -498,7 +589,8 @@ def _check_bias(op, bias, heads, device):
         raise ValueError(f"{op}: position_bias.table is on {table.device}, q on {device}")
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate, position_bias=None):
+def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate, position_bias=None, window_size=(-1, -1)):
+    """Every input's layout and value; returns the window as (left, right)."""
     op = "varlen_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -506,8 +598,12 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate, position_bias=N
                              f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{op}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"{op}: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[::2] != q.shape[::2]:
+        raise ValueError(f"{op}: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (k and "
+                         "v must match, and share q's token count and head_dim)")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{op}: q has {q.shape[1]} heads, which is not a multiple of k and v's {k.shape[1]} "
+                         "(grouped-query attention)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if why := shape_refusal(q.shape[2]):
@@ -519,12 +615,16 @@ def _check(q, k, v, cu_seqlens, max_seqlen, dropout_p, validate, position_bias=N
         raise ValueError(f"{op}: at most 65535 sequences per call, got {cu_seqlens.numel() - 1}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else ()
+    if len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window):
+        raise ValueError(f"{op}: window_size must be (left, right), ints >= 0 or -1 (unbounded), got {window_size!r}")
     check_device(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
     if position_bias is not None:
         _check_bias(op, position_bias, q.shape[1], q.device)
     targets.check(op, q.dtype, q.device, dots=DOTS)
     if validate:
         _validate(op, cu_seqlens, q.shape[0], max_seqlen)
+    return window
 
 
 def _validate(op, cu_seqlens, total, max_seqlen):
@@ -577,13 +677,20 @@ def _bucket_bounds(num_buckets: int, max_distance: int, device: torch.device) ->
     return hi, lo
 
 
+def _window(left: int, right: int, max_seqlen: int) -> tuple[int, int]:
+    """The window's reach on each side as the kernels take it: an unbounded side (-1), or one past every
+    sequence, reaches max_seqlen (so the window is (max_seqlen, max_seqlen) exactly when it cuts nothing)."""
+    return tuple(max_seqlen if w < 0 else min(w, max_seqlen) for w in (left, right))
+
+
 @torch.library.custom_op("bertfuse::varlen_attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                    dropout_p: float, softmax_scale: float, seed: torch.Tensor | None,
-                   bias_table: torch.Tensor | None = None, max_distance: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, H, D], lse [H, T] float32) for q, k, v [T, H, D] with unit stride along D; bias_table
-    [num_buckets, H] (None: no bias) by the bucket rule with max_distance."""
+                   bias_table: torch.Tensor | None = None, max_distance: int = 0, window_left: int = -1,
+                   window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H, D], lse [H, T] float32) for q [T, H, D] and k, v [T, H / group, D] with unit stride along D;
+    bias_table [num_buckets, H] (None: no bias) by the bucket rule with max_distance; a window of
+    (window_left, window_right) positions around each query (-1: unbounded on that side)."""
     dtype = q.dtype
     q, k, v = interpreter_upcast(q, k, v)
     total, heads, dim = q.shape
@@ -594,21 +701,24 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     o = torch.zeros_like(q)
     lse = torch.zeros((heads, total), dtype=torch.float32, device=q.device)
     bias = None if bias_table is None else _bias_by_distance(bias_table, max_distance)
+    window = _window(window_left, window_right, max_seqlen)
     block_m, block_n, warps, stages = _launch_config("fwd", dim, q.dtype, targets.of(q.device), max_seqlen,
-                                                     bias is not None)
+                                                     bias is not None, window != (max_seqlen, max_seqlen))
     if total and batch and max_seqlen:
         _FWD.launch((triton.cdiv(max_seqlen, block_m), batch, heads),
             q, k, v, o, lse, cu_seqlens, seed, bias,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            total, max_seqlen, softmax_scale * LOG2E, dropout_p, max_distance,
-            HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
+            total, max_seqlen, softmax_scale * LOG2E, dropout_p, max_distance, heads // k.shape[1], *window,
+            HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, HAS_WINDOW=window != (max_seqlen, max_seqlen),
+            DOT_PRECISION=dot_precision(q.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=warps,
             num_stages=stages)
     return o.to(dtype), lse
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None, max_distance=0):
+def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None, max_distance=0,
+      window_left=-1, window_right=-1):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -616,7 +726,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_tabl
 def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float,
                    softmax_scale: float, seed: torch.Tensor | None, bias_table: torch.Tensor | None = None,
-                   max_distance: int = 0, bias_grad: bool = False
+                   max_distance: int = 0, bias_grad: bool = False, window_left: int = -1, window_right: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dtable); zero at filler tokens; dtable [num_buckets, H] in the table's dtype where
     bias_grad, else empty."""
@@ -635,22 +745,25 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=pre.BLOCK_M,
         BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=pre.num_warps, num_stages=pre.num_stages)
     bias = None if bias_table is None else _bias_by_distance(bias_table, max_distance)
-    flags = dict(HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
-                 BLOCK_D=block_d(dim), HEAD_DIM=dim)
+    window = _window(window_left, window_right, max_seqlen)
+    flags = dict(HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, HAS_WINDOW=window != (max_seqlen, max_seqlen),
+                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim), HEAD_DIM=dim)
 
     def launch(kernel: str):
-        block_m, block_n, warps, stages = _launch_config(kernel, dim, q.dtype, target, max_seqlen, bias is not None)
+        block_m, block_n, warps, stages = _launch_config(kernel, dim, q.dtype, target, max_seqlen, bias is not None,
+                                                         flags["HAS_WINDOW"])
         owned = block_n if kernel == "dkdv" else block_m
-        grid = (triton.cdiv(max_seqlen, owned), batch, heads)
+        grid = (triton.cdiv(max_seqlen, owned), batch, k.shape[1] if kernel == "dkdv" else heads)
         return grid, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
-    scalars = (total, max_seqlen, softmax_scale * LOG2E, softmax_scale, dropout_p, max_distance)
+    scalars = (total, max_seqlen, softmax_scale * LOG2E, softmax_scale, dropout_p, max_distance, heads // k.shape[1],
+               *window)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                do.stride(0), do.stride(1))
     grid, meta = launch("dkdv")
     _DKDV.launch(grid,
-        q, k, v, do, dk, dv, lse, delta, cu_seqlens, seed, bias, *strides,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, **meta)
+        q, do, k, v, dk, dv, lse, delta, cu_seqlens, seed, bias, *strides,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, GROUPED=k.shape[1] != heads, **meta)
     grid, meta = launch("dq")
     hi = lo = sums = None
     buckets = 1
@@ -668,24 +781,24 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None,
-      max_distance=0, bias_grad=False):
+      max_distance=0, bias_grad=False, window_left=-1, window_right=-1):
     dtable = torch.empty_like(bias_table) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table, max_distance = inputs
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table, max_distance, *window = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, seed, bias_table)
     ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale = max_seqlen, dropout_p, softmax_scale
-    ctx.max_distance = max_distance
+    ctx.max_distance, ctx.window = max_distance, window
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, cu_seqlens, seed, bias_table = ctx.saved_tensors
     bias_grad = bias_table is not None and ctx.needs_input_grad[8]
     dq, dk, dv, dtable = _attention_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p,
-                                        ctx.softmax_scale, seed, bias_table, ctx.max_distance, bias_grad)
-    return dq, dk, dv, None, None, None, None, None, dtable if bias_grad else None, None
+                                        ctx.softmax_scale, seed, bias_table, ctx.max_distance, bias_grad, *ctx.window)
+    return dq, dk, dv, None, None, None, None, None, dtable if bias_grad else None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -694,11 +807,16 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      dropout_p: float = 0.0, softmax_scale: float | None = None,
                      seed: int | torch.Tensor | None = None, validate: bool = True,
-                     position_bias: RelativePositionBias | None = None) -> torch.Tensor:
+                     position_bias: RelativePositionBias | None = None,
+                     window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """softmax(q k^T * scale [+ bias]) v within each packed sequence; returns a tensor of q's shape.
 
-    q, k, v: [total_tokens, heads, head_dim] (head_dim 1 to 128; see block_d); cu_seqlens: int32 [batch + 1];
-    max_seqlen: the longest sequence. Tokens at or past cu_seqlens[-1] (the filler of a packed batch of fixed
+    q: [total_tokens, heads, head_dim] (head_dim 1 to 128; see block_d); k, v: [total_tokens, kv_heads,
+    head_dim], kv_heads dividing heads (grouped-query attention: query head h reads k/v head h // (heads /
+    kv_heads), k and v never repeated in memory); cu_seqlens: int32 [batch + 1]; max_seqlen: the longest
+    sequence. window_size = (left, right): query i of a sequence sees the keys i - left .. i + right only
+    (sliding-window, local attention; -1: unbounded on that side, the default), and the kernels skip the tiles
+    outside the window, forward and backward. Tokens at or past cu_seqlens[-1] (the filler of a packed batch of fixed
     size) belong to no sequence: their output and gradients are zero, whatever they hold. Dropout on the
     attention probabilities uses Philox with `seed` (an int or a one-element device tensor; default: drawn by
     torch's generator of q's device, on the device). position_bias (a RelativePositionBias) adds a bucketed
@@ -709,26 +827,30 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     the kernels read or write outside q, k, v and the output: each sequence is cut to the tokens [0,
     total_tokens) inside the kernels.
     """
-    _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate, position_bias)
+    left, right = _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate, position_bias,
+                         window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     table, max_distance = (None, 0) if position_bias is None else (position_bias.table, position_bias.max_distance)
     out, _ = _attention_fwd(q, k, v, dense(cu_seqlens), int(max_seqlen), float(dropout_p), scale,
-                            seed_tensor(seed, q.device, dropout_p > 0), table, max_distance)
+                            seed_tensor(seed, q.device, dropout_p > 0), table, max_distance, left, right)
     return out
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,
                      dropout_p: float = 0.0, softmax_scale: float | None = None,
-                     seed: int | torch.Tensor | None = None) -> torch.Tensor:
-    """Attention on [batch, heads, seq, head_dim] with a key-padding mask [batch, seq] (nonzero = keep).
+                     seed: int | torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)
+                     ) -> torch.Tensor:
+    """Attention on q [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, head_dim] (kv_heads
+    dividing heads) with a key-padding mask [batch, seq] (nonzero = keep).
 
     The kept tokens are packed, run through `varlen_attention`, and scattered back; padded query rows are 0.
-    Any mask pattern works (right or left padding, holes): kept tokens attend to the kept tokens of their row.
+    Any mask pattern works (right or left padding, holes): kept tokens attend to the kept tokens of their row,
+    and a window_size counts positions among those kept tokens.
     """
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError("padded_attention: q, k, v must share the shape [batch, heads, seq, head_dim]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[::2] != q.shape[::2]:
+        raise ValueError("padded_attention: q must be [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, "
+                         f"head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     batch, heads, seqlen, dim = q.shape
     if tuple(attention_mask.shape) != (batch, seqlen):
         raise ValueError(f"padded_attention: attention_mask has shape {tuple(attention_mask.shape)}, "
@@ -741,10 +863,10 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attentio
     max_seqlen = int(seqlens.max()) if batch else 0
 
     def unpad(t):  # [batch, heads, seq, dim] -> [kept tokens, heads, dim]
-        return t.transpose(1, 2).reshape(batch * seqlen, heads, dim)[index]
+        return t.transpose(1, 2).reshape(batch * seqlen, t.shape[1], dim)[index]
 
     out = varlen_attention(unpad(q), unpad(k), unpad(v), cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed,
-                           validate=False)
+                           validate=False, window_size=window_size)
     padded = out.new_zeros(batch * seqlen, heads, dim).index_put((index,), out)
     return padded.view(batch, seqlen, heads, dim).transpose(1, 2)
 
@@ -752,25 +874,39 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attentio
 def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                          dropout_p: float = 0.0, softmax_scale: float | None = None,
                          keep: torch.Tensor | None = None,
-                         position_bias: RelativePositionBias | None = None) -> torch.Tensor:
+                         position_bias: RelativePositionBias | None = None,
+                         window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """`varlen_attention` in plain PyTorch, for checks: each sequence's softmax(q k^T * scale + bias) v in turn,
-    in the inputs' dtype, the [seq, seq] probabilities (and bias) formed. Dropout applies `keep` (bool [heads,
-    total_tokens, max_seqlen], `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get zeros."""
+    in the inputs' dtype, the [seq, seq] probabilities (and bias) formed, k and v repeated for grouped-query
+    heads, the scores outside the window -inf. Dropout applies `keep` (bool [heads, total_tokens, max_seqlen],
+    `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get zeros."""
     if dropout_p > 0 and keep is None:
         raise ValueError("varlen_attention_ref: dropout needs the keep-mask (attention_dropout_mask)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    group = q.shape[1] // k.shape[1]
     bounds = [int(b) for b in cu_seqlens]
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         qq, kk, vv = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
         scores = qq @ kk.transpose(-1, -2) * scale
         if position_bias is not None:
             scores = scores + relative_bias(position_bias, torch.arange(end - start, device=q.device)).to(scores)
+        scores = scores.masked_fill(~window_mask(end - start, window_size, q.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if dropout_p > 0:
             probs = probs * keep[:, start:end, :end - start].to(probs.dtype) / (1 - dropout_p)
         outs.append((probs @ vv).transpose(0, 1))
     return torch.cat(outs + [q.new_zeros(q.shape[0] - bounds[-1], *q.shape[1:])])
+
+
+def window_mask(seqlen: int, window_size: tuple[int, int], device=None) -> torch.Tensor:
+    """bool [seqlen, seqlen]: where query i (row) sees key j under window_size = (left, right), i - left <= j <=
+    i + right (-1: unbounded on that side)."""
+    pos = torch.arange(seqlen, device=device)
+    d = pos[None, :] - pos[:, None]
+    left, right = window_size
+    return ((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))
 
 
 def relative_bias(position_bias: RelativePositionBias, positions: torch.Tensor) -> torch.Tensor:

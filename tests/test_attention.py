@@ -160,6 +160,7 @@ def test_dropout_rate_determinism_and_p_zero(device):
     (lambda q, cu: dict(q=torch.randn(10, 2, 136), k=torch.randn(10, 2, 136), v=torch.randn(10, 2, 136)),
      ValueError, "head_dim 136 is not supported"),
     (lambda q, cu: dict(k=q[:, :1]), ValueError, "shapes differ"),
+    (lambda q, cu: dict(k=q[:5], v=q[:5]), ValueError, "shapes differ"),
     (lambda q, cu: dict(v=q.half()), TypeError, "dtypes differ"),
     (lambda q, cu: dict(q=q.long(), k=q.long(), v=q.long()), TypeError, "must be float16"),
     (lambda q, cu: dict(cu_seqlens=cu.long()), TypeError, "cu_seqlens must be a 1-D int32"),
@@ -170,6 +171,11 @@ def test_dropout_rate_determinism_and_p_zero(device):
     (lambda q, cu: dict(max_seqlen=3), ValueError, "max_seqlen=3 but a sequence has 6"),
     (lambda q, cu: dict(k=q.to("meta")), ValueError, "k is on meta"),
     (lambda q, cu: dict(dropout_p=-0.1), ValueError, "dropout_p"),
+    (lambda q, cu: dict(k=q, v=q, q=torch.randn(10, 3, 16)), ValueError,
+     "q has 3 heads, which is not a multiple of k and v's 2"),
+    (lambda q, cu: dict(window_size=(4,)), ValueError, r"window_size must be \(left, right\)"),
+    (lambda q, cu: dict(window_size=(-2, 3)), ValueError, "window_size must be"),
+    (lambda q, cu: dict(window_size=(1.5, 3)), ValueError, "window_size must be"),
 ])
 def test_bad_inputs(change, err, match):
     q = torch.randn(10, 2, 16)
@@ -178,6 +184,84 @@ def test_bad_inputs(change, err, match):
     kw.update(change(q, cu))
     with pytest.raises(err, match=match):
         kernels.varlen_attention(**kw)
+
+
+def run_window_case(lengths, heads, kv_heads, dim, dtype, device, window=(-1, -1), p=0.0, filler=2, bias=False):
+    """varlen_attention with grouped-query heads and/or a sliding window (and MPNet's bias) against
+    varlen_attention_ref: the output and the gradients of q, k, v (k and v with kv_heads heads)."""
+    from kernels.attention import RelativePositionBias, varlen_attention_ref
+
+    g = torch.Generator().manual_seed(case_seed(tuple(lengths), heads, kv_heads, dim, str(dtype), window, p))
+    total = sum(lengths) + filler
+    q, do = (torch.randn(total, heads, dim, generator=g).to(device) for _ in range(2))
+    k, v = (torch.randn(total, kv_heads, dim, generator=g).to(device) for _ in range(2))
+    table = torch.randn(32, heads, generator=g).to(device) if bias else None
+    cu, max_len = cu_of(lengths, device), max(lengths)
+    keep = attention_dropout_mask(cu, heads, max_len, p, 7, total) if p > 0 else None
+
+    def run(cast, fn, **kw):
+        leaves = [t.to(dtype).to(cast).requires_grad_() for t in (q, k, v)]
+        rel = RelativePositionBias(table.to(dtype).to(cast)) if bias else None
+        out = fn(*leaves, cu, dropout_p=p, window_size=window, position_bias=rel, **kw)
+        return [out, *torch.autograd.grad(out, leaves, do.to(dtype).to(cast))]
+
+    ours = run(dtype, kernels.varlen_attention, max_seqlen=max_len, seed=7)
+    exact = run(torch.float64, varlen_attention_ref, keep=keep)
+    same = run(dtype, varlen_attention_ref, keep=keep)
+    for name, a, r, s in zip(("out", "dq", "dk", "dv"), ours, exact, same):
+        assert a.dtype == dtype and a.shape == r.shape, name
+        check_against_reference(name, a, r, s, dtype, floor=1.0)
+    assert not ours[0][sum(lengths):].any()  # filler: zero output
+
+
+@pytest.mark.parametrize("heads, kv_heads, window", [
+    pytest.param(4, 2, (-1, -1), marks=SLOW),     # grouped-query heads alone (EuroBERT's num_key_value_heads)
+    pytest.param(3, 1, (-1, -1), marks=SLOW),     # one k/v head for all (multi-query)
+    (2, 2, (5, 5)),       # a symmetric window narrower than a tile (ModernBERT's local attention)
+    pytest.param(2, 2, (0, -1), marks=SLOW),      # keys from the query on only
+    (4, 2, (17, 3)),      # both, the window lopsided and wider than a tile
+])
+def test_grouped_heads_and_sliding_window(device, heads, kv_heads, window):
+    run_window_case(LENGTHS, heads, kv_heads, 16, torch.float32, device, window)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, marks=SLOW), torch.bfloat16])
+def test_grouped_heads_and_window_half_precision(device, dtype):
+    run_window_case(LENGTHS, 4, 2, 32, dtype, device, (9, 9))
+
+
+@SLOW
+def test_window_with_dropout_and_relative_bias(device):
+    run_window_case([23, 0, 9, 40], 4, 2, 16, torch.float32, device, (6, 11), p=0.2, bias=True)
+
+
+def test_tiles_outside_the_window_are_never_read(device):
+    """The kernels walk only the tiles a block's window reaches: keys and values far outside every window of the
+    first queries hold NaN, and those queries' outputs and gradients stay finite and exact (a masked tile would
+    still have read the NaN into its sums)."""
+    seqlen, dim, window = 64, 16, (2, 2)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(seqlen, 1, dim, generator=g).to(device) for _ in range(3))
+    cu = cu_of([seqlen], device)
+    ref = kernels.varlen_attention_ref(q, k, v, cu, window_size=window)
+    k[48:], v[48:] = float("nan"), float("nan")
+    out = kernels.varlen_attention(q, k, v, cu, seqlen, window_size=window)
+    torch.testing.assert_close(out[:16], ref[:16], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out[:16]).all()
+
+
+def test_padded_attention_with_grouped_heads_and_window(device):
+    torch.manual_seed(3)
+    mask = torch.tensor([[1] * 12 + [0] * 3, [1] * 15], device=device)
+    q = torch.randn(2, 4, 15, 16, device=device)
+    k, v = (torch.randn(2, 2, 15, 16, device=device) for _ in range(2))
+    out = kernels.padded_attention(q, k, v, mask, window_size=(3, 3))
+    for row, n in enumerate((12, 15)):
+        allowed = kernels.window_mask(n, (3, 3), device)[None]
+        scores = q[row, :, :n] @ k[row, :, :n].repeat_interleave(2, 0).transpose(-1, -2) / 4
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        torch.testing.assert_close(out[row, :, :n], probs @ v[row, :, :n].repeat_interleave(2, 0), rtol=1e-5,
+                                   atol=1e-5)
 
 
 def run_bias_case(lengths, heads, dim, dtype, device, max_distance=128, num_buckets=32, p=0.0, filler=3):
@@ -287,6 +371,16 @@ def test_gpu_dropout_and_long_sequences(dtype):
 def test_gpu_relative_position_bias(dtype, dim):
     run_bias_case([128, 0, 1, 77, 512, 300], 4, dim, dtype, torch.device("cuda"))
     run_bias_case([200, 63], 2, dim, dtype, torch.device("cuda"), p=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_grouped_heads_and_window(dtype, dim):
+    cuda = torch.device("cuda")
+    run_window_case([128, 0, 1, 77, 512, 300], 4, 2, dim, dtype, cuda, (64, 64))  # ModernBERT's local window
+    run_window_case([200, 63], 4, 1, dim, dtype, cuda, (-1, -1), p=0.1)
+    run_window_case([513, 9], 2, 2, dim, dtype, cuda, (0, 200))
 
 
 def test_strided_cu_seqlens_and_expanded_heads(device):

@@ -49,6 +49,14 @@ check("padded_attention", lambda q, k, v: kernels.padded_attention(q.float(), k.
 check("bias_gelu", lambda x, b: kernels.bias_gelu(x.float(), b.float()), kernels.bias_gelu_ref, leaves((5, 24), (24,)))
 check("layer_norm", lambda x, r, w, b: kernels.layer_norm(x.float(), w.float(), b.float(), 1e-5, residual=r.float()),
       lambda x, r, w, b: kernels.layer_norm_ref(x, w, b, 1e-5, residual=r), leaves((5, 24), (5, 24), (24,), (24,)))
+check("rms_norm", lambda x, r, w: kernels.rms_norm(x.float(), w.float(), 1e-6, residual=r.float()),
+      lambda x, r, w: kernels.rms_norm_ref(x, w, 1e-6, residual=r), leaves((5, 24), (5, 24), (24,)))
+check("glu", lambda a, b: kernels.glu(a.float(), b.float(), "silu"), lambda a, b: kernels.glu_ref(a, b, "silu"),
+      leaves((5, 24), (5, 24)))
+rot = kernels.Rotary(1.0 / 10000 ** (torch.arange(0, 16, 2) / 16))
+pos = kernels.rotary_positions(cu, 9)
+check("rotary", lambda x: kernels.rotary(x.float(), pos, rot), lambda x: kernels.rotary_ref(x, pos, rot),
+      leaves((9, 2, 16)))
 labels = torch.tensor([3, -100, 0, 9, 5])
 check("masked_lm_loss", lambda h, w, b: kernels.masked_lm_loss(h.float(), w.float(), b.float(), labels),
       lambda h, w, b: kernels.masked_lm_loss_ref(h, w, b, labels), leaves((5, 16), (11, 16), (11,)))

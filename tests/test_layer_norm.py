@@ -1,4 +1,5 @@
-"""kernels.layer_norm against F.layer_norm in float64: outputs and every gradient, with and without residual."""
+"""kernels.layer_norm (and its RMS and pre-norm forms) against F.layer_norm / F.rms_norm in float64: outputs and
+every gradient, with and without residual."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,50 +10,62 @@ kernels = pytest.importorskip("kernels")
 from kernels.layer_norm import dropout_mask  # noqa: E402
 
 
-def reference(x, w, b, eps, residual=None, keep=None, p=0.0):
+def reference(x, w, b, eps, residual=None, keep=None, p=0.0, rms=False, return_sum=False):
     s = x * keep / (1 - p) if keep is not None else x
     if residual is not None:
         s = s + residual
-    return F.layer_norm(s, (x.shape[-1],), w, b, eps)
+    y = F.rms_norm(s, (x.shape[-1],), w, eps) if rms else F.layer_norm(s, (x.shape[-1],), w, b, eps)
+    return (y, s) if return_sum else y
 
 
-def run_case(shape, dtype, device, with_residual, p=0.0, seed=0, affine=True, eps=1e-5):
-    g = torch.Generator().manual_seed(case_seed(shape, str(dtype), with_residual))
+def run_case(shape, dtype, device, with_residual, p=0.0, seed=0, affine=True, eps=1e-5, rms=False,
+             return_sum=False, floor=1e-2):
+    """rms: RMSNorm (no bias); return_sum: the pre-norm form, whose second output (the sum) gets a gradient too;
+    floor: of the error scale (kernel_utils)."""
+    g = torch.Generator().manual_seed(case_seed(shape, str(dtype), with_residual, rms, return_sum))
     n = shape[-1]
     x = (torch.randn(shape, generator=g) * 2 + 0.5).to(device)
     r = torch.randn(shape, generator=g).to(device) if with_residual else None
     w = (1 + 0.5 * torch.randn(n, generator=g)).to(device) if affine else None
-    b = (0.3 * torch.randn(n, generator=g)).to(device) if affine else None
+    b = (0.3 * torch.randn(n, generator=g)).to(device) if affine and not rms else None
     dy = torch.randn(shape, generator=g).to(device)
+    dsum = torch.randn(shape, generator=g).to(device) if return_sum else None
     leaves64 = [t.double().requires_grad_() if t is not None else None for t in (x, r, w, b)]
     leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (x, r, w, b)]
     keep = None
     if p > 0:
         keep = dropout_mask(seed, x.numel() // n, n, p, device).view(shape)
 
-    y = kernels.layer_norm(leaves[0], leaves[2], leaves[3], eps, residual=leaves[1], dropout_p=p, seed=seed)
-    assert y.dtype == dtype and y.shape == x.shape
-    inputs = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad(y, inputs, dy.to(dtype))
+    def outputs(y, cast):
+        ys = y if return_sum else (y,)
+        return ys, [d.to(dtype).to(cast) for d in (dy, dsum) if d is not None]
 
-    y64 = reference(leaves64[0], leaves64[2], leaves64[3], eps, leaves64[1], keep, p)
+    y, dys = outputs(kernels.layer_norm(leaves[0], leaves[2], leaves[3], eps, residual=leaves[1], dropout_p=p,
+                                        seed=seed, rms=rms, return_sum=return_sum), dtype)
+    assert all(t.dtype == dtype and t.shape == x.shape for t in y)
+    inputs = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(y, inputs, dys)
+
+    y64, dys = outputs(reference(leaves64[0], leaves64[2], leaves64[3], eps, leaves64[1], keep, p, rms, return_sum),
+                       torch.float64)
     inputs64 = [t for t in leaves64 if t is not None]
-    grads64 = torch.autograd.grad(y64, inputs64, dy.double())
+    grads64 = torch.autograd.grad(y64, inputs64, dys)
 
     # PyTorch's own error in the same dtype is the yardstick for half precision.
     same = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in (x, r, w, b)]
-    y_same = reference(same[0], same[2], same[3], eps, same[1], keep, p)
-    grads_same = torch.autograd.grad(y_same, [t for t in same if t is not None], dy.to(dtype))
+    y_same, dys = outputs(reference(same[0], same[2], same[3], eps, same[1], keep, p, rms, return_sum), dtype)
+    grads_same = torch.autograd.grad(y_same, [t for t in same if t is not None], dys)
 
     # dweight and dbias sum dy * xhat and dy over the rows: their rounding scales with the sums of magnitudes.
     with torch.no_grad():
-        xhat = reference(leaves64[0], None, None, eps, leaves64[1], keep, p).reshape(-1, n)
+        xhat = reference(leaves64[0], None, None, eps, leaves64[1], keep, p, rms).reshape(-1, n)
         dy_rows = dy.double().reshape(-1, n)
     terms = {"dweight": (dy_rows * xhat).abs().sum(0), "dbias": dy_rows.abs().sum(0)}
-    check_against_reference("y", y, y64, y_same, dtype)
+    for name, a, ref, same_y in zip(("y", "sum"), y, y64, y_same):
+        check_against_reference(name, a, ref, same_y, dtype, floor=floor)
     names = [nm for nm, t in zip(("dx", "dresidual", "dweight", "dbias"), leaves) if t is not None]
     for nm, a, ref, same_g in zip(names, grads, grads64, grads_same):
-        check_against_reference(nm, a, ref, same_g, dtype, terms=terms.get(nm))
+        check_against_reference(nm, a, ref, same_g, dtype, terms=terms.get(nm), floor=floor)
 
 
 @pytest.mark.parametrize("n", [1, 7, 384, 768, 1000, 1024])
@@ -150,6 +163,52 @@ def test_module_is_a_drop_in_for_nn_layernorm(device):
     assert torch.allclose(ours(x), ref(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 7, 768, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_float32_shapes(device, n, with_residual):
+    # Over one feature, y = w * s / sqrt(s^2 + eps): dx is of the size of eps, where float32 holds only the
+    # rounding of 1 - s^2 / (s^2 + eps); its error is judged at the inputs' scale (1), not 1e-2.
+    run_case((5, n), torch.float32, device, with_residual, rms=True, eps=1e-6, floor=1.0 if n == 1 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_pre_norm_sum_every_dtype(device, dtype, rms):
+    """return_sum: the normalised output and the sum dropout(x) + residual, both with gradients, through one
+    kernel each way (a pre-norm layer's residual stream)."""
+    run_case((3, 11, 384), dtype, device, True, rms=rms, return_sum=True)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_pre_norm_sum_with_dropout_and_without_residual(device, rms):
+    run_case((7, 37), torch.float32, device, True, p=0.2, seed=4, rms=rms, return_sum=True)
+    run_case((7, 37), torch.float32, device, False, p=0.2, seed=4, rms=rms, return_sum=True)
+
+
+def test_rms_norm_module_is_a_drop_in_for_nn_rmsnorm_and_transformers_rmsnorm(device):
+    """kernels.RMSNorm: nn.RMSNorm's state_dict and output (eps None: the dtype's eps); rms_norm computes what
+    transformers' Llama-style RMSNorm (EuroBERT's) computes."""
+    ref = torch.nn.RMSNorm(40).to(device)
+    with torch.no_grad():
+        ref.weight.normal_()
+    ours = kernels.RMSNorm(40).to(device)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    x, r = torch.randn(3, 5, 40, device=device), torch.randn(3, 5, 40, device=device)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    y, s = ours(x, r, return_sum=True)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(y, ref(x + r), rtol=1e-5, atol=1e-5)
+    pytest.importorskip("transformers")
+    from transformers.models.eurobert.modeling_eurobert import EuroBertRMSNorm
+
+    theirs = EuroBertRMSNorm(40, eps=1e-5).to(device)
+    with torch.no_grad():
+        theirs.weight.normal_()
+    torch.testing.assert_close(kernels.rms_norm(x, theirs.weight, theirs.variance_epsilon), theirs(x), rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("call, err, match", [
     (lambda d: kernels.layer_norm(torch.randn(4, 8, device=d), torch.ones(7, device=d), None), ValueError,
      r"weight has shape \(7,\), expected \(8,\)"),
@@ -174,6 +233,7 @@ def test_bad_inputs(device, call, err, match):
 def test_gpu_compiled(dtype, n):
     run_case((4096, n), dtype, torch.device("cuda"), with_residual=True)
     run_case((512, n), dtype, torch.device("cuda"), with_residual=True, p=0.1, seed=11)
+    run_case((4096, n), dtype, torch.device("cuda"), with_residual=True, rms=True, return_sum=True, eps=1e-6)
 
 
 def test_fuse_layer_norms_swaps_in_place_and_shares_parameters(device):

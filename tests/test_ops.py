@@ -121,6 +121,58 @@ def test_torch_attention_with_a_relative_position_bias(cu, max_seqlen, row_align
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("cu, max_seqlen, row_aligned", [([0, 7, 19, 24], 12, False),
+                                                      ([0, 0, 5, 8, 12, 16, 16, 20], 8, True),
+                                                      ([0, 0, 9], 9, False)])  # an empty sequence first
+@pytest.mark.parametrize("window", [(2, 1), (0, -1), (-1, -1)])
+def test_torch_attention_with_grouped_heads_and_a_window(cu, max_seqlen, row_aligned, window):
+    """The PyTorch path's grouped-query heads and sliding window mean what the kernels' do
+    (kernels.varlen_attention_ref), output and gradients, in both layouts; and the Triton path agrees."""
+    kernels = pytest.importorskip("kernels")
+    total = 24
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(total, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu = torch.tensor(cu, dtype=torch.int32)
+    p = packed_layout(cu, total, max_seqlen, row_aligned)
+    out = ops.varlen_attention(q, k, v, p, backend="torch", window_size=window)
+    want = kernels.varlen_attention_ref(q, k, v, cu, window_size=window)
+    torch.testing.assert_close(out, want)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got, expected = (torch.autograd.grad((t * w).sum(), (q, k, v)) for t in (out, want))
+    for a, b in zip(got, expected):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b)
+    fused = ops.varlen_attention(*(t.detach().float() for t in (q, k, v)), p, backend="triton", window_size=window)
+    torch.testing.assert_close(fused.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_glu_and_rms_norm_paths_agree():
+    """Each new op's PyTorch path here against its kernel (float32) and the kernels' float64 reference."""
+    kernels = pytest.importorskip("kernels")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 3, 20, generator=g)
+    positions = torch.arange(11) * 5
+    for interleaved, rotary_dim in ((False, 20), (True, 12)):
+        rotation = ops.Rotation(1.0 / 500 ** (torch.arange(0, rotary_dim, 2) / rotary_dim), 0.8, interleaved)
+        want = kernels.rotary_ref(x.double(), positions, kernels.Rotary(*rotation))
+        for backend in ("torch", "triton"):
+            torch.testing.assert_close(ops.rotary(x, positions, rotation, backend).double(), want, rtol=1e-5,
+                                       atol=1e-5)
+    a, b = torch.randn(2, 2, 9, 16, generator=g).unbind(0)
+    for act in ("gelu", "gelu_tanh", "silu"):
+        want = kernels.glu_ref(a.double(), b.double(), act)
+        for backend in ("torch", "triton"):
+            torch.testing.assert_close(ops.glu(a, b, act, backend).double(), want, rtol=1e-5, atol=1e-5)
+    h, r, wt = torch.randn(6, 24, generator=g), torch.randn(6, 24, generator=g), torch.randn(24, generator=g)
+    for rms in (False, True):
+        want = kernels.layer_norm_ref(h.double(), wt.double(), None, 1e-6, r.double(), rms=rms, return_sum=True)
+        for backend in ("torch", "triton"):
+            got = ops.layer_norm(h, wt, None, 1e-6, r, backend=backend, rms=rms, return_sum=True)
+            for a_, w_ in zip(got, want):
+                torch.testing.assert_close(a_.double(), w_, rtol=1e-5, atol=1e-5)
+
+
 def test_torch_layer_norm_and_linear_gelu():
     g = torch.Generator().manual_seed(1)
     x, r = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(5, 7, generator=g, dtype=torch.float64)

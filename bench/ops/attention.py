@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import (HEAD_DIMS, RelativePositionBias, attention_dropout_mask, relative_bias,
-                               varlen_attention, varlen_attention_ref)
+                               varlen_attention, varlen_attention_ref, window_mask)
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, randn
 
@@ -59,6 +59,8 @@ def _bench(shape, device, dtype, full):
         yield from _bench_at(*shape, padding, device, dtype, full)
     for padding in (0.0, 0.5):
         yield from _bench_bias_at(*shape, padding, device, dtype)
+    if shape[1] >= 256:  # a window narrower than the sequence
+        yield from _bench_window_at(*shape, 0.25, device, dtype)
 
 
 class _Problem(NamedTuple):
@@ -140,6 +142,29 @@ def _bench_bias_at(batch, seqlen, heads, padding, device, dtype):
     yield from _rows("attention+bias", p, " bias", padded, packed, exact, device, dtype)
 
 
+def _bench_window_at(batch, seqlen, heads, padding, device, dtype, window=(64, 64)):
+    """ModernBERT's local attention (a window of 128: 64 each side): SDPA on the padded batch with the window and
+    the padding as one boolean mask [B, 1, L, L] (what transformers' SDPA path builds), ours packed with the
+    window (the tiles outside it skipped), flash-attn's varlen with window_size where installed."""
+    p = _problem(batch, seqlen, heads, padding, device)
+    near = window_mask(seqlen, window, device)
+    allowed = (p.pad == 0) & near  # [B, 1, L, L]: key not padding and inside the window
+
+    padded = {"sdpa-masked": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)}
+    packed = {"ours": lambda q, k, v: varlen_attention(q, k, v, p.cu, seqlen, validate=False, window_size=window)}
+    if device.type == "cuda":
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError:
+            packed["flash_attn-varlen"] = "flash-attn is not installed"
+        else:
+            packed["flash_attn-varlen"] = lambda q, k, v: flash_attn_varlen_func(
+                q, k, v, p.cu, p.cu, seqlen, seqlen, window_size=window)
+    exact = {"padded": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+             "packed": lambda q, k, v: varlen_attention_ref(q, k, v, p.cu, window_size=window)}
+    yield from _rows("attention+window", p, f" window{window[0]}+{window[1]}", padded, packed, exact, device, dtype)
+
+
 def _compiled():
     """Every head_dim in half precision (float16 is what a GPU without bfloat16 trains in), three in float32;
     the relative-position bias (MPNet's) with dropout, as MPNet trains, at its head widths and the widest."""
@@ -149,15 +174,21 @@ def _compiled():
                 yield CompileCall(dtype, dim, dict(dropout=dropout))
         for dim in (32, 64, 128):
             yield CompileCall(dtype, dim, dict(dropout=True, bias=True))
+        # The rotary encoders: ModernBERT's local window (heads of 64), EuroBERT's grouped heads (64 and 128), both.
+        for dim, flags in ((64, dict(window=True)), (64, dict(grouped=True)), (128, dict(grouped=True)),
+                           (128, dict(window=True, grouped=True))):
+            yield CompileCall(dtype, dim, dict(dropout=True, **flags))
 
 
-def _call(dtype, dim, dropout=True, bias=False):
-    """Forward and backward of two sequences (13 and 24 tokens) of 2 heads of width dim."""
+def _call(dtype, dim, dropout=True, bias=False, window=False, grouped=False):
+    """Forward and backward of two sequences (13 and 24 tokens) of 2 heads of width dim (grouped: k and v with
+    one head; window: 4 positions each side)."""
     cu = _cu_seqlens((13, 24), "cpu")
-    q, k, v = (torch.randn(37, 2, dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    q = torch.randn(37, 2, dim, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(37, 1 if grouped else 2, dim, dtype=dtype, requires_grad=True) for _ in range(2))
     table = RelativePositionBias(torch.randn(32, 2, requires_grad=True)) if bias else None
-    varlen_attention(q, k, v, cu, 24, dropout_p=0.1 if dropout else 0.0, seed=1,
-                     position_bias=table).sum().backward()
+    varlen_attention(q, k, v, cu, 24, dropout_p=0.1 if dropout else 0.0, seed=1, position_bias=table,
+                     window_size=(4, 4) if window else (-1, -1)).sum().backward()
 
 
 def _tune_setup(shape, size, dtype, device, part=None):
@@ -199,5 +230,7 @@ RECORD = Record(
            Goal("attention vs flash-attn varlen, every shape", ">= 1x", "attention", "fwd_bwd_ms", ">=", 1.0,
                 peer="flash_attn-varlen"),
            Goal("attention at 50% padding vs SDPA + padding mask, s512", ">= 2x", "attention", "fwd_bwd_ms", ">=",
-                2.0, peer="sdpa-masked", where=_at(512, 0.5))),
+                2.0, peer="sdpa-masked", where=_at(512, 0.5)),
+           Goal("local attention (window 128) vs flash-attn varlen with window_size", ">= 1x", "attention+window",
+                "fwd_bwd_ms", ">=", 1.0, peer="flash_attn-varlen")),
 )

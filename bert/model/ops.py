@@ -43,8 +43,8 @@ def resolve_backend(name: str) -> str:
 
 
 # The Triton path of each op: the public entry point of `kernels` it calls, by the op's module there.
-TRITON = {"attention": "varlen_attention", "bias_gelu": "bias_gelu", "layer_norm": "layer_norm",
-          "mlm_loss": "masked_lm_loss"}
+TRITON = {"attention": "varlen_attention", "bias_gelu": "bias_gelu", "glu": "glu", "layer_norm": "layer_norm",
+          "mlm_loss": "masked_lm_loss", "rotary": "rotary"}
 
 
 def _triton(op: str):
@@ -77,15 +77,23 @@ def attention_refusal(head_dim: int, device=None, dtype=None) -> str | None:
     return kernels_package().refusal("attention", device, dtype, head_dim=head_dim)
 
 
-# ---- LayerNorm(dropout(x) + residual) ------------------------------------------------------------
-def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torch"):
+# ---- LayerNorm / RMSNorm(dropout(x) + residual) --------------------------------------------------
+def layer_norm(x, weight, bias, eps, residual=None, dropout_p=0.0, backend="torch", rms=False, return_sum=False):
+    """rms: RMSNorm (no mean subtracted); return_sum: (y, dropout(x) + residual), a pre-norm layer's residual
+    stream returned with its norm."""
     if backend == "triton":
-        return _triton("layer_norm")(x, weight, bias, eps, residual=residual, dropout_p=dropout_p)
+        return _triton("layer_norm")(x, weight, bias, eps, residual=residual, dropout_p=dropout_p, rms=rms,
+                                     return_sum=return_sum)
     if dropout_p > 0:
         x = F.dropout(x, dropout_p)
     if residual is not None:
         x = x + residual
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    if rms:
+        y = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        y = y if bias is None else y + bias
+    else:
+        y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return (y, x) if return_sum else y
 
 
 # ---- GeLU(x + bias) ------------------------------------------------------------------------------
@@ -99,6 +107,42 @@ def linear_gelu(x, weight, bias, approximate="none", backend="torch"):
     """GeLU(x W^T + b): the matmul without its bias, then bias + GeLU in one kernel, which reads the matmul's
     output once."""
     return bias_gelu(F.linear(x, weight), bias, approximate, backend=backend)
+
+
+# ---- act(a) * b: gated units (GeGLU, SwiGLU) -------------------------------------------------------
+def glu(a, b, activation="gelu", backend="torch"):
+    """activation: "gelu" (erf), "gelu_tanh" or "silu"."""
+    if backend == "triton":
+        return _triton("glu")(a, b, activation)
+    act = F.silu(a) if activation == "silu" else F.gelu(a, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return act * b
+
+
+# ---- rotary position embeddings -----------------------------------------------------------------
+class Rotation(NamedTuple):
+    """What rotates q and k: pair i of the first 2 * len(inv_freq) features turns by position * inv_freq[i];
+    cos and sin times `scaling`; `interleaved` pairs (2i, 2i + 1), else (i, i + len(inv_freq))."""
+    inv_freq: torch.Tensor     # [rotary_dim // 2] float32
+    scaling: float = 1.0
+    interleaved: bool = False
+
+
+def rotary(x, positions, rotation: Rotation, backend="torch"):
+    """x [tokens, heads, head_dim] rotated by each token's position (positions [tokens], int), as transformers
+    rotates q and k: the float32 angles' cos and sin, in x's dtype on the PyTorch path."""
+    if backend == "triton":
+        k = kernels_package()
+        return k.rotary(x, positions, k.Rotary(*rotation))
+    half = rotation.inv_freq.numel()
+    angle = positions.float()[:, None] * rotation.inv_freq.float()[None, :]
+    cos, sin = ((f(angle) * rotation.scaling).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
+    if rotation.interleaved:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        turned = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([turned, x[..., 2 * half:]], dim=-1)
 
 
 # ---- attention over packed sequences ------------------------------------------------------------
@@ -145,21 +189,34 @@ def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, d
     return out.reshape(x.shape[0], heads * head_dim)
 
 
-def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", position_bias=None):
-    """q, k, v: [total_tokens, heads, head_dim]; each token attends to the tokens of its own sequence; filler
-    tokens (past cu_seqlens[-1]) get zeros. position_bias: a kernels.RelativePositionBias added to the scores
-    by the distance of two tokens within their sequence (only fused Hugging Face models pass one; they have
-    imported the kernels already), or None."""
+def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", position_bias=None, window_size=(-1, -1)):
+    """q: [total_tokens, heads, head_dim], k and v: [total_tokens, kv_heads, head_dim] (kv_heads dividing heads:
+    grouped-query attention); each token attends to the tokens of its own sequence, within window_size = (left,
+    right) positions of it (-1: unbounded); filler tokens (past cu_seqlens[-1]) get zeros. position_bias: a
+    kernels.RelativePositionBias added to the scores by the distance of two tokens within their sequence (only
+    fused Hugging Face models pass one; they have imported the kernels already), or None."""
     if backend == "triton" and (why := attention_refusal(q.shape[-1], q.device, q.dtype)):
         warn_once(f"{why}; this model's attention runs in PyTorch (SDPA) instead")
         backend = "torch"
     if backend == "triton":
         # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.
         return _triton("attention")(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False,
-                                    position_bias=position_bias)
+                                    position_bias=position_bias, window_size=tuple(window_size))
+    if k.shape[1] != q.shape[1]:  # SDPA's grouped heads need torch 2.5: the k/v heads repeated instead
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if p.rows:
-        return _torch_rows_attention(q, k, v, p, dropout_p, position_bias)
-    return _torch_sequence_attention(q, k, v, p, dropout_p, position_bias)
+        return _torch_rows_attention(q, k, v, p, dropout_p, position_bias, window_size)
+    return _torch_sequence_attention(q, k, v, p, dropout_p, position_bias, window_size)
+
+
+def _window_keep(keep, positions, window_size):
+    """`keep` [..., 1, L or 1, L] narrowed to the key positions within window_size = (left, right) of each query's
+    (positions [..., L]); unchanged without a window."""
+    left, right = window_size
+    if left < 0 and right < 0:
+        return keep
+    d = positions[..., None, :] - positions[..., :, None]  # key - query
+    return keep & (((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))).unsqueeze(-3)
 
 
 def _bias_mask(keep, position_bias, positions, dtype):
@@ -171,7 +228,7 @@ def _bias_mask(keep, position_bias, positions, dtype):
     return torch.where(keep, bias, torch.finfo(dtype).min)
 
 
-def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None):
+def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):
     # Each sequence padded to max_seqlen ([S, max_seqlen]) and SDPA with a key mask. Tokens outside every
     # sequence (filler, or past max_seqlen when cu_seqlens was not checked) go to one spare slot that SDPA never
     # sees, so they read and write nothing real. A finite fill instead of -inf keeps empty sequences finite.
@@ -186,10 +243,9 @@ def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None)
 
     seqlens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
     positions = torch.arange(length, device=q.device)
-    keep = (positions[None, :] < seqlens[:, None])[:, None, None, :]
-    if position_bias is None:
-        mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~keep, torch.finfo(q.dtype).min)
+    keep = _window_keep((positions[None, :] < seqlens[:, None])[:, None, None, :], positions, window_size)
+    if position_bias is None:  # additive and finite: a row that sees no key (padding) stays finite
+        mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, torch.finfo(q.dtype).min)
     else:
         mask = _bias_mask(keep, position_bias, positions, q.dtype)
     out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), attn_mask=mask, dropout_p=dropout_p)
@@ -197,15 +253,16 @@ def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None)
     return out[slot]
 
 
-def _torch_rows_attention(q, k, v, p: Packed, dropout_p, position_bias=None):
+def _torch_rows_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):
     # The packer's promise (row_aligned): rows of max_seqlen tokens that no sequence crosses, so SDPA runs on
     # [rows, max_seqlen] with a block-diagonal mask (same sequence id), at the cost of one padded slot per row,
     # not per sequence. Every token sees at least itself (filler tokens share the id S), so no softmax row is empty.
     total, heads, dim = q.shape
     length = total // p.rows
     seq = p.seq.view(p.rows, length)
-    mask = _bias_mask((seq[:, :, None] == seq[:, None, :])[:, None], position_bias, p.pos.view(p.rows, length),
-                      q.dtype)
+    pos = p.pos.view(p.rows, length)
+    keep = _window_keep((seq[:, :, None] == seq[:, None, :])[:, None], pos, window_size)
+    mask = _bias_mask(keep, position_bias, pos, q.dtype)
 
     def rows(t):
         return t.view(p.rows, length, heads, dim).transpose(1, 2)
