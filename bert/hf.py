@@ -27,7 +27,13 @@ family is one record. The layer structures (`Layers`) are
     ffn_output, full_layer_layer_norm; held not in a `layer` list but in `albert_layer_groups[g].albert_layers`,
     one set of parameters that num_hidden_layers passes share (`Stack`): each shared layer is fused once, and the
     fused encoder runs the passes through the groups as ALBERT's code does, after projecting the factorised
-    embedding (a Linear) up to the hidden size on the real tokens only.
+    embedding (a Linear) up to the hidden size on the real tokens only;
+  * ModernBERT (pre-norm, rotary): attn_norm, attn.{Wqkv,Wo,out_drop}, mlp_norm, mlp.{Wi,act,drop,Wo}, held by the
+    model itself in `layers` beside `embeddings`, `final_norm` and `rotary_emb`: the model is fused whole
+    (`Layers.encoder_forward`). q and k are rotated by each token's position id (`kernels.rotary`, cos and sin in
+    the kernel) with its layer type's inv_freq and scaling, local layers attend within sliding_window positions
+    each side (the varlen kernel's window, the tiles outside skipped), the gated MLP's act(a) * b is one kernel
+    (`kernels.glu`), and each residual add before mlp_norm is in that LayerNorm's kernel (`return_sum`).
 What is fused:
   * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
@@ -48,11 +54,12 @@ What is fused:
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
 `fuse_report` lists it: attention the kernel cannot express (disentangled positions, a relative-position rule
-other than MPNet's, a head_dim over 128, decoders and their causal-LM heads), an activation without a kernel,
-layers of an unknown structure. A call asking for output_attentions, output_hidden_states, cross-attention or
+other than MPNet's, a rope type whose frequencies change with the length, a head_dim over 128, decoders and
+their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call asking for output_attentions, output_hidden_states, cross-attention or
 a cache, with a mask the kernel cannot express (one that differs between queries, or additive values other than
 0 and the minimum), or whose attention dropout holds a hook or was replaced (or, for MPNet, a mask with holes,
-whose padded slots its relative positions count, or a hook on its bias), runs the original encoder code, and
+whose padded slots its relative positions count, or a hook on its bias; for ModernBERT, a mask with holes,
+whose padded slots its sliding windows count), runs the original encoder code, and
 fuse_report counts it; compiled, such a mask stops the call with an error instead (its values cannot choose the
 code inside a graph).
 """
@@ -112,6 +119,13 @@ def gelu_kind(act) -> str | None:
     return None
 
 
+def glu_kind(act) -> str | None:
+    """The kernels' name of a gated unit's activation module ("gelu", "gelu_tanh", "silu"), None for another."""
+    if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    return {"none": "gelu", "tanh": "gelu_tanh"}.get(gelu_kind(act))
+
+
 # ---- the fused computations: each calls the modules the user put there, and reads around a module only where
 # it is plain (ops.plain: exactly the expected class, no hooks, its own forward) ----------------------------------
 def _linear_gelu(linear, act, x):
@@ -138,6 +152,24 @@ def _add_norm(norm, dropout, h, residual):
     if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
         return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, p, backend=ops.backend_for(h))
     return norm((F.dropout(h, p) if p else h) + residual)
+
+
+def _add_then_norm(norm, h, residual):
+    """(norm(h + residual), h + residual), a pre-norm layer's next input and its residual stream, from one
+    LayerNorm kernel where the norm is plain; else the add, then the norm called."""
+    if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
+        return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, backend=ops.backend_for(h),
+                              return_sum=True)
+    total = h + residual
+    return norm(total), total
+
+
+def _gate(act, a, b):
+    """act(a) * b in one kernel where the activation is a hookless GeLU or SiLU; else the module called."""
+    kind = glu_kind(act) if ops.hookless(act) else None
+    if kind:
+        return ops.glu(a, b, kind, backend=ops.backend_for(a))
+    return act(a) * b
 
 
 def _attend(attention, query, key, value, dropout, x, p, bias=None):
@@ -178,55 +210,56 @@ def _generator_head_forward(self, hidden_states):
     return self.LayerNorm(_linear_gelu(self.dense, self.activation, hidden_states))
 
 
-# Given packed tokens, a layer's fused forwards pass on `packed` (the layout) and `bias` (the encoder's
-# relative-position bias, a kernels.RelativePositionBias; None for absolute-position families).
-def _bert_self_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+# Given packed tokens, a layer's fused forwards pass on `packed` (the layout) and `position`, how positions enter
+# its attention: the encoder's relative-position bias (a kernels.RelativePositionBias), the rotary encoders'
+# positions and rotations (`Rotary`), or None for absolute-position families (in the embeddings).
+def _bert_self_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return _attend(self, self.query, self.key, self.value, self.dropout, hidden_states, packed, bias), None
+    return _attend(self, self.query, self.key, self.value, self.dropout, hidden_states, packed, position), None
 
 
-def _bert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _bert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    context, _ = self.self(hidden_states, packed=packed, bias=bias)
+    context, _ = self.self(hidden_states, packed=packed, position=position)
     return self.output(context, hidden_states), None
 
 
-def _distilbert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _distilbert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
     return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, self.dropout, hidden_states, packed,
-                                 bias)), None
+                                 position)), None
 
 
-def _mpnet_self_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _mpnet_self_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """MPNetSelfAttention: o(softmax(q k^T / sqrt(d) + relative bias) v)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    return self.o(_attend(self, self.q, self.k, self.v, self.dropout, hidden_states, packed, bias)), None
+    return self.o(_attend(self, self.q, self.k, self.v, self.dropout, hidden_states, packed, position)), None
 
 
-def _mpnet_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _mpnet_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """MPNetAttention: LayerNorm(dropout(attn(x)) + x)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attn(hidden_states, packed=packed, bias=bias)
+    attended, _ = self.attn(hidden_states, packed=packed, position=position)
     return _add_norm(self.LayerNorm, self.dropout, attended, hidden_states), None
 
 
-def _bert_layer_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _bert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """BertLayer and MPNetLayer: output(intermediate(a), a) for a = attention(x)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attention(hidden_states, packed=packed, bias=bias)
+    attended, _ = self.attention(hidden_states, packed=packed, position=position)
     return self.output(self.intermediate(attended), attended)
 
 
-def _distilbert_layer_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _distilbert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attention(hidden_states, packed=packed, bias=bias)
+    attended, _ = self.attention(hidden_states, packed=packed, position=position)
     x = _add_norm(self.sa_layer_norm, None, attended, hidden_states)
     ffn = self.ffn
     if getattr(type(ffn), "_bertfuse_forward", None) is _ffn_forward and ops.hookless(ffn):  # its dropout into the LayerNorm kernel
@@ -239,38 +272,128 @@ def _ffn_forward(self, input):
     return self.dropout(self.lin2(_linear_gelu(self.lin1, self.activation, input)))
 
 
-def _albert_attention_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _albert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """AlbertAttention: LayerNorm(x + output_dropout(dense(softmax(q k^T / sqrt(d)) v))), its probabilities'
     dropout being attention_dropout."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    context = _attend(self, self.query, self.key, self.value, self.attention_dropout, hidden_states, packed, bias)
+    context = _attend(self, self.query, self.key, self.value, self.attention_dropout, hidden_states, packed, position)
     return _add_norm(self.LayerNorm, self.output_dropout, self.dense(context), hidden_states), None
 
 
-def _albert_layer_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _albert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """AlbertLayer: full_layer_layer_norm(ffn_output(activation(ffn(a))) + a) for a = attention(x); no dropout
     after ffn_output (the layer's `dropout` is unused by its code), and the feed-forward's chunking along the
     sequence changes nothing."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attention(hidden_states, packed=packed, bias=bias)
+    attended, _ = self.attention(hidden_states, packed=packed, position=position)
     ffn = self.ffn_output(_linear_gelu(self.ffn, self.activation, attended))
     return _add_norm(self.full_layer_layer_norm, None, ffn, attended)
 
 
-def _albert_group_forward(self, hidden_states, *args, packed=None, bias=None, **kwargs):
+def _albert_group_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """AlbertLayerGroup: its albert_layers in turn."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
     for layer in self.albert_layers:
-        hidden_states = layer(hidden_states, packed=packed, bias=bias)
+        hidden_states = layer(hidden_states, packed=packed, position=position)
     return hidden_states
 
 
 def _albert_mlm_head_forward(self, hidden_states):
     """AlbertMLMHead: decoder(LayerNorm(activation(dense(x))))."""
     return self.decoder(self.LayerNorm(_linear_gelu(self.dense, self.activation, hidden_states)))
+
+
+class Rotary(NamedTuple):
+    """How a rotary encoder's layers see positions: each packed token's position (the model's position ids,
+    gathered with the tokens) and, per layer type, the rotation of q and k and the attention window."""
+    positions: torch.Tensor        # [tokens] int64
+    rotations: dict                # layer type -> ops.Rotation
+    windows: dict                  # layer type -> (left, right), (-1, -1) for global attention
+
+
+def _modernbert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """ModernBertAttention: out_drop(Wo(attention of RoPE(q), RoPE(k), v)), its layer type's rotation and window
+    (a local layer sees sliding_window positions each side)."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    x, backend = hidden_states, ops.backend_for(hidden_states)
+    heads = self.config.num_attention_heads
+    q, k, v = self.Wqkv(x).view(x.shape[0], 3, heads, self.head_dim).unbind(1)
+    kind = self.config.layer_types[self.layer_idx]
+    rotation = position.rotations[kind]
+    q, k = (ops.rotary(t, position.positions, rotation, backend) for t in (q, k))
+    context = ops.varlen_attention(q, k, v, packed, self.attention_dropout if self.training else 0.0, backend,
+                                   window_size=position.windows[kind])
+    return self.out_drop(self.Wo(context.reshape(x.shape[0], heads * self.head_dim))), None
+
+
+def _modernbert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """ModernBertEncoderLayer (pre-norm): a = x + attn(attn_norm(x)); a + mlp(mlp_norm(a)), the residual add and
+    mlp_norm in one kernel."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.attn(self.attn_norm(hidden_states), packed=packed, position=position)
+    normed, total = _add_then_norm(self.mlp_norm, attended, hidden_states)
+    return total + self.mlp(normed)
+
+
+def _gated_mlp_forward(self, hidden_states):
+    """ModernBertMLP: Wo(drop(act(a) * b)) for (a, b) the halves of Wi(x); the gating in one kernel."""
+    a, b = self.Wi(hidden_states).chunk(2, dim=-1)
+    return self.Wo(self.drop(_gate(self.act, a, b)))
+
+
+def _modernbert_positions(model, positions) -> Rotary:
+    """The rotations of each layer type from the model's rotary embedding module (its inv_freq buffers and
+    attention scaling, as its forward reads them), and the windows its config sets."""
+    emb, cfg = model.rotary_emb, model.config
+    rotations, windows = {}, {}
+    for kind in set(cfg.layer_types):
+        rotations[kind] = ops.Rotation(getattr(emb, f"{kind}_inv_freq").float(),
+                                       float(getattr(emb, f"{kind}_attention_scaling")))
+        windows[kind] = (cfg.sliding_window, cfg.sliding_window) if kind == "sliding_attention" else (-1, -1)
+    return Rotary(positions, rotations, windows)
+
+
+def _modernbert_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                              **kwargs):
+    """ModernBertModel fused: the embeddings as its code runs them, padding removed once, every layer on packed
+    tokens (RoPE by each token's position id, local layers' windows inside the attention kernel), final_norm,
+    padding restored (as 0). A call the fused layers do not compute runs the original code, counted in
+    fuse_report."""
+    def original(why):
+        state.report.calls[why] = state.report.calls.get(why, 0) + 1
+        _warn(f"{why} requested: this call runs the original (unfused) attention code")
+        return _original(self).forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       inputs_embeds=inputs_embeds, **kwargs)
+
+    state: _EncoderState = self._bertfuse_encoder
+    as_tuple = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
+    given = input_ids if input_ids is not None else inputs_embeds
+    if (input_ids is None) == (inputs_embeds is None) or isinstance(attention_mask, dict):
+        return original("inputs or masks given as the original code alone reads them")  # it raises or reads them
+    batch, seqlen = given.shape[:2]
+    keys = _key_mask(attention_mask, batch, seqlen, given.device)
+    if why := _original_code_reason(self, state, keys, None, kwargs):
+        return original(why)
+    from transformers.modeling_outputs import BaseModelOutput
+
+    static = torch.compiler.is_compiling()
+    p = static_layout(keys) if static else unpad_mask(keys)
+    x = unpad(self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds), p)
+    ids = torch.arange(seqlen, device=given.device) if position_ids is None else position_ids
+    positions = unpad(ids.expand(batch, seqlen), p)
+    x = self.final_norm(state.layers.stack.run(self, x, p, _modernbert_positions(self, positions)))
+    out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)
+    return (out,) if as_tuple else BaseModelOutput(last_hidden_state=out)
+
+
+def _prediction_head_forward(self, hidden_states):
+    """ModernBertPredictionHead: norm(act(dense(x)))."""
+    return self.norm(_linear_gelu(self.dense, self.act, hidden_states))
 
 
 # ---- how an encoder holds its layers, and runs them on packed tokens ----------------------------------------
@@ -289,7 +412,7 @@ class Stack(NamedTuple):
     of shared layers. The modules between the encoder and its layers (ALBERT's layer groups) are fused too, so
     that their hooks fire; they must be of a class `group_classes` names."""
     layers: Callable               # (encoder) -> its layer modules, each once ([] where it has none of this kind)
-    run: Callable                  # (encoder, x, packed, bias) -> x: every layer on packed tokens, as its code does
+    run: Callable                  # (encoder, x, packed, position) -> x: every layer on packed tokens, as its code does
     groups: Callable = _no_groups  # (encoder) -> the modules between it and its layers
     group_forward: Callable | None = None
     group_classes: tuple[str, ...] = ()
@@ -299,9 +422,9 @@ def _layer_list(encoder) -> list[nn.Module]:
     return _module_list(encoder, "layer")
 
 
-def _run_layer_list(encoder, x, p, bias):
+def _run_layer_list(encoder, x, p, position):
     for layer in encoder.layer:
-        x = _run_layer(encoder, layer, x, p, bias)
+        x = _run_layer(encoder, layer, x, p, position)
     return x
 
 
@@ -313,18 +436,30 @@ def _albert_layers(encoder) -> list[nn.Module]:
     return [layer for group in _albert_groups(encoder) for layer in _module_list(group, "albert_layers")]
 
 
-def _run_albert_groups(encoder, x, p, bias):
+def _run_albert_groups(encoder, x, p, position):
     """AlbertTransformer on packed tokens: the factorised embedding's projection up to the hidden size (called
     as its module, on the real tokens only), then num_hidden_layers passes through the shared layer groups, each
     picked by the index its code computes."""
     x = encoder.embedding_hidden_mapping_in(x)
     n, groups = encoder.config.num_hidden_layers, encoder.config.num_hidden_groups
     for i in range(n):
-        x = encoder.albert_layer_groups[int(i / (n / groups))](x, packed=p, bias=bias)
+        x = encoder.albert_layer_groups[int(i / (n / groups))](x, packed=p, position=position)
+    return x
+
+
+def _model_layers(encoder) -> list[nn.Module]:
+    return _module_list(encoder, "layers")
+
+
+def _run_model_layers(encoder, x, p, position):
+    for layer in encoder.layers:
+        x = _run_layer(encoder, layer, x, p, position)
     return x
 
 
 LAYER_LIST = Stack(_layer_list, _run_layer_list)
+# The rotary encoders' models hold their `layers` themselves, beside the embeddings, and are fused whole.
+MODEL_LAYERS = Stack(_model_layers, _run_model_layers)
 ALBERT_GROUPS = Stack(_albert_layers, _run_albert_groups, _albert_groups, _albert_group_forward, ("{P}LayerGroup",))
 
 
@@ -339,9 +474,14 @@ def fused_class(base: type, forward: Callable) -> type:
     def reduce(self, protocol):
         return _new_fused, (base, forward), self.__dict__
 
-    return type(f"Fused{base.__name__}", (base,), {"forward": fused_or_original, "__reduce_ex__": reduce,
-                                                   "__module__": __name__, "_bertfuse_base": base,
-                                                   "_bertfuse_forward": forward})
+    fused_or_original.__signature__ = inspect.signature(base.forward)  # what callers introspect (inputs_embeds...)
+    namespace = {"forward": fused_or_original, "__reduce_ex__": reduce, "__module__": __name__,
+                 "_bertfuse_base": base, "_bertfuse_forward": forward}
+    if hasattr(base, "is_custom_code"):
+        # A model fused whole is still transformers' code to transformers (which initialises the weights of code
+        # from elsewhere differently, judging by the class's module).
+        namespace["is_custom_code"] = classmethod(lambda cls: base.is_custom_code())
+    return type(f"Fused{base.__name__}", (base,), namespace)
 
 
 def _new_fused(base: type, forward: Callable):
@@ -402,7 +542,17 @@ class Layers(NamedTuple):
     # kernels.RelativePositionBias its code computes; None for absolute positions (in the embeddings).
     position_bias: Callable | None = None
     stack: Stack = LAYER_LIST      # where the encoder holds its layers
-    probs_dropout: str = "dropout"  # the attention module's dropout on the probabilities
+    # The attention module's dropout on the probabilities: an nn.Dropout child, or a float attribute (the rate
+    # its code passes to the attention function).
+    probs_dropout: str = "dropout"
+    # The fused forward of the encoder module (None: `_encoder_forward`, for an encoder given hidden states); the
+    # rotary encoders' models, fused whole, have their own.
+    encoder_forward: Callable | None = None
+    # (encoder model) -> why its configuration asks for math the fused layers do not compute ([] where none).
+    problems: Callable | None = None
+    fused: str = "attention (varlen, padding removed once)"   # what fuse_report says the layers run fused
+    # (encoder, key mask) -> why this call needs the original code ([] where it does not).
+    call_problems: Callable | None = None
 
 
 class MLMHead(NamedTuple):
@@ -424,6 +574,7 @@ class Family(NamedTuple):
     # test configuration sets besides the shared sizes (ELECTRA: an embedding narrower than the hidden size).
     config_names: tuple[tuple[str, str], ...] = ()
     test_config: tuple[tuple[str, object], ...] = ()
+    segments: bool = True          # the models take token_type_ids (DistilBERT's and ModernBERT's do not)
 
 
 # The modeling modules whose classes are BERT's code (transformers generates them from BERT's): only the
@@ -482,6 +633,53 @@ ALBERT_LAYERS = Layers("albert", ("attention.query", "attention.key", "attention
                        "BaseModelOutput",
                        (("attention", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Transformer",))),
                        _ALBERT_MODELS, stack=ALBERT_GROUPS, probs_dropout="attention_dropout")
+_MODERNBERT_MODELS = (("modernbert.modeling_modernbert", "ModernBert"),)
+# Rope types whose inv_freq and scaling are fixed at construction (a dynamic one changes them with the length).
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def _modernbert_problems(model) -> list[str]:
+    cfg, emb = model.config, model.rotary_emb
+    kinds = set(cfg.layer_types)
+    why = [f"layer type {k!r}" for k in sorted(kinds - {"full_attention", "sliding_attention"})]
+    why += [f"rope type {t!r}, whose frequencies change with the length" for k, t in sorted(emb.rope_type.items())
+            if t not in STATIC_ROPE]
+    why += [f"no rotary parameters for layer type {k!r}" for k in sorted(kinds) if k not in emb.rope_type]
+    return why
+
+
+def _holes(keys, what: str) -> list[str]:
+    """[why] where the mask has holes (padding between tokens): the original code counts the padded slots between
+    two tokens, the kernel their distance within the packed sequence (left or right padding is the same either
+    way), so `what` (relative positions, windows) would differ. One sync, as for the mask; compiled, the program
+    checks it when it runs."""
+    if keys is None or keys.shape[1] < 2:
+        return []
+    runs = (keys[:, 1:] & ~keys[:, :-1]).sum(1) + keys[:, 0]  # runs of kept tokens in each row
+    contiguous = (runs <= 1).all()
+    hole = f"an attention mask with holes (padding between tokens), whose {what} the fused attention does not count"
+    if torch.compiler.is_compiling():
+        torch._assert_async(contiguous, f"bert.hf.fuse: {hole}; compile the unfused model for such masks")
+        return []
+    return [] if bool(contiguous) else [hole]
+
+
+def _modernbert_call_problems(encoder, keys) -> list[str]:
+    """Local layers' windows count positions within the packed sequence; the original code, padded slots too."""
+    return _holes(keys, "sliding windows") if "sliding_attention" in encoder.config.layer_types else []
+
+
+MODERNBERT_LAYERS = Layers("modernbert", ("attn_norm", "attn.Wqkv", "attn.Wo", "mlp_norm", "mlp.Wi", "mlp.Wo"),
+                           "attn", (("", _modernbert_layer_forward), ("attn", _modernbert_attention_forward),
+                                    ("mlp", _gated_mlp_forward)),
+                           "BaseModelOutput",
+                           (("attn", ("{P}Attention",)), ("", ("{P}EncoderLayer",)), ("..", ("{P}Model",)),
+                            ("mlp", ("{P}MLP",))), _MODERNBERT_MODELS, stack=MODEL_LAYERS,
+                           probs_dropout="attention_dropout", encoder_forward=_modernbert_model_forward,
+                           problems=_modernbert_problems, call_problems=_modernbert_call_problems,
+                           fused="attention (varlen, padding removed once; RoPE by each layer type's rotation and "
+                                 "local windows in the kernels), the gated MLP's act(a) * b in one kernel, each "
+                                 "residual add before mlp_norm in its LayerNorm kernel")
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -497,17 +695,23 @@ FAMILIES = (
            MLMHead("vocab_transform", "activation", "vocab_layer_norm", "vocab_projector"), 0,
            config_names=(("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
                          ("intermediate_size", "hidden_dim"), ("hidden_dropout_prob", "dropout"),
-                         ("attention_probs_dropout_prob", "attention_dropout"))),
+                         ("attention_probs_dropout_prob", "attention_dropout")), segments=False),
     Family("mpnet", "MPNet", MPNET_LAYERS, _ROBERTA_MLM, 1),
     Family("albert", "Albert", ALBERT_LAYERS,
            MLMHead("predictions.dense", "predictions.activation", "predictions.LayerNorm", "predictions.decoder"), 0,
            test_config=(("embedding_size", 16), ("hidden_act", "gelu_new"))),
+    # Two layers: the first global, the second local (a window of 4 each side, narrower than the test batch).
+    Family("modernbert", "ModernBert", MODERNBERT_LAYERS, MLMHead("head.dense", "head.act", "head.norm", "decoder"), 0,
+           config_names=(("attention_probs_dropout_prob", "attention_dropout"), ("hidden_dropout_prob", "mlp_dropout"),
+                         ("hidden_act", "hidden_activation")),
+           test_config=(("local_attention", 8), ("global_attn_every_n_layers", 2), ("bos_token_id", 1),
+                        ("eos_token_id", 2), ("cls_token_id", 1), ("sep_token_id", 2)), segments=False),
 )
 
 
 # The task models whose forward the masked-only MLM loss stands in for: the families' own.
-_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS)
-                    if m[1] in {f.prefix for f in FAMILIES})
+_MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS,
+                                *_MODERNBERT_MODELS) if m[1] in {f.prefix for f in FAMILIES})
 
 
 def family(name: str) -> Family:
@@ -528,7 +732,7 @@ MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 # ---- whose code is known: a module is fused only where its class computes exactly the fused op's math ---------
 # Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
-_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS,
+_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS, *_MODERNBERT_MODELS,
                  ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
 
 
@@ -543,7 +747,8 @@ _GELU_BLOCKS = (GeluBlock("{P}Intermediate", ("dense", "intermediate_act_fn"), _
                 GeluBlock("{P}PredictionHeadTransform", ("dense", "transform_act_fn", "LayerNorm"),
                           _head_transform_forward),
                 GeluBlock("{P}GeneratorPredictions", ("dense", "activation", "LayerNorm"), _generator_head_forward),
-                GeluBlock("{P}MLMHead", ("dense", "activation", "LayerNorm", "decoder"), _albert_mlm_head_forward))
+                GeluBlock("{P}MLMHead", ("dense", "activation", "LayerNorm", "decoder"), _albert_mlm_head_forward),
+                GeluBlock("{P}PredictionHead", ("dense", "act", "norm"), _prediction_head_forward))
 # Blocks computing LayerNorm(dropout(dense(x)) + residual).
 _OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
 # transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
@@ -635,8 +840,8 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     static = torch.compiler.is_compiling()
     p = static_layout(keys) if static else unpad_mask(keys)
     x = unpad(hidden_states, p)
-    bias = state.layers.position_bias(self) if state.layers.position_bias else None
-    x = state.layers.stack.run(self, x, p, bias)
+    position = state.layers.position_bias(self) if state.layers.position_bias else None
+    x = state.layers.stack.run(self, x, p, position)
     out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)  # padding kept: zero it
     # What the original encoder returns: BERT-like models read `.cache` from it too.
     return getattr(outputs, state.layers.output)(last_hidden_state=out)
@@ -655,48 +860,46 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     # The kernel applies the attention dropout to the probabilities inside it: a module there that is not a
     # plain nn.Dropout (a hook on it, another class) is called only by the original code.
     kind = state.layers
-    if not all(ops.plain(_probs_dropout(kind, layer), nn.Dropout) for layer in kind.stack.layers(encoder)):
+    if not all(_plain_probs_dropout(kind, layer) for layer in kind.stack.layers(encoder)):
         wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
                   "its kernel")
     if state.layers.position_bias:
         wants.update(_position_bias_problems(encoder, keys))
+    if state.layers.call_problems:
+        wants.update(state.layers.call_problems(encoder, keys))
     if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
         return ", ".join(sorted(wants)) or "cross-attention/cache"
     return None
 
 
-def _probs_dropout(kind: Layers, layer: nn.Module) -> nn.Module:
+def _probs_dropout(kind: Layers, layer: nn.Module):
+    """The attention's dropout on the probabilities: a module, or the float rate its code passes on."""
     return getattr(_get(layer, kind.attention), kind.probs_dropout)
+
+
+def _plain_probs_dropout(kind: Layers, layer: nn.Module) -> bool:
+    """The kernel may apply the probabilities' dropout itself: a plain nn.Dropout there, or a rate."""
+    dropout = _probs_dropout(kind, layer)
+    return isinstance(dropout, float) or ops.plain(dropout, nn.Dropout)
 
 
 def _position_bias_problems(encoder, keys) -> list[str]:
     """Why this call's relative-position bias is not what the kernel computes: a bias module that is not a plain
-    nn.Embedding (its lookup would be skipped), or a mask with holes, where the original code counts the padded
-    slots between two tokens and the kernel their distance within the packed sequence (left or right padding
-    is the same either way). One sync, as for the mask; compiled, the program checks it when it runs."""
+    nn.Embedding (its lookup would be skipped), or a mask with holes (`_holes`)."""
     why = []
     if not ops.plain(encoder.relative_attention_bias, nn.Embedding):
         why.append("a hook on (or a replacement of) the relative-position bias, which the fused attention reads "
                    "inside its kernel")
-    if keys is not None and keys.shape[1] > 1:
-        runs = (keys[:, 1:] & ~keys[:, :-1]).sum(1) + keys[:, 0]  # runs of kept tokens in each row
-        contiguous = (runs <= 1).all()
-        hole = "an attention mask with holes (padding between tokens), whose relative positions the fused " \
-               "attention does not count"
-        if torch.compiler.is_compiling():
-            torch._assert_async(contiguous, f"bert.hf.fuse: {hole}; compile the unfused model for such masks")
-        elif not bool(contiguous):
-            why.append(hole)
-    return why
+    return why + _holes(keys, "relative positions")
 
 
-def _run_layer(encoder, layer, x, p, bias):
+def _run_layer(encoder, layer, x, p, position):
     """One layer through its own __call__ (so its hooks fire, and a transformers 5 layer checkpoints itself
     when gradient checkpointing is on); transformers 4 checkpoints from the encoder, so this does too."""
     if getattr(encoder, "gradient_checkpointing", False) and encoder.training and torch.is_grad_enabled() \
             and not _checkpoints_itself(layer):
-        return encoder._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p, bias=bias), x)
-    return layer(x, packed=p, bias=bias)
+        return encoder._gradient_checkpointing_func(functools.partial(layer.__call__, packed=p, position=position), x)
+    return layer(x, packed=p, position=position)
 
 
 # Arguments the fused encoder handles itself (the flags) or that its layers' code ignores: the embeddings read the
@@ -757,12 +960,19 @@ def encoder_stack(encoder: nn.Module) -> tuple[Stack, list[nn.Module]] | None:
 
 def encoder_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(path, encoder model, name of its encoder child) for every encoder model inside `model`: a module with
-    `embeddings` and an `encoder` or `transformer` child holding layers (`encoder_stack`)."""
+    `embeddings` and an `encoder` or `transformer` child holding layers (`encoder_stack`), or with `embeddings`
+    and a `layers` list of a layer structure a known model holds so (ModernBERT: the child's name is then "")."""
     found = []
     for path, m in model.named_modules():
-        for child in ("encoder", "transformer"):
-            enc = getattr(m, child, None)
-            if _has(m, "embeddings") and isinstance(enc, nn.Module) and encoder_stack(enc):
+        for child in ("encoder", "transformer", ""):
+            enc = getattr(m, child, None) if child else m
+            if not (_has(m, "embeddings") and isinstance(enc, nn.Module) and (stack := encoder_stack(enc))):
+                continue
+            # A model's own `layers` count only where they are of a structure known to be held so (not Swin's
+            # stages); an encoder child's only as a `layer` list or ALBERT's groups.
+            if (stack[0] is MODEL_LAYERS) != (child == ""):
+                continue
+            if child or getattr(layer_kind(stack[1][0]), "stack", None) is MODEL_LAYERS:
                 found.append((path or type(model).__name__, m, child))
     return found
 
@@ -811,9 +1021,11 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
         others = len(_unique(reasons)) - 1
         return [reasons[0] + (f" (and {others} other module{'s' * (others > 1)} of unknown code)" if others else "")]
     at = _get(layers[0], kind.attention)
-    head_dim = at.attention_head_size
-    if type(dropout := _probs_dropout(kind, layers[0])) is not nn.Dropout:
+    head_dim = getattr(at, "attention_head_size", None) or at.head_dim
+    if type(dropout := _probs_dropout(kind, layers[0])) not in (nn.Dropout, float):
         reasons.append(f"attention dropout is a {type(dropout).__name__}, not an nn.Dropout")
+    if kind.problems:
+        reasons += kind.problems(enc_model)
     if why := ops.attention_refusal(head_dim):
         reasons.append(why)
     if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
@@ -901,7 +1113,7 @@ class _EncoderState(NamedTuple):
 
 
 def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
-    encoder = getattr(model, child)
+    encoder = getattr(model, child) if child else model  # "": the model holds its layers itself
     stack, layers = encoder_stack(encoder)
     kinds = {layer_kind(layer) for layer in layers}
     kind = kinds.pop() if len(kinds) == 1 else None
@@ -925,9 +1137,23 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     for group in stack.groups(encoder):
         fuser.fused(group, stack.group_forward)
     fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report))
-    fuser.fused(encoder, _encoder_forward)
-    report.fused.append("attention (varlen, padding removed once)")
+    fuser.fused(encoder, kind.encoder_forward or _encoder_forward)
+    if encoder is model:
+        _register_recorded_outputs(model)
+    report.fused.append(kind.fused)
     return report
+
+
+def _register_recorded_outputs(model: nn.Module) -> None:
+    """transformers 5 looks up which submodules' outputs a model records (output_hidden_states, output_attentions,
+    answered by the original code) by the name of the model's class, registered when a model is built: a model
+    fused whole has its fused class's name, registered here to the same answer."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers 4: the models return what they record themselves
+        return
+    if getattr(model, "_can_record_outputs", None):
+        _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
 # ---- masked-LM heads given labels: the loss at labelled rows only, no vocabulary logits --------------------
@@ -941,13 +1167,18 @@ def _mlm_head(task: nn.Module) -> MLMHead | None:
 
 _MLM_TASK_CLASSES = ("{P}ForMaskedLM", "{P}ForPreTraining")
 _MLM_HEAD_CLASSES = ("{P}OnlyMLMHead", "{P}PreTrainingHeads", "{P}LMPredictionHead", "{P}PredictionHeadTransform",
-                     "{P}LMHead", "{P}GeneratorPredictions", "{P}MLMHead")
+                     "{P}LMHead", "{P}GeneratorPredictions", "{P}MLMHead", "{P}PredictionHead")
 
 
 def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:
     """Why the masked-only loss may not compute what `task` computes, or None: the task model and every module
     on the way to its head's dense, norm and decoder must be of the families' own classes (FusedMLMForward stands
-    in for all their forwards)."""
+    in for all their forwards); and a loss over the rows labelled other than -100 (ModernBERT's sparse
+    prediction drops the rows of its own sparse_pred_ignore_index, which may be another label)."""
+    cfg = getattr(task, "config", None)
+    if getattr(cfg, "sparse_prediction", False) and getattr(cfg, "sparse_pred_ignore_index", -100) != -100:
+        return (f"sparse_prediction drops the rows labelled {cfg.sparse_pred_ignore_index}, which the masked-only "
+                "loss counts")
     why = unknown_code(task, known_classes(_MLM_TASK_CLASSES, _MLM_MODELS))
     owners = {p.rsplit(".", 1)[0] for p in (head.dense, head.norm, head.decoder) if "." in p}
     prefixes = sorted({o.rsplit(".", i)[0] for o in owners for i in range(o.count(".") + 1)})

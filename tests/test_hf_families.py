@@ -18,6 +18,7 @@ from hf_utils import TOL, assert_grads_no_worse, assert_same_gradients, rel_err
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
 import kernels._common as kernels_common  # noqa: E402
+from bert import hf  # noqa: E402
 from bert.hf import PAIR_HEADS, fuse, fuse_report, unfuse  # noqa: E402
 from bert.model import ops  # noqa: E402
 
@@ -55,6 +56,7 @@ class Calls:
 
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_hf.py
+ROTARY = {"modernbert"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,7 +70,10 @@ def test_family_fused_matches_original(family, monkeypatch):
     calls = Calls(monkeypatch)
     a = ref(input_ids=ids, attention_mask=mask, labels=labels)
     b = fused(input_ids=ids, attention_mask=mask, labels=labels)
-    assert set(calls.counts) == {"layer_norm", "bias_gelu", "varlen_attention", "masked_lm_loss"}, calls.counts
+    rotary = {"glu", "rotary"} if family in ROTARY else set()  # their gated MLPs and rotary embeddings
+    head = ref.get_submodule(hf.family(family.removesuffix("-sinusoidal")).mlm_head.dense)
+    gelu = {"bias_gelu"} if head.bias is not None else set()  # ModernBERT's head dense has no bias: GeLU alone
+    assert set(calls.counts) == {"layer_norm", "varlen_attention", "masked_lm_loss"} | gelu | rotary, calls.counts
     assert b.logits is None and rel_err(b.loss, a.loss) <= TOL
     assert_same_gradients(fused, ref, b.loss, a.loss)
     with torch.no_grad():  # without labels: the original head over the fused encoder, logits formed
@@ -119,7 +124,10 @@ def test_a_padded_row_equals_the_row_alone(family):
                                          ("mpnet", "ForSequenceClassification"), ("mpnet", "ForTokenClassification"),
                                          ("mpnet", "ForQuestionAnswering"), ("mpnet", "ForMultipleChoice"),
                                          ("albert", "ForSequenceClassification"), ("albert", "ForTokenClassification"),
-                                         ("albert", "ForQuestionAnswering"), ("albert", "ForMultipleChoice")])
+                                         ("albert", "ForQuestionAnswering"), ("albert", "ForMultipleChoice"),
+                                         ("modernbert", "ForSequenceClassification"),
+                                         ("modernbert", "ForTokenClassification"),
+                                         ("modernbert", "ForQuestionAnswering"), ("modernbert", "ForMultipleChoice")])
 @pytest.mark.slow
 def test_task_heads_of_the_families(family, head):
     ref = build(family, head)
@@ -276,7 +284,7 @@ def test_one_training_step_through_transformers_trainer(tmp_path):
 MLM_CLASSES = [("bert", "ForPreTraining"), ("bert", "ForMaskedLM"), ("roberta", "ForMaskedLM"),
                ("xlm-roberta", "ForMaskedLM"), ("camembert", "ForMaskedLM"), ("electra", "ForMaskedLM"),
                ("distilbert", "ForMaskedLM"), ("mpnet", "ForMaskedLM"), ("albert", "ForMaskedLM"),
-               ("albert", "ForPreTraining")]
+               ("albert", "ForPreTraining"), ("modernbert", "ForMaskedLM")]
 PAIR_LABELS = tuple(h.label for h in PAIR_HEADS)  # BERT's and ALBERT's pre-training pair heads
 
 
@@ -462,3 +470,94 @@ def test_albert_with_a_group_of_unknown_code_keeps_its_attention():
     with torch.no_grad():
         a, b = ref(input_ids=ids, attention_mask=mask), fused(input_ids=ids, attention_mask=mask)
     assert rel_err(b.last_hidden_state, a.last_hidden_state) <= TOL
+
+
+# ---- ModernBERT: rotary embeddings, local windows, gated MLPs, pre-norm layers ----------------------------
+def _modernbert(head="ForMaskedLM", **changes):
+    return build("modernbert", head, **changes)
+
+
+def test_modernbert_each_layer_type_reaches_the_kernels_with_its_rotation_and_window(monkeypatch):
+    """Two layers, global then local (local_attention 8: 4 positions each side): the kernels get each layer
+    type's inv_freq (the global base 160,000, the local 10,000), the local window, the attention and MLP
+    dropouts in training; the fused loss and every gradient equal the original's, dropout off."""
+    ref = _modernbert()
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    report = str(fuse_report(fused)[0])
+    assert "RoPE by each layer type's rotation and local windows" in report and "gated MLP" in report
+    emb = ref.model.rotary_emb
+    assert not torch.equal(emb.full_attention_inv_freq, emb.sliding_attention_inv_freq)
+    ids, mask, labels = batch("modernbert")
+    calls = Calls(monkeypatch)
+    a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
+                                                                         labels=labels)
+    assert [c["window_size"] for c in calls.of("varlen_attention")] == [(-1, -1), (4, 4)]
+    freqs = [c["rot"].inv_freq for c in calls.of("rotary")]  # q and k of each layer
+    assert all(torch.equal(f, emb.full_attention_inv_freq) for f in freqs[:2])
+    assert all(torch.equal(f, emb.sliding_attention_inv_freq) for f in freqs[2:])
+    assert [c["activation"] for c in calls.of("glu")] == ["gelu", "gelu"]
+    assert [c["return_sum"] for c in calls.of("layer_norm")].count(True) == 2  # each layer's add + mlp_norm
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    fused.train()
+    fused.config.attention_dropout = 0.0
+    for layer in fused.model.layers:
+        layer.attn.attention_dropout = 0.25
+    calls.calls.clear()
+    fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert [c["dropout_p"] for c in calls.of("varlen_attention")] == [0.25, 0.25]
+
+
+@pytest.mark.parametrize("sparse", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_modernbert_masked_lm_sparse_prediction_and_position_ids(sparse):
+    """ModernBERT's sparse_prediction (the head on labelled tokens only) means the same loss either way; position
+    ids given by the caller (shifted) and left padding rotate q and k as the original code does: hidden states
+    equal at every real token. A mask with holes, whose padded slots the original sliding windows count, runs
+    the original code (counted in fuse_report)."""
+    ref = _modernbert(sparse_prediction=sparse)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch("modernbert")
+    a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
+                                                                         labels=labels)
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    left = mask.flip(1)
+    positions = torch.arange(17)[None].expand(3, 17) + 5
+    holes = mask.clone()
+    holes[1, [0, 3]] = 0
+    with torch.no_grad():
+        for kw in (dict(attention_mask=left), dict(attention_mask=mask, position_ids=positions),
+                   dict(attention_mask=holes)):
+            want = ref.model(input_ids=ids, **kw).last_hidden_state
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the holes' warning (once per process)
+                got = fused.model(input_ids=ids, **kw).last_hidden_state
+            keep = kw["attention_mask"].bool()
+            assert rel_err(got[keep], want[keep]) <= TOL
+    (why, n), = fuse_report(fused)[0].calls.items()  # the holes' call alone ran the original code
+    assert n == 1 and "holes" in why and "sliding windows" in why
+
+
+def test_modernbert_sparse_prediction_with_another_ignore_index_keeps_transformers_loss():
+    """Sparse prediction dropping the rows labelled 0 (not -100) means a loss the masked-only kernel does not
+    compute: that head keeps transformers' code, with the reason; the encoder stays fused."""
+    ref = _modernbert(sparse_prediction=True, sparse_pred_ignore_index=0)
+    with pytest.warns(UserWarning, match="sparse_prediction drops the rows labelled 0"):
+        fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch("modernbert")
+    labels = labels.masked_fill(labels == -100, 0)
+    a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
+                                                                         labels=labels)
+    assert b.logits is not None and rel_err(b.loss, a.loss) <= TOL
+
+
+def test_modernbert_with_a_dynamic_rope_keeps_its_attention():
+    """A rope type whose frequencies change with the length (dynamic) is not what the kernels rotate by: that
+    model's attention stays unfused, with the reason in fuse_report."""
+    ref = _modernbert("Model")
+    ref.rotary_emb.rope_type["full_attention"] = "dynamic"
+    with pytest.warns(UserWarning, match="rope type 'dynamic'"):
+        fused = fuse(ref)
+    (report,) = fuse_report(fused)
+    assert any(what == "attention" and "rope type 'dynamic'" in why for what, why in report.kept)
+    assert "RoPE" not in str(report.fused)

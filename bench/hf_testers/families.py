@@ -50,8 +50,10 @@ class FamilyTester:
                      num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
                      intermediate_size=self.intermediate_size, hidden_dropout_prob=0.1,
                      attention_probs_dropout_prob=0.1, max_position_embeddings=512, initializer_range=0.02)
-        if FAMILY.name != "distilbert":
-            sizes.update(type_vocab_size=self.type_vocab_size, hidden_act="gelu")
+        if FAMILY.name != "distilbert":  # DistilBERT names its activation otherwise, and uses GeLU
+            sizes.update(hidden_act="gelu")
+        if FAMILY.segments:
+            sizes.update(type_vocab_size=self.type_vocab_size)
         sizes = {NAMES.get(k, k): v for k, v in sizes.items()}  # the family's test config wins (ALBERT's gelu_new)
         return CONFIG(**dict(sizes, **dict(FAMILY.test_config), pad_token_id=FAMILY.pad_token_id, **changes))
 
@@ -59,7 +61,7 @@ class FamilyTester:
         ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
         ids[ids == FAMILY.pad_token_id] = FAMILY.pad_token_id + 2  # RoBERTa counts positions past its padding id
         inputs = {"input_ids": ids, "attention_mask": random_attention_mask([self.batch_size, self.seq_length])}
-        if FAMILY.name != "distilbert":
+        if FAMILY.segments:
             inputs["token_type_ids"] = ids_tensor([self.batch_size, self.seq_length], 2)
         return self.get_config(), inputs
 
