@@ -130,11 +130,14 @@ def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | No
                       need=lambda c, t: tuned.tile_need(c.BLOCK_M * c.BLOCK_N, c, t))  # its tile, in float32
 
 
+# The tuner's candidates: row tiles of up to 8,192 elements (glu's elementwise kernels share them).
+TILES = tuple(c for c in launches.grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
+              if c["BLOCK_M"] * c["BLOCK_N"] <= 8192)
+
+
 def _site(part: str, kernel) -> launches.LaunchSite:
-    tiles = tuple(c for c in launches.grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
-                  if c["BLOCK_M"] * c["BLOCK_N"] <= 8192)
     return launches.LaunchSite(f"bias_gelu.{part}", kernel, lambda dtype, n, target: _default_config(n),
-                               lambda dtype, n, target, seqlen=None: _config(part, dtype, n, target), tiles,
+                               lambda dtype, n, target, seqlen=None: _config(part, dtype, n, target), TILES,
                                needs="vectors")
 
 

@@ -8,8 +8,6 @@ db, computing act in float32 again. a and b may be strided views (the two halves
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -18,7 +16,7 @@ from torch import nn
 
 from . import launches, targets, tuned
 from ._common import as_rows, backend_for, check_device, check_float
-from .bias_gelu import _gelu, _gelu_grad
+from .bias_gelu import TILES, _default_config, _gelu, _gelu_grad, _Launch
 
 __all__ = ["glu", "glu_ref", "GatedLinear", "GLU_ACTIVATIONS"]
 # name -> the kernel's ACT: GeLU (erf), GeLU (tanh form), SiLU
@@ -66,28 +64,16 @@ def _glu_kernel(
         tl.store(Y + out, (_act(a, ACT) * b).to(Y.dtype.element_ty), mask=mask)
 
 
-class _Launch(NamedTuple):
-    BLOCK_M: int
-    BLOCK_N: int
-    num_warps: int
-
-
-def _default_config(n: int) -> _Launch:
-    """Tiles of 4,096 elements, up to 1,024 columns wide, as bias_gelu's (a family's table may say otherwise)."""
-    block_n = min(1024, triton.next_power_of_2(n))
-    return _Launch(max(1, 4096 // block_n), block_n, 8)
-
-
 def _config(kernel: str, dtype: torch.dtype, n: int, target: targets.Target | None) -> _Launch:
+    """bias_gelu's tiles (4,096 elements, up to 1,024 columns) unless the target's table says otherwise, sized
+    for three live tiles (a, b and dy) where bias_gelu holds one."""
     return tuned.pick(f"glu.{kernel}", _default_config(n), target, dtype, n,
                       need=lambda c, t: tuned.tile_need(3 * c.BLOCK_M * c.BLOCK_N, c, t))
 
 
 def _site(part: str) -> launches.LaunchSite:
-    tiles = tuple(c for c in launches.grid(BLOCK_M=[2, 4, 8, 16], BLOCK_N=[256, 512, 1024], num_warps=[4, 8])
-                  if c["BLOCK_M"] * c["BLOCK_N"] <= 8192)
     return launches.LaunchSite(f"glu.{part}", _glu_kernel, lambda dtype, n, target: _default_config(n),
-                               lambda dtype, n, target, seqlen=None: _config(part, dtype, n, target), tiles,
+                               lambda dtype, n, target, seqlen=None: _config(part, dtype, n, target), TILES,
                                needs="vectors")
 
 

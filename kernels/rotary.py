@@ -12,6 +12,11 @@ dimension split and any static frequency scaling (a model's own `inv_freq` buffe
 `attention_scaling`. Positions are given per token ([T] int), so any layout works: the position inside each
 packed sequence (`rotary_positions`), or a model's own position ids gathered with its tokens.
 
+A model that keeps its own cos and sin rather than frequencies (RoFormer's float64-made sinusoid table, ESM's
+cos and sin formed once per forward) gives them as tables [rows, R/2] (`Rotary.cos`, `Rotary.sin`, strided views
+welcome): each token then reads row positions[t] of both instead of computing them, so the rotation is the model's
+own to the last bit of its table.
+
 A program owns a block of tokens: it computes their cos and sin once and rotates every head with them.
 """
 from __future__ import annotations
@@ -31,10 +36,13 @@ __all__ = ["Rotary", "rotary", "rotary_ref", "rotary_positions"]
 class Rotary(NamedTuple):
     """A rotary embedding: pair i of the first 2 * len(inv_freq) features of each head turns by position *
     inv_freq[i]; cos and sin are multiplied by `scaling`; `interleaved` pairs features (2i, 2i + 1), else (i,
-    i + len(inv_freq))."""
-    inv_freq: torch.Tensor     # [rotary_dim // 2] float32
+    i + len(inv_freq)). With tables `cos` and `sin` given, pair i of a token at position t turns by the angle
+    whose cos and sin are cos[t, i] and sin[t, i] (inv_freq then None)."""
+    inv_freq: torch.Tensor | None  # [rotary_dim // 2] float32
     scaling: float = 1.0
     interleaved: bool = False
+    cos: torch.Tensor | None = None  # [rows, rotary_dim // 2]
+    sin: torch.Tensor | None = None
 
 
 @triton.jit
@@ -61,10 +69,11 @@ def _sincos(a):
 def _rotary_kernel(
     X,           # [T, H, D] input (unit stride along D)
     Y,           # [T, H, D] output, contiguous
-    Positions,   # [T] int32 or int64: each token's position
-    InvFreq,     # [HALF] float32
-    stride_x_t, stride_x_h, T, H, scaling, sin_sign,
-    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    Positions,   # [T] int32 or int64: each token's position (TABLE: its row of Cos and Sin)
+    InvFreq,     # [HALF] float32 (not read with TABLE)
+    Cos, Sin,    # TABLE: [ROWS, HALF] cos and sin (unit stride along HALF)
+    stride_x_t, stride_x_h, stride_cos, stride_sin, T, H, ROWS, scaling, sin_sign,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, TABLE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -72,9 +81,15 @@ def _rotary_kernel(
     rows64 = rows.to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     pair_ok = row_ok[:, None] & (i < HALF)[None, :]
-    pos = tl.load(Positions + rows64, mask=row_ok, other=0).to(tl.float32)
-    angle = pos[:, None] * tl.load(InvFreq + i, mask=i < HALF, other=0.0)[None, :]
-    sin, cos = _sincos(angle)
+    if TABLE:  # the model's own cos and sin, at each token's row (a row outside the table reads nothing)
+        r = tl.load(Positions + rows64, mask=row_ok, other=0).to(tl.int64)
+        in_table = pair_ok & ((r >= 0) & (r < ROWS))[:, None]
+        cos = tl.load(Cos + r[:, None] * stride_cos + i[None, :], mask=in_table, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + r[:, None] * stride_sin + i[None, :], mask=in_table, other=0.0).to(tl.float32)
+    else:
+        pos = tl.load(Positions + rows64, mask=row_ok, other=0).to(tl.float32)
+        angle = pos[:, None] * tl.load(InvFreq + i, mask=i < HALF, other=0.0)[None, :]
+        sin, cos = _sincos(angle)
     c = cos * scaling
     s = sin * (scaling * sin_sign)
     # Interleaved pairs are read as one contiguous [BLOCK_T, 2 * BLOCK_HALF] tile and split in registers (wide
@@ -124,36 +139,42 @@ _APPLY, = launches.declare(launches.LaunchSite(
 
 
 @torch.library.custom_op("bertfuse::rotary", mutates_args=())
-def _rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, interleaved: bool,
-            inverse: bool) -> torch.Tensor:
-    """y [T, H, D] (contiguous) = x rotated by +angle (inverse: -angle, the backward) at each token's position."""
+def _rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None, scaling: float,
+            interleaved: bool, inverse: bool, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """y [T, H, D] (contiguous) = x rotated by +angle (inverse: -angle, the backward) at each token's position;
+    the angles' cos and sin from inv_freq, or read from the tables cos and sin."""
     total, heads, dim = x.shape
-    half = inv_freq.numel()
+    table = cos is not None
+    half = cos.shape[1] if table else inv_freq.numel()
     y = torch.empty((total, heads, dim), dtype=x.dtype, device=x.device)
     block_t, warps = _config(x.dtype, half, targets.of(x.device))
     if total and heads and dim:
-        _APPLY.launch((triton.cdiv(total, block_t),), x, y, positions, inv_freq, x.stride(0), x.stride(1), total,
-                      heads, float(scaling), -1.0 if inverse else 1.0, HALF=half, HEAD_DIM=dim,
-                      INTERLEAVED=interleaved, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+        freq = cos if inv_freq is None else inv_freq  # a pointer never read with a table
+        cos, sin = (cos, sin) if table else (freq, freq)
+        _APPLY.launch((triton.cdiv(total, block_t),), x, y, positions, freq, cos, sin, x.stride(0), x.stride(1),
+                      cos.stride(0) if table else 0, sin.stride(0) if table else 0, total, heads,
+                      cos.shape[0] if table else 0, float(scaling), -1.0 if inverse else 1.0, HALF=half,
+                      HEAD_DIM=dim, INTERLEAVED=interleaved, TABLE=table, BLOCK_T=block_t,
+                      BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
                       BLOCK_TAIL=triton.next_power_of_2(max(dim - 2 * half, 1)), num_warps=warps)
     return y
 
 
 @_rotary.register_fake
-def _(x, positions, inv_freq, scaling, interleaved, inverse):
+def _(x, positions, inv_freq, scaling, interleaved, inverse, cos, sin):
     return x.new_empty(x.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    _, positions, inv_freq, scaling, interleaved, inverse = inputs
-    ctx.save_for_backward(positions, inv_freq)
+    _, positions, inv_freq, scaling, interleaved, inverse, cos, sin = inputs
+    ctx.save_for_backward(positions, inv_freq, cos, sin)
     ctx.scaling, ctx.interleaved, ctx.inverse = scaling, interleaved, inverse
 
 
 def _backward(ctx, dy):
-    positions, inv_freq = ctx.saved_tensors
-    dx = _rotary(unit_stride(dy), positions, inv_freq, ctx.scaling, ctx.interleaved, not ctx.inverse)
-    return dx, None, None, None, None, None
+    positions, inv_freq, cos, sin = ctx.saved_tensors
+    dx = _rotary(unit_stride(dy), positions, inv_freq, ctx.scaling, ctx.interleaved, not ctx.inverse, cos, sin)
+    return dx, None, None, None, None, None, None, None
 
 
 _rotary.register_autograd(_backward, setup_context=_setup_context)
@@ -166,29 +187,63 @@ def _check(x, positions, rot):
         raise ValueError(f"{op}: x must be [total_tokens, heads, head_dim], got {tuple(x.shape)}")
     if not isinstance(rot, Rotary):
         raise TypeError(f"{op}: rotary must be a kernels.Rotary, got {type(rot).__name__}")
-    inv = rot.inv_freq
-    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.dtype != torch.float32:
-        raise TypeError(f"{op}: inv_freq must be a 1-D float32 tensor [rotary_dim // 2]")
-    if not 1 <= 2 * inv.numel() <= x.shape[2]:
-        raise ValueError(f"{op}: inv_freq has {inv.numel()} frequencies, so rotary_dim {2 * inv.numel()}, which "
-                         f"must be 2 .. head_dim = {x.shape[2]}")
+    half = _check_tables(rot) if rot.cos is not None or rot.sin is not None else _check_inv_freq(rot)
+    if not 1 <= 2 * half <= x.shape[2]:
+        raise ValueError(f"{op}: {half} frequencies, so rotary_dim {2 * half}, which must be 2 .. head_dim = "
+                         f"{x.shape[2]}")
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
             or tuple(positions.shape) != (x.shape[0],):
         got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else \
             type(positions).__name__
         raise ValueError(f"{op}: positions must be an int32 or int64 tensor [total_tokens] = [{x.shape[0]}], got "
                          f"{got}")
-    check_device(op, x=x, positions=positions, inv_freq=inv)
+    check_device(op, x=x, positions=positions, **{n: t for n in ("inv_freq", "cos", "sin")
+                                                   if (t := getattr(rot, n)) is not None})
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, rot: Rotary) -> torch.Tensor:
+def _check_inv_freq(rot) -> int:
+    inv = rot.inv_freq
+    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.dtype != torch.float32:
+        raise TypeError("rotary: inv_freq must be a 1-D float32 tensor [rotary_dim // 2] (or give cos and sin "
+                        "tables)")
+    return inv.numel()
+
+
+def _check_tables(rot) -> int:
+    for name in ("cos", "sin"):
+        t = getattr(rot, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            got = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} {tuple(t.shape)}"
+            raise TypeError(f"rotary: {name} must be a 2-D floating tensor [rows, rotary_dim // 2] (cos and sin "
+                            f"come together), got {got}")
+    if rot.cos.shape != rot.sin.shape:
+        raise ValueError(f"rotary: cos {tuple(rot.cos.shape)} and sin {tuple(rot.sin.shape)} differ in shape")
+    if rot.inv_freq is not None:
+        raise ValueError("rotary: give inv_freq or the cos and sin tables, not both")
+    return rot.cos.shape[1]
+
+
+def _check_rows(positions, rows: int) -> None:
+    """Every token's row inside the tables (one sync)."""
+    if positions.numel() and not bool(((positions >= 0) & (positions < rows)).all()):
+        raise ValueError(f"rotary: positions must index the cos and sin tables' {rows} rows; got values in "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, rot: Rotary, validate: bool = True) -> torch.Tensor:
     """x [total_tokens, heads, head_dim] rotated at each token's position (positions [total_tokens], int32 or
     int64): a new contiguous tensor of x's shape and dtype; x may be a strided view (a head slice of a fused q/k/v
-    projection). Positions below 2^24 are exact in the float32 angle. Runs as the custom op bertfuse::rotary,
-    which torch.compile traces through; the backward is the inverse rotation."""
+    projection). Positions below 2^24 are exact in the float32 angle. With tables (rot.cos, rot.sin), positions
+    are rows of them, checked to lie inside unless validate=False (the check syncs once; compiled, it is
+    skipped, and a row outside turns the token's pairs to zero). Runs as the custom op bertfuse::rotary, which
+    torch.compile traces through; the backward is the inverse rotation."""
     _check(x, positions, rot)
-    return _rotary(unit_stride(x), dense(positions), dense(rot.inv_freq), float(rot.scaling), bool(rot.interleaved),
-                   False)
+    cos, sin = (unit_stride(t) if t is not None else None for t in (rot.cos, rot.sin))
+    if cos is not None and validate and not torch.compiler.is_compiling():
+        _check_rows(positions, cos.shape[0])
+    inv_freq = dense(rot.inv_freq) if rot.inv_freq is not None else None
+    return _rotary(unit_stride(x), dense(positions), inv_freq, float(rot.scaling), bool(rot.interleaved), False,
+                   cos, sin)
 
 
 def rotary_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
@@ -206,9 +261,13 @@ def rotary_positions(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tenso
 def rotary_ref(x: torch.Tensor, positions: torch.Tensor, rot: Rotary) -> torch.Tensor:
     """`rotary` in plain PyTorch, as transformers writes it (cos and sin of the float32 angles, the pairs rotated
     with `rotate_half` or interleaved), in x's dtype (float64 for checks)."""
-    half = rot.inv_freq.numel()
-    angle = positions.float()[:, None] * rot.inv_freq.float()[None, :]
-    cos, sin = (f(angle).to(x.dtype)[:, None, :] * rot.scaling for f in (torch.cos, torch.sin))
+    if rot.cos is not None:  # the model's own tables, read at each token's row
+        half = rot.cos.shape[1]
+        cos, sin = (t[positions].to(x.dtype)[:, None, :] * rot.scaling for t in (rot.cos, rot.sin))
+    else:
+        half = rot.inv_freq.numel()
+        angle = positions.float()[:, None] * rot.inv_freq.float()[None, :]
+        cos, sin = (f(angle).to(x.dtype)[:, None, :] * rot.scaling for f in (torch.cos, torch.sin))
     if rot.interleaved:
         x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
         rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)

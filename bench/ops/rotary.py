@@ -11,11 +11,20 @@ def _inv_freq(dim: int, device, base: float = 10000.0) -> torch.Tensor:
     return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
 
 
-def _smoke(s, device, interleaved=False) -> Case:
+def _tables(rows: int, dim: int, device):
+    """cos and sin [rows, dim // 2] as a model keeps them (RoFormer: sin then cos in one weight; views of it)."""
+    angle = torch.arange(rows, dtype=torch.float64, device=device)[:, None] * _inv_freq(dim, device).double()
+    weight = torch.cat([angle.sin(), angle.cos()], dim=1).float()
+    return weight[:, dim // 2:], weight[:, :dim // 2]
+
+
+def _smoke(s, device, interleaved=False, table=False) -> Case:
     cu = torch.tensor([0, *torch.tensor(s.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     positions = rotary_positions(cu, s.tokens)
     rot = Rotary(_inv_freq(s.head_dim, device), 1.0, interleaved)
-    return Case("rotary" + (" interleaved" if interleaved else ""),
+    if table:
+        rot = Rotary(None, 1.0, interleaved, *_tables(s.tokens, s.head_dim, device))
+    return Case("rotary" + (" interleaved" if interleaved else "") + (" table" if table else ""),
                 [randn(s.tokens, s.heads, s.head_dim, device=device)],
                 lambda x: rotary(x, positions, rot), lambda x: rotary_ref(x, positions, rot), ["y", "dx"])
 
@@ -24,7 +33,8 @@ def _bench(shape, device, dtype, full):
     """q and k of a layer, packed [tokens, heads, 64], rotated by their positions in sequences of 512: what
     transformers does (cos and sin tables [tokens, 64] built once per forward, outside the timing, then
     q * cos + rotate_half(q) * sin), Liger-Kernel's RoPE kernel on the same tables, flash-attn's rotary kernel on
-    the packed tokens (a [512, 32] table) where installed, and ours (cos and sin inside)."""
+    the packed tokens (a [512, 32] table) where installed, and ours: cos and sin inside, and ("ours-table") read
+    from a model's own [512, 32] tables, as for RoFormer and ESM."""
     tokens, heads, dim = shape
     positions = torch.arange(tokens, device=device, dtype=torch.int32) % 512
     rot = Rotary(_inv_freq(dim, device))
@@ -43,6 +53,11 @@ def _bench(shape, device, dtype, full):
 
     def ours(q, k):
         return rotary(q, positions, rot) + rotary(k, positions, rot)
+
+    table = Rotary(None, 1.0, False, cos[:512, :dim // 2], sin[:512, :dim // 2])  # rows 0..511 = positions
+
+    def ours_table(q, k):
+        return rotary(q, positions, table, validate=False) + rotary(k, positions, table, validate=False)
 
     def liger():
         from liger_kernel.transformers.functional import liger_rope
@@ -65,7 +80,8 @@ def _bench(shape, device, dtype, full):
         return rotary_ref(q, positions, rot) + rotary_ref(k, positions, rot)
 
     n = tokens * heads * dim * dtype.itemsize  # per tensor: read x, write y; backward: read dy, write dx
-    impls = {"torch-eager": eager, "ours": ours, "liger-rope": optional_peer("liger-kernel", liger)}
+    impls = {"torch-eager": eager, "ours": ours, "ours-table": ours_table,
+             "liger-rope": optional_peer("liger-kernel", liger)}
     if device.type == "cuda":
         impls["flash_attn-rotary"] = optional_peer("flash-attn", flash)
     yield Bench("rotary", f"{tokens}x{heads}x{dim}", impls, inputs, 4 * n, 4 * n, reference=exact)
@@ -75,12 +91,18 @@ def _compiled():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for dim, interleaved, rotary_dim in ((64, False, 64), (128, False, 128), (64, True, 64), (64, False, 32)):
             yield CompileCall(dtype, dim, dict(interleaved=interleaved, rotary_dim=rotary_dim))
+        # A model's own tables: RoFormer's interleaved sinusoids, ESM's half-rotation cos and sin.
+        for interleaved in (True, False):
+            yield CompileCall(dtype, 64, dict(interleaved=interleaved, table=True))
 
 
-def _call(dtype, dim, interleaved=False, rotary_dim=None):
-    """Forward and backward of 37 tokens of 3 heads of width dim, rotated on rotary_dim of them."""
+def _call(dtype, dim, interleaved=False, rotary_dim=None, table=False):
+    """Forward and backward of 37 tokens of 3 heads of width dim, rotated on rotary_dim of them (by the
+    frequencies, or read from cos and sin tables)."""
     x = torch.randn(37, 3, dim, dtype=dtype, requires_grad=True)
     rot = Rotary(_inv_freq(rotary_dim or dim, "cpu"), 1.0, interleaved)
+    if table:
+        rot = Rotary(None, 1.0, interleaved, *_tables(37, rotary_dim or dim, "cpu"))
     rotary(x, torch.arange(37, dtype=torch.int32), rot).sum().backward()
 
 
@@ -94,7 +116,8 @@ def _tune_setup(shape, size, dtype, device, part=None):
 
 RECORD = Record(
     name="rotary",
-    smoke={"rotary": _smoke, "rotary_interleaved": lambda s, device: _smoke(s, device, True)},
+    smoke={"rotary": _smoke, "rotary_interleaved": lambda s, device: _smoke(s, device, True),
+           "rotary_table": lambda s, device: _smoke(s, device, True, True)},
     bench_shapes=BenchShapes(quick=[(16384, 12, 64)], full=[(t, h, 64) for t in (16384, 65536) for h in (12, 16)],
                              tiny=[(24, 2, 16)]),
     bench=_bench,

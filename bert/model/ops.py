@@ -121,21 +121,28 @@ def glu(a, b, activation="gelu", backend="torch"):
 # ---- rotary position embeddings -----------------------------------------------------------------
 class Rotation(NamedTuple):
     """What rotates q and k: pair i of the first 2 * len(inv_freq) features turns by position * inv_freq[i];
-    cos and sin times `scaling`; `interleaved` pairs (2i, 2i + 1), else (i, i + len(inv_freq))."""
-    inv_freq: torch.Tensor     # [rotary_dim // 2] float32
+    cos and sin times `scaling`; `interleaved` pairs (2i, 2i + 1), else (i, i + len(inv_freq)). Or a model's
+    own tables: cos and sin [rows, rotary_dim // 2] read at each token's row (inv_freq None)."""
+    inv_freq: torch.Tensor | None  # [rotary_dim // 2] float32
     scaling: float = 1.0
     interleaved: bool = False
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 def rotary(x, positions, rotation: Rotation, backend="torch"):
     """x [tokens, heads, head_dim] rotated by each token's position (positions [tokens], int), as transformers
     rotates q and k: the float32 angles' cos and sin, in x's dtype on the PyTorch path."""
-    if backend == "triton":
+    if backend == "triton":  # the rows of a table are the caller's (the fused models' own gathers): not re-checked
         k = kernels_package()
-        return k.rotary(x, positions, k.Rotary(*rotation))
-    half = rotation.inv_freq.numel()
-    angle = positions.float()[:, None] * rotation.inv_freq.float()[None, :]
-    cos, sin = ((f(angle) * rotation.scaling).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
+        return k.rotary(x, positions, k.Rotary(*rotation), validate=False)
+    if rotation.cos is not None:
+        half = rotation.cos.shape[1]
+        cos, sin = ((t[positions] * rotation.scaling).to(x.dtype)[:, None, :] for t in (rotation.cos, rotation.sin))
+    else:
+        half = rotation.inv_freq.numel()
+        angle = positions.float()[:, None] * rotation.inv_freq.float()[None, :]
+        cos, sin = ((f(angle) * rotation.scaling).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
     if rotation.interleaved:
         x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
         turned = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
