@@ -8,10 +8,11 @@ keys and values, optimizers and save_pretrained keep working, and `unfuse` puts 
 the model learned.
 
 Encoders are found by structure (an encoder model is a module with `embeddings` and an `encoder` or
-`transformer` holding a `layer` list), and a module is fused only where its class is known to compute the fused
-op's math: a class of the model types a `Layers` record names (transformers' copies of BERT's layer, DistilBERT's),
+`transformer` holding a `layer` list, or a model holding its `layers` itself beside `embeddings` or, in a known
+encoder's class, `embed_tokens`), and a module is fused only where its class is known to compute the fused op's
+math: a class of the model types a `Layers` record names (transformers' copies of BERT's layer, DistilBERT's...),
 or a subclass adding nothing but __init__ (`unknown_code`); look-alikes with BERT's submodule names around other
-attention (RoFormer, MRA, Nystromformer, YOSO) keep their code, with the reason in `fuse_report`. What the
+attention (MRA, Nystromformer, YOSO) keep their code, with the reason in `fuse_report`. What the
 drop-in knows about each Hugging Face family is one `Family` record in `FAMILIES` (its layer structure, the
 Linear + activation pairs, the MLM head, the padding id), read by the fuser, its tests and bench.hf_parity; a new
 family is one record. The layer structures (`Layers`) are
@@ -33,7 +34,17 @@ family is one record. The layer structures (`Layers`) are
     (`Layers.encoder_forward`). q and k are rotated by each token's position id (`kernels.rotary`, cos and sin in
     the kernel) with its layer type's inv_freq and scaling, local layers attend within sliding_window positions
     each side (the varlen kernel's window, the tiles outside skipped), the gated MLP's act(a) * b is one kernel
-    (`kernels.glu`), and each residual add before mlp_norm is in that LayerNorm's kernel (`return_sum`).
+    (`kernels.glu`), and each residual add before mlp_norm is in that LayerNorm's kernel (`return_sum`);
+  * NomicBERT (post-norm, rotary, no biases) and EuroBERT (pre-norm RMSNorm, rotary, grouped-query heads, its
+    model holding `embed_tokens`): self_attn.{q_proj,k_proj,v_proj,o_proj}, mlp.{gate_proj,up_proj,down_proj,
+    act_fn}, and post_attention_layernorm with post_mlp_layernorm (NomicBERT) or input_layernorm (EuroBERT),
+    held by the model in `layers` and fused whole as ModernBERT is; k and v keep their num_key_value_heads heads
+    in the kernel, and each EuroBertRMSNorm runs the RMSNorm kernel;
+  * ESM (pre-norm BERT: attention.LayerNorm before attention.self, the layer's LayerNorm before intermediate,
+    encoder.emb_layer_norm_after) and RoFormer (BERT's layer): each rotates q and k (RoFormer's rotary_value:
+    v too) by the cos and sin its model keeps, ESM's formed once per forward from the position ids and handed to
+    its encoder, RoFormer's the encoder's float64-made sinusoid table; the kernel reads those tables at each
+    token's row (`ops.Rotation.cos`/`.sin`), so the rotation is the model's own to the bit.
 What is fused:
   * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
@@ -47,7 +58,8 @@ What is fused:
     each layer. Under torch.compile and torch.export a static layout replaces unpadding (no host sync, one graph
     whatever the padding); an ONNX export exports each module's original code;
   * with fuse(model, mlm_logits=False), masked-LM heads given labels (BERT's cls.predictions, RoBERTa's lm_head,
-    ELECTRA's generator, DistilBERT's vocab_*, ALBERT's predictions): the loss by the masked-only kernel at
+    ELECTRA's generator, DistilBERT's vocab_*, ALBERT's predictions, ModernBERT's, NomicBERT's and RoFormer's
+    heads, ESM's lm_head with its own bias, EuroBERT's bare lm_head): the loss by the masked-only kernel at
     labelled positions, the vocabulary logits never formed; pre-training models add their sentence-pair head's
     loss (BERT's next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head
     returns transformers' full logits.
@@ -55,7 +67,8 @@ The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs tra
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
 `fuse_report` lists it: attention the kernel cannot express (disentangled positions, a relative-position rule
 other than MPNet's, a rope type whose frequencies change with the length, a head_dim over 128, decoders and
-their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call asking for output_attentions, output_hidden_states, cross-attention or
+their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call asking for
+output_attentions, output_hidden_states, cross-attention or
 a cache, with a mask the kernel cannot express (one that differs between queries, or additive values other than
 0 and the minimum), or whose attention dropout holds a hook or was replaced (or, for MPNet, a mask with holes,
 whose padded slots its relative positions count, or a hook on its bias; for ModernBERT, a mask with holes,
@@ -156,12 +169,26 @@ def _add_norm(norm, dropout, h, residual):
 
 def _add_then_norm(norm, h, residual):
     """(norm(h + residual), h + residual), a pre-norm layer's next input and its residual stream, from one
-    LayerNorm kernel where the norm is plain; else the add, then the norm called."""
+    LayerNorm or RMSNorm kernel where the norm is plain; else the add, then the norm called."""
     if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
         return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, backend=ops.backend_for(h),
                               return_sum=True)
+    if _plain_rms_norm(norm):
+        return _rms_norm(norm, h, residual)
     total = h + residual
     return norm(total), total
+
+
+def _plain_rms_norm(norm) -> bool:
+    """An RMSNorm module fuse made a kernel's (a known family's class: EuroBertRMSNorm), without hooks."""
+    return getattr(type(norm), "_bertfuse_forward", None) is _rms_norm_forward and ops.hookless(norm)
+
+
+def _rms_norm(norm, x, residual=None):
+    """norm(x) (residual given: (norm(x + residual), x + residual)) for a family's RMSNorm module, in one
+    kernel."""
+    return ops.layer_norm(x, norm.weight, None, norm.variance_epsilon, residual, backend=ops.backend_for(x),
+                          rms=True, return_sum=residual is not None)
 
 
 def _gate(act, a, b):
@@ -203,6 +230,11 @@ def _intermediate_forward(self, hidden_states):
 def _head_transform_forward(self, hidden_states):
     """BertPredictionHeadTransform and its copies: LayerNorm(transform_act_fn(dense(x)))."""
     return self.LayerNorm(_linear_gelu(self.dense, self.transform_act_fn, hidden_states))
+
+
+def _nomicbert_head_transform_forward(self, hidden_states):
+    """NomicBertPredictionHeadTransform: layer_norm(transform_act_fn(dense(x)))."""
+    return self.layer_norm(_linear_gelu(self.dense, self.transform_act_fn, hidden_states))
 
 
 def _generator_head_forward(self, hidden_states):
@@ -314,30 +346,78 @@ class Rotary(NamedTuple):
     windows: dict                  # layer type -> (left, right), (-1, -1) for global attention
 
 
+# A rotary model with one kind of layer (NomicBERT, EuroBERT) has this layer type; ModernBERT's config lists its own.
+GLOBAL = "full_attention"
+
+
+def _layer_type(attention) -> str:
+    types = getattr(attention.config, "layer_types", None)
+    return types[attention.layer_idx] if types else GLOBAL
+
+
+def _rotary_attention(self, x, q, k, v, packed, position):
+    """The context [tokens, heads * head_dim] of q [tokens, heads, head_dim] and k, v [tokens, kv_heads,
+    head_dim] rotated by the layer type's rotation, within its window; the dropout on the probabilities in the
+    kernel."""
+    backend, kind = ops.backend_for(x), _layer_type(self)
+    q, k = (ops.rotary(t, position.positions, position.rotations[kind], backend) for t in (q, k))
+    context = ops.varlen_attention(q, k, v, packed, self.attention_dropout if self.training else 0.0,
+                                   backend, window_size=position.windows[kind])
+    return context.reshape(x.shape[0], -1)
+
+
 def _modernbert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """ModernBertAttention: out_drop(Wo(attention of RoPE(q), RoPE(k), v)), its layer type's rotation and window
     (a local layer sees sliding_window positions each side)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    x, backend = hidden_states, ops.backend_for(hidden_states)
-    heads = self.config.num_attention_heads
-    q, k, v = self.Wqkv(x).view(x.shape[0], 3, heads, self.head_dim).unbind(1)
-    kind = self.config.layer_types[self.layer_idx]
-    rotation = position.rotations[kind]
-    q, k = (ops.rotary(t, position.positions, rotation, backend) for t in (q, k))
-    context = ops.varlen_attention(q, k, v, packed, self.attention_dropout if self.training else 0.0, backend,
-                                   window_size=position.windows[kind])
-    return self.out_drop(self.Wo(context.reshape(x.shape[0], heads * self.head_dim))), None
+    x = hidden_states
+    q, k, v = self.Wqkv(x).view(x.shape[0], 3, -1, self.head_dim).unbind(1)
+    return self.out_drop(self.Wo(_rotary_attention(self, x, q, k, v, packed, position))), None
+
+
+def _projected_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """NomicBertAttention, EuroBertAttention: o_proj(attention of RoPE(q_proj(x)), RoPE(k_proj(x)), v_proj(x)),
+    k and v with num_key_value_heads heads (grouped-query attention: the kernel reads each k/v head for its
+    group, never repeated in memory)."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    x, d = hidden_states, self.head_dim
+    q, k, v = (proj(x).view(x.shape[0], -1, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    return self.o_proj(_rotary_attention(self, x, q, k, v, packed, position)), None
+
+
+def _pre_norm_layer(x, attention, attention_norm, mlp_norm, mlp, packed, position):
+    """a = x + attention(attention_norm(x)); a + mlp(mlp_norm(a)), the residual add and mlp_norm in one kernel."""
+    attended, _ = attention(attention_norm(x), packed=packed, position=position)
+    normed, total = _add_then_norm(mlp_norm, attended, x)
+    return total + mlp(normed)
 
 
 def _modernbert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
-    """ModernBertEncoderLayer (pre-norm): a = x + attn(attn_norm(x)); a + mlp(mlp_norm(a)), the residual add and
-    mlp_norm in one kernel."""
+    """ModernBertEncoderLayer: pre-norm (`_pre_norm_layer`), LayerNorms attn_norm and mlp_norm."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    attended, _ = self.attn(self.attn_norm(hidden_states), packed=packed, position=position)
-    normed, total = _add_then_norm(self.mlp_norm, attended, hidden_states)
-    return total + self.mlp(normed)
+    return _pre_norm_layer(hidden_states, self.attn, self.attn_norm, self.mlp_norm, self.mlp, packed, position)
+
+
+def _eurobert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """EuroBertDecoderLayer (bidirectional): pre-norm (`_pre_norm_layer`), RMSNorms input_layernorm and
+    post_attention_layernorm."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    return _pre_norm_layer(hidden_states, self.self_attn, self.input_layernorm, self.post_attention_layernorm,
+                           self.mlp, packed, position)
+
+
+def _nomicbert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """NomicBertLayer (post-norm): a = post_attention_layernorm(x + dropout(self_attn(x)));
+    post_mlp_layernorm(a + dropout(mlp(a))), each dropout, add and LayerNorm in one kernel."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended, _ = self.self_attn(hidden_states, packed=packed, position=position)
+    x = _add_norm(self.post_attention_layernorm, self.post_attention_dropout, attended, hidden_states)
+    return _add_norm(self.post_mlp_layernorm, self.post_mlp_dropout, self.mlp(x), x)
 
 
 def _gated_mlp_forward(self, hidden_states):
@@ -346,54 +426,205 @@ def _gated_mlp_forward(self, hidden_states):
     return self.Wo(self.drop(_gate(self.act, a, b)))
 
 
-def _modernbert_positions(model, positions) -> Rotary:
-    """The rotations of each layer type from the model's rotary embedding module (its inv_freq buffers and
-    attention scaling, as its forward reads them), and the windows its config sets."""
-    emb, cfg = model.rotary_emb, model.config
+def _gate_up_mlp_forward(self, x):
+    """NomicBertMLP, EuroBertMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)); the gating in one kernel."""
+    return self.down_proj(_gate(self.act_fn, self.gate_proj(x), self.up_proj(x)))
+
+
+def _rms_norm_forward(self, hidden_states):
+    """EuroBertRMSNorm: weight * x / sqrt(mean(x^2) + variance_epsilon), in one kernel."""
+    return _rms_norm(self, hidden_states)
+
+
+def _rope_parameters(emb) -> dict:
+    """layer type -> (rope type, inv_freq, attention scaling) of a model's rotary embedding module, as its forward
+    reads them: ModernBERT's per layer type, the others' one set."""
+    if isinstance(emb.rope_type, dict):
+        return {k: (t, getattr(emb, f"{k}_inv_freq", None), getattr(emb, f"{k}_attention_scaling", None))
+                for k, t in emb.rope_type.items()}
+    return {GLOBAL: (emb.rope_type, emb.inv_freq, emb.attention_scaling)}
+
+
+def _rope_positions(model, positions) -> Rotary:
+    """The rotations of each layer type from the model's rotary embedding module, and the windows its config
+    sets (ModernBERT's local layers: sliding_window positions each side)."""
     rotations, windows = {}, {}
-    for kind in set(cfg.layer_types):
-        rotations[kind] = ops.Rotation(getattr(emb, f"{kind}_inv_freq").float(),
-                                       float(getattr(emb, f"{kind}_attention_scaling")))
-        windows[kind] = (cfg.sliding_window, cfg.sliding_window) if kind == "sliding_attention" else (-1, -1)
+    for kind, (_, inv_freq, scaling) in _rope_parameters(model.rotary_emb).items():
+        rotations[kind] = ops.Rotation(inv_freq.float(), float(scaling))
+        local = kind == "sliding_attention"
+        windows[kind] = (model.config.sliding_window,) * 2 if local else (-1, -1)
     return Rotary(positions, rotations, windows)
+
+
+class _ModelCall(NamedTuple):
+    """One call of a rotary model fused whole, as its own forward was given it."""
+    given: torch.Tensor | None     # input_ids, or inputs_embeds where those are given instead
+    both_or_neither: bool          # input_ids and inputs_embeds both given, or neither: the original code raises
+    attention_mask: object
+    position_ids: torch.Tensor | None
+    kwargs: dict
+    embed: Callable                # () -> [batch, seq, hidden]: the embeddings as the model's code computes them
+    original: Callable             # () -> the original forward's output
+
+
+def _rotary_model_run(self, call: _ModelCall, final_norm: str | None):
+    """A rotary model fused whole: the embeddings as its code runs them, padding removed once, every layer on
+    packed tokens (RoPE by each token's position id, local layers' windows inside the attention kernel), the
+    final norm (`final_norm`, None: none), padding restored (as 0), the pooler where the model has one. A call
+    the fused layers do not compute runs the original code, counted in fuse_report."""
+    state: _EncoderState = self._bertfuse_encoder
+    as_tuple = call.kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
+    if call.both_or_neither or isinstance(call.attention_mask, dict):  # the original code raises, or reads them
+        return _run_original(state, "inputs or masks given as the original code alone reads them", call.original)
+    batch, seqlen = call.given.shape[:2]
+    keys = _key_mask(call.attention_mask, batch, seqlen, call.given.device)
+    if why := _original_code_reason(self, state, keys, None, call.kwargs):
+        return _run_original(state, why, call.original)
+    from transformers import modeling_outputs as outputs
+
+    p = _layout(keys)
+    x = unpad(call.embed(), p)
+    ids = torch.arange(seqlen, device=x.device) if call.position_ids is None else call.position_ids
+    x = state.layers.stack.run(self, x, p, _rope_positions(self, unpad(ids.expand(batch, seqlen), p)))
+    out = _padded(x if final_norm is None else getattr(self, final_norm)(x), p, keys)
+    fields = {"last_hidden_state": out}
+    if getattr(self, "pooler", None) is not None:
+        fields["pooler_output"] = self.pooler(out)
+    result = getattr(outputs, state.layers.output)(**fields)
+    return result.to_tuple() if as_tuple else result
 
 
 def _modernbert_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                               **kwargs):
-    """ModernBertModel fused: the embeddings as its code runs them, padding removed once, every layer on packed
-    tokens (RoPE by each token's position id, local layers' windows inside the attention kernel), final_norm,
-    padding restored (as 0). A call the fused layers do not compute runs the original code, counted in
-    fuse_report."""
-    def original(why):
-        state.report.calls[why] = state.report.calls.get(why, 0) + 1
-        _warn(f"{why} requested: this call runs the original (unfused) attention code")
+    """ModernBertModel fused whole (`_rotary_model_run`), final_norm after the layers."""
+    def original():
         return _original(self).forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                        inputs_embeds=inputs_embeds, **kwargs)
 
-    state: _EncoderState = self._bertfuse_encoder
-    as_tuple = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
-    given = input_ids if input_ids is not None else inputs_embeds
-    if (input_ids is None) == (inputs_embeds is None) or isinstance(attention_mask, dict):
-        return original("inputs or masks given as the original code alone reads them")  # it raises or reads them
-    batch, seqlen = given.shape[:2]
-    keys = _key_mask(attention_mask, batch, seqlen, given.device)
-    if why := _original_code_reason(self, state, keys, None, kwargs):
-        return original(why)
-    from transformers.modeling_outputs import BaseModelOutput
+    def embed():
+        return self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)
 
-    static = torch.compiler.is_compiling()
-    p = static_layout(keys) if static else unpad_mask(keys)
-    x = unpad(self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds), p)
-    ids = torch.arange(seqlen, device=given.device) if position_ids is None else position_ids
-    positions = unpad(ids.expand(batch, seqlen), p)
-    x = self.final_norm(state.layers.stack.run(self, x, p, _modernbert_positions(self, positions)))
-    out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)
-    return (out,) if as_tuple else BaseModelOutput(last_hidden_state=out)
+    call = _ModelCall(input_ids if input_ids is not None else inputs_embeds, (input_ids is None) == (inputs_embeds
+                      is None), attention_mask, position_ids, kwargs, embed, original)
+    return _rotary_model_run(self, call, "final_norm")
+
+
+def _nomicbert_model_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                             inputs_embeds=None, **kwargs):
+    """NomicBertModel fused whole (`_rotary_model_run`): post-norm layers, no final norm, its pooler if any."""
+    def original():
+        return _original(self).forward(input_ids=input_ids, attention_mask=attention_mask,
+                                       token_type_ids=token_type_ids, position_ids=position_ids,
+                                       inputs_embeds=inputs_embeds, **kwargs)
+
+    def embed():
+        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                               inputs_embeds=inputs_embeds)
+
+    call = _ModelCall(input_ids if input_ids is not None else inputs_embeds, (input_ids is None) == (inputs_embeds
+                      is None), attention_mask, position_ids, kwargs, embed, original)
+    return _rotary_model_run(self, call, None)
+
+
+def _eurobert_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                            **kwargs):
+    """EuroBertModel fused whole (`_rotary_model_run`): embed_tokens, pre-norm layers, the final RMSNorm `norm`."""
+    def original():
+        return _original(self).forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       inputs_embeds=inputs_embeds, **kwargs)
+
+    def embed():
+        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+
+    call = _ModelCall(input_ids if input_ids is not None else inputs_embeds, (input_ids is None) == (inputs_embeds
+                      is None), attention_mask, position_ids, kwargs, embed, original)
+    return _rotary_model_run(self, call, "norm")
 
 
 def _prediction_head_forward(self, hidden_states):
     """ModernBertPredictionHead: norm(act(dense(x)))."""
     return self.norm(_linear_gelu(self.dense, self.act, hidden_states))
+
+
+# ---- the rotary encoders of BERT's shape (ESM, RoFormer): an encoder given hidden states, which rotates q and k
+# by the cos and sin its model keeps (read from the tables in the kernel: `Rotation.cos`, `Rotation.sin`) -------
+def _rotated_self_attention(self, x, packed, position, rotate_value=False):
+    """The context [tokens, hidden] of BERT-like q, k, v projections, q and k (and v, RoFormer's rotary_value)
+    rotated where the encoder has rotary positions (`position`, None: absolute positions, in the embeddings)."""
+    heads, d, backend = self.num_attention_heads, self.attention_head_size, ops.backend_for(x)
+    q, k, v = ops.project_qkv(x, self.query, self.key, self.value, heads, d)
+    if position is not None:
+        rotation = position.rotations[GLOBAL]
+        q, k, v = (ops.rotary(t, position.positions, rotation, backend) if turn else t
+                   for t, turn in ((q, True), (k, True), (v, rotate_value)))
+    dropout = self.dropout if isinstance(self.dropout, float) else self.dropout.p
+    context = ops.varlen_attention(q, k, v, packed, dropout if self.training else 0.0, backend)
+    return context.reshape(x.shape[0], heads * d)
+
+
+def _esm_self_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """EsmSelfAttention: softmax(RoPE(q / sqrt(d)) RoPE(k)^T) v; RoPE is linear, so q's scaling is the
+    kernel's."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    return _rotated_self_attention(self, hidden_states, packed, position), None
+
+
+def _roformer_self_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """RoFormerSelfAttention: softmax(RoPE(q) RoPE(k)^T / sqrt(d)) RoPE(v) (v only with rotary_value), RoPE
+    interleaved from the encoder's sinusoid table."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    return _rotated_self_attention(self, hidden_states, packed, position, self.rotary_value), None
+
+
+def _esm_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """EsmAttention (pre-norm): output(self(LayerNorm(x)), x), the output block adding the residual."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    context, _ = self.self(self.LayerNorm(hidden_states), packed=packed, position=position)
+    return self.output(context, hidden_states)
+
+
+def _esm_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """EsmLayer (pre-norm): a = attention(x); output(intermediate(LayerNorm(a)), a)."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    attended = self.attention(hidden_states, packed=packed, position=position)
+    return self.output(self.intermediate(self.LayerNorm(attended)), attended)
+
+
+def _esm_intermediate_forward(self, hidden_states):
+    """EsmIntermediate: the erf GeLU (its own function, the same formula) of dense(x)."""
+    return _linear_gelu(self.dense, None, hidden_states)
+
+
+def _table_rows(rows: int, batch: int, seqlen: int, p) -> torch.Tensor:
+    """Each packed token's row of a [rows * seqlen] table of its (batch row, position): rows == batch, one
+    table row per token; rows == 1, the same rows for every batch row."""
+    index = torch.arange(rows * seqlen, device=p.cu_seqlens.device).view(rows, seqlen)
+    return unpad(index.expand(batch, seqlen), p)
+
+
+def _esm_rotary(encoder, kwargs, batch, seqlen, p) -> Rotary | None:
+    """ESM's rotary positions: the cos and sin [1 or batch, seq, head_dim] its model forms once per forward (from
+    the position ids), each token reading its row's first half (the second repeats it), half rotation."""
+    embeddings = kwargs.get("position_embeddings")
+    if embeddings is None:  # absolute positions, in the embeddings
+        return None
+    cos, sin = (t.reshape(-1, t.shape[-1]) for t in embeddings)
+    half = cos.shape[1] // 2
+    rows = _table_rows(embeddings[0].shape[0], batch, seqlen, p)
+    return Rotary(rows, {GLOBAL: ops.Rotation(None, 1.0, False, cos[:, :half], sin[:, :half])}, {GLOBAL: (-1, -1)})
+
+
+def _roformer_rotary(encoder, kwargs, batch, seqlen, p) -> Rotary:
+    """RoFormer's rotary positions: its sinusoid table [max_position_embeddings, head_dim] (sin, then cos, made in
+    float64) read at each token's position in its row, pairs interleaved."""
+    weight = encoder.embed_positions.weight
+    half = weight.shape[1] // 2
+    rows = _table_rows(1, batch, seqlen, p)
+    return Rotary(rows, {GLOBAL: ops.Rotation(None, 1.0, True, weight[:, half:], weight[:, :half])}, {GLOBAL: (-1, -1)})
 
 
 # ---- how an encoder holds its layers, and runs them on packed tokens ----------------------------------------
@@ -553,14 +784,24 @@ class Layers(NamedTuple):
     fused: str = "attention (varlen, padding removed once)"   # what fuse_report says the layers run fused
     # (encoder, key mask) -> why this call needs the original code ([] where it does not).
     call_problems: Callable | None = None
+    # Rotary positions an encoder given hidden states knows (RoFormer's sinusoid table, ESM's cos and sin):
+    # (encoder, its call's arguments, batch, seqlen, packed layout) -> a `Rotary`, or None (no rotation).
+    rotary: Callable | None = None
+    reads: tuple[str, ...] = ()    # the encoder arguments its fused forward reads (ESM's position_embeddings)
+    # (the attention module) -> the scale its code gives q k^T: `scaling`, else 1/sqrt(head_dim); ESM scales q by
+    # 1/sqrt(head_dim) before RoPE (a linear map, so the same) and then by `scaling` (1).
+    scale: Callable | None = None
+    final_norm: str | None = None  # a norm the encoder applies after its layers (ESM's emb_layer_norm_after)
 
 
 class MLMHead(NamedTuple):
-    """Paths, inside the task model, of a family's MLM head: dense -> GeLU -> LayerNorm -> decoder (tied)."""
-    dense: str
+    """Paths, inside the task model, of a family's MLM head: dense -> GeLU -> LayerNorm -> decoder (tied), or the
+    decoder alone (dense and norm None: EuroBERT's lm_head)."""
+    dense: str | None
     act: str | None          # None: the head calls an erf GeLU function, not a module (RoBERTa's lm_head)
-    norm: str
+    norm: str | None
     decoder: str
+    bias: str | None = None  # a vocabulary bias the head adds after the decoder (ESM's lm_head.bias)
 
 
 class Family(NamedTuple):
@@ -634,17 +875,27 @@ ALBERT_LAYERS = Layers("albert", ("attention.query", "attention.key", "attention
                        (("attention", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Transformer",))),
                        _ALBERT_MODELS, stack=ALBERT_GROUPS, probs_dropout="attention_dropout")
 _MODERNBERT_MODELS = (("modernbert.modeling_modernbert", "ModernBert"),)
+_NOMICBERT_MODELS = (("nomic_bert.modeling_nomic_bert", "NomicBert"),)
+_EUROBERT_MODELS = (("eurobert.modeling_eurobert", "EuroBert"),)
+_ROTARY_MODELS = (*_MODERNBERT_MODELS, *_NOMICBERT_MODELS, *_EUROBERT_MODELS)
+_RMS_NORM_CLASSES = ("{P}RMSNorm",)  # weight * x / sqrt(mean(x^2) + variance_epsilon)
 # Rope types whose inv_freq and scaling are fixed at construction (a dynamic one changes them with the length).
 STATIC_ROPE = ("default", "linear", "yarn", "llama3")
 
 
-def _modernbert_problems(model) -> list[str]:
-    cfg, emb = model.config, model.rotary_emb
-    kinds = set(cfg.layer_types)
-    why = [f"layer type {k!r}" for k in sorted(kinds - {"full_attention", "sliding_attention"})]
-    why += [f"rope type {t!r}, whose frequencies change with the length" for k, t in sorted(emb.rope_type.items())
+def _rope_problems(model) -> list[str]:
+    """Why a rotary model's configuration asks for what the fused layers do not compute: a layer type other than
+    global and local attention, a rope type whose frequencies change with the length, a layer count other than
+    the layers held (NomicBERT and EuroBERT run the first num_hidden_layers of them)."""
+    cfg, params = model.config, _rope_parameters(model.rotary_emb)
+    kinds = set(getattr(cfg, "layer_types", None) or [GLOBAL])
+    why = [f"layer type {k!r}" for k in sorted(kinds - {GLOBAL, "sliding_attention"})]
+    why += [f"rope type {t!r}, whose frequencies change with the length" for k, (t, _, _) in sorted(params.items())
             if t not in STATIC_ROPE]
-    why += [f"no rotary parameters for layer type {k!r}" for k in sorted(kinds) if k not in emb.rope_type]
+    why += [f"no rotary parameters for layer type {k!r}" for k in sorted(kinds)
+            if k not in params or params[k][1] is None]
+    if len(model.layers) != cfg.num_hidden_layers:
+        why.append(f"{len(model.layers)} layers held for num_hidden_layers={cfg.num_hidden_layers}")
     return why
 
 
@@ -669,6 +920,8 @@ def _modernbert_call_problems(encoder, keys) -> list[str]:
     return _holes(keys, "sliding windows") if "sliding_attention" in encoder.config.layer_types else []
 
 
+_ROTARY_FUSED = "attention (varlen, padding removed once; RoPE by each token's position id in the kernels{}), the " \
+                "gated MLP's act(a) * b in one kernel, {}"
 MODERNBERT_LAYERS = Layers("modernbert", ("attn_norm", "attn.Wqkv", "attn.Wo", "mlp_norm", "mlp.Wi", "mlp.Wo"),
                            "attn", (("", _modernbert_layer_forward), ("attn", _modernbert_attention_forward),
                                     ("mlp", _gated_mlp_forward)),
@@ -676,10 +929,73 @@ MODERNBERT_LAYERS = Layers("modernbert", ("attn_norm", "attn.Wqkv", "attn.Wo", "
                            (("attn", ("{P}Attention",)), ("", ("{P}EncoderLayer",)), ("..", ("{P}Model",)),
                             ("mlp", ("{P}MLP",))), _MODERNBERT_MODELS, stack=MODEL_LAYERS,
                            probs_dropout="attention_dropout", encoder_forward=_modernbert_model_forward,
-                           problems=_modernbert_problems, call_problems=_modernbert_call_problems,
-                           fused="attention (varlen, padding removed once; RoPE by each layer type's rotation and "
-                                 "local windows in the kernels), the gated MLP's act(a) * b in one kernel, each "
-                                 "residual add before mlp_norm in its LayerNorm kernel")
+                           problems=_rope_problems, call_problems=_modernbert_call_problems,
+                           fused=_ROTARY_FUSED.format(", local windows skipping the tiles outside them",
+                                                      "each residual add before mlp_norm in its LayerNorm kernel"))
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+NOMICBERT_LAYERS = Layers("nomicbert", (*_PROJECTIONS, "post_attention_layernorm", "post_mlp_layernorm"),
+                          "self_attn", (("", _nomicbert_layer_forward), ("self_attn", _projected_attention_forward),
+                                        ("mlp", _gate_up_mlp_forward)),
+                          "BaseModelOutputWithPooling",
+                          (("self_attn", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Model",)),
+                           ("mlp", ("{P}MLP",))), _NOMICBERT_MODELS, stack=MODEL_LAYERS,
+                          probs_dropout="attention_dropout", encoder_forward=_nomicbert_model_forward,
+                          problems=_rope_problems,
+                          fused=_ROTARY_FUSED.format("", "each dropout + residual add in its LayerNorm kernel"))
+EUROBERT_LAYERS = Layers("eurobert", (*_PROJECTIONS, "input_layernorm", "post_attention_layernorm"),
+                         "self_attn", (("", _eurobert_layer_forward), ("self_attn", _projected_attention_forward),
+                                       ("mlp", _gate_up_mlp_forward)),
+                         "BaseModelOutput",
+                         (("self_attn", ("{P}Attention",)), ("", ("{P}DecoderLayer",)), ("..", ("{P}Model",)),
+                          ("mlp", ("{P}MLP",))), _EUROBERT_MODELS, stack=MODEL_LAYERS,
+                         probs_dropout="attention_dropout", encoder_forward=_eurobert_model_forward,
+                         problems=_rope_problems,
+                         fused=_ROTARY_FUSED.format(", grouped-query heads read per group",
+                                                    "every RMSNorm a kernel, each residual add before "
+                                                    "post_attention_layernorm in its kernel"))
+_ESM_MODELS = (("esm.modeling_esm", "Esm"),)
+_ROFORMER_MODELS = (("roformer.modeling_roformer", "RoFormer"),)
+
+
+def _roformer_problems(model) -> list[str]:
+    """RoFormer's table must be its sinusoids, [max positions, head_dim], head_dim even (its odd split differs)."""
+    cfg, weight = model.config, model.encoder.embed_positions.weight
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if weight.shape[1] != head_dim or head_dim % 2:
+        return [f"a sinusoid table of width {weight.shape[1]} for head_dim {head_dim}, which must be even"]
+    return []
+
+
+def _roformer_call_problems(encoder, keys) -> list[str]:
+    """The original code looks the table up at positions 0 .. seq-1 and fails past it; the fused one too."""
+    rows = encoder.embed_positions.weight.shape[0]
+    too_long = keys is not None and keys.shape[1] > rows
+    return [f"a sequence longer than the sinusoid table's {rows} positions"] if too_long else []
+
+
+ESM_LAYERS = Layers("esm", ("attention.self.query", "attention.self.key", "attention.self.value",
+                            "attention.output.dense", "attention.LayerNorm", "intermediate.dense", "output.dense",
+                            "LayerNorm"),
+                    "attention.self", (("", _esm_layer_forward), ("attention", _esm_attention_forward),
+                                       ("attention.self", _esm_self_attention_forward)),
+                    "BaseModelOutputWithCrossAttentions",
+                    (("attention.self", ("{P}SelfAttention",)), ("attention", ("{P}Attention",)), ("", ("{P}Layer",)),
+                     ("..", ("{P}Encoder",)), ("attention.output", ("{P}SelfOutput",)),
+                     ("intermediate", ("{P}Intermediate",)), ("output", ("{P}Output",))), _ESM_MODELS,
+                    rotary=_esm_rotary, reads=("position_embeddings",),
+                    scale=lambda at: at.attention_head_size ** -0.5 * at.scaling, final_norm="emb_layer_norm_after",
+                    fused="attention (varlen, padding removed once; RoPE in the kernels from the cos and sin the model "
+                          "forms), each pre-norm LayerNorm a kernel, Linear + GeLU, emb_layer_norm_after on the real "
+                          "tokens")
+ROFORMER_LAYERS = BERT_LAYERS._replace(
+    name="roformer", forwards=(("", _bert_layer_forward), ("attention", _bert_attention_forward),
+                               ("attention.self", _roformer_self_attention_forward)),
+    roles=tuple((path, {"attention.self": ("{P}SelfAttention",), "..": ("{P}Encoder",)}.get(path, names))
+                for path, names in BERT_LAYERS.roles), models=_ROFORMER_MODELS,
+    problems=_roformer_problems, call_problems=_roformer_call_problems, rotary=_roformer_rotary,
+    fused="attention (varlen, padding removed once; RoPE interleaved in the kernels, read from the model's own "
+          "sinusoid table)")
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -706,12 +1022,28 @@ FAMILIES = (
                          ("hidden_act", "hidden_activation")),
            test_config=(("local_attention", 8), ("global_attn_every_n_layers", 2), ("bos_token_id", 1),
                         ("eos_token_id", 2), ("cls_token_id", 1), ("sep_token_id", 2)), segments=False),
+    # GeLU in the test models (SiLU by default): the head transform's Linear + GeLU fused too.
+    Family("nomicbert", "NomicBert", NOMICBERT_LAYERS,
+           MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
+                   "cls.predictions.transform.layer_norm", "cls.predictions.decoder"), 0,
+           test_config=(("hidden_act", "gelu"),)),
+    # Two k/v heads for four query heads (grouped-query attention); the MLM head is the decoder alone.
+    # Rotary positions (the ESM-2 models'); the padding id 1, as theirs.
+    Family("esm", "Esm", ESM_LAYERS,
+           MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"), 1,
+           test_config=(("position_embedding_type", "rotary"), ("mask_token_id", 4)), segments=False),
+    Family("roformer", "RoFormer", ROFORMER_LAYERS, _BERT_MLM, 0),
+    Family("eurobert", "EuroBert", EUROBERT_LAYERS, MLMHead(None, None, None, "lm_head"), 0,
+           config_names=(("attention_probs_dropout_prob", "attention_dropout"),),
+           test_config=(("num_key_value_heads", 2), ("bos_token_id", 1), ("eos_token_id", 2), ("mask_token_id", 4)),
+           segments=False),
 )
 
 
 # The task models whose forward the masked-only MLM loss stands in for: the families' own.
 _MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS,
-                                *_MODERNBERT_MODELS) if m[1] in {f.prefix for f in FAMILIES})
+                                *_ROTARY_MODELS, *_ESM_MODELS, *_ROFORMER_MODELS)
+                    if m[1] in {f.prefix for f in FAMILIES})
 
 
 def family(name: str) -> Family:
@@ -732,7 +1064,8 @@ MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 # ---- whose code is known: a module is fused only where its class computes exactly the fused op's math ---------
 # Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
-_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS, *_MODERNBERT_MODELS,
+_BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS, *_ROTARY_MODELS,
+                 *_ESM_MODELS, *_ROFORMER_MODELS,
                  ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
 
 
@@ -748,7 +1081,10 @@ _GELU_BLOCKS = (GeluBlock("{P}Intermediate", ("dense", "intermediate_act_fn"), _
                           _head_transform_forward),
                 GeluBlock("{P}GeneratorPredictions", ("dense", "activation", "LayerNorm"), _generator_head_forward),
                 GeluBlock("{P}MLMHead", ("dense", "activation", "LayerNorm", "decoder"), _albert_mlm_head_forward),
-                GeluBlock("{P}PredictionHead", ("dense", "act", "norm"), _prediction_head_forward))
+                GeluBlock("{P}PredictionHead", ("dense", "act", "norm"), _prediction_head_forward),
+                GeluBlock("{P}PredictionHeadTransform", ("dense", "transform_act_fn", "layer_norm"),
+                          _nomicbert_head_transform_forward),
+                GeluBlock("{P}Intermediate", ("dense",), _esm_intermediate_forward))
 # Blocks computing LayerNorm(dropout(dense(x)) + residual).
 _OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
 # transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
@@ -829,29 +1165,45 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
     why = _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
     if why:
-        state.report.calls[why] = state.report.calls.get(why, 0) + 1  # fuse_report lists them
-        _warn(f"{why} requested: this call runs the original (unfused) attention code")
         if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
             kwargs["encoder_hidden_states"] = encoder_hidden_states
-        return _original(self).forward(hidden_states, attention_mask=attention_mask, **kwargs)
+        return _run_original(state, why, lambda: _original(self).forward(hidden_states, attention_mask=attention_mask,
+                                                                          **kwargs))
     from transformers import modeling_outputs as outputs
 
-    # Compiled or exported: a layout of static shape (no token count read from the data); else padding removed.
-    static = torch.compiler.is_compiling()
-    p = static_layout(keys) if static else unpad_mask(keys)
+    p, kind = _layout(keys), state.layers
     x = unpad(hidden_states, p)
-    position = state.layers.position_bias(self) if state.layers.position_bias else None
-    x = state.layers.stack.run(self, x, p, position)
-    out = torch.where(keys[..., None], pad(x, p), 0.0) if static else pad(x, p)  # padding kept: zero it
+    position = kind.position_bias(self) if kind.position_bias else \
+        kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else None
+    x = kind.stack.run(self, x, p, position)
+    out = _padded(getattr(self, kind.final_norm)(x) if kind.final_norm else x, p, keys)
     # What the original encoder returns: BERT-like models read `.cache` from it too.
     return getattr(outputs, state.layers.output)(last_hidden_state=out)
+
+
+def _run_original(state: _EncoderState, why: str, original: Callable):
+    """original(): a call the fused layers do not compute, run by the original code, counted in fuse_report."""
+    state.report.calls[why] = state.report.calls.get(why, 0) + 1
+    _warn(f"{why} requested: this call runs the original (unfused) attention code")
+    return original()
+
+
+def _layout(keys: torch.Tensor):
+    """The packed layout of a [batch, seq] key mask: padding removed; compiled or exported, a layout of static
+    shape instead (no token count read from the data)."""
+    return static_layout(keys) if torch.compiler.is_compiling() else unpad_mask(keys)
+
+
+def _padded(x: torch.Tensor, p, keys: torch.Tensor) -> torch.Tensor:
+    """Packed tokens back to [batch, seq, ...], padded positions 0 (the static layout computes them: zeroed)."""
+    return torch.where(keys[..., None], pad(x, p), 0.0) if torch.compiler.is_compiling() else pad(x, p)
 
 
 def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_states, kwargs) -> str | None:
     """Why this encoder call must run the original code, or None."""
     wants = {k for k in ("output_attentions", "output_hidden_states")
              if kwargs.get(k, getattr(state.config, k, False))}
-    unread = _unread_arguments(kwargs, state.config)
+    unread = _unread_arguments({k: v for k, v in kwargs.items() if k not in state.layers.reads}, state.config)
     if unread:
         wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
     if keys is None:
@@ -867,7 +1219,9 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
         wants.update(_position_bias_problems(encoder, keys))
     if state.layers.call_problems:
         wants.update(state.layers.call_problems(encoder, keys))
-    if wants or encoder_hidden_states is not None or kwargs.get("use_cache"):
+    # use_cache means a cache only in a decoder (ESM's encoder is handed its config's use_cache and ignores it).
+    cache = kwargs.get("use_cache") and getattr(state.config, "is_decoder", False)
+    if wants or encoder_hidden_states is not None or cache:
         return ", ".join(sorted(wants)) or "cross-attention/cache"
     return None
 
@@ -904,8 +1258,9 @@ def _run_layer(encoder, layer, x, p, position):
 
 # Arguments the fused encoder handles itself (the flags) or that its layers' code ignores: the embeddings read the
 # position ids (only a flash implementation reads them in attention, to find packed sequences); an encoder
-# without a cache gets None for one.
-_FLAGS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache")
+# without a cache gets None for one; num_items_in_batch (transformers.Trainer's token count for the loss) passes
+# through every model's forward to the attention functions, which ignore it.
+_FLAGS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache", "num_items_in_batch")
 
 
 def _unread_arguments(kwargs: dict, config) -> list[str]:
@@ -943,7 +1298,11 @@ def _checkpointing_layer_class() -> type | None:
 
 # ---- recognising what is inside a model -------------------------------------------------------
 def layer_kind(layer: nn.Module) -> Layers | None:
-    return next((kind for kind in LAYERS if _has(layer, *kind.paths)), None)
+    """The layer structure of `layer`'s submodules; of several alike (BERT's and RoFormer's), the one whose
+    layer class (or a base of it) is known."""
+    alike = [kind for kind in LAYERS if _has(layer, *kind.paths)]
+    own = [kind for kind in alike if isinstance(layer, known_classes(dict(kind.roles)[""], kind.models))]
+    return (own or alike or [None])[0]
 
 
 def _is_output_block(m: nn.Module) -> bool:
@@ -966,7 +1325,7 @@ def encoder_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     for path, m in model.named_modules():
         for child in ("encoder", "transformer", ""):
             enc = getattr(m, child, None) if child else m
-            if not (_has(m, "embeddings") and isinstance(enc, nn.Module) and (stack := encoder_stack(enc))):
+            if not (isinstance(enc, nn.Module) and (stack := encoder_stack(enc)) and _embeds(m, child, stack[1])):
                 continue
             # A model's own `layers` count only where they are of a structure known to be held so (not Swin's
             # stages); an encoder child's only as a `layer` list or ALBERT's groups.
@@ -975,6 +1334,16 @@ def encoder_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
             if child or getattr(layer_kind(stack[1][0]), "stack", None) is MODEL_LAYERS:
                 found.append((path or type(model).__name__, m, child))
     return found
+
+
+def _embeds(model: nn.Module, child: str, layers: list[nn.Module]) -> bool:
+    """`model` embeds tokens for the layers it holds: an `embeddings` module, or (EuroBERT) `embed_tokens`,
+    counted only in a model of a known encoder's class or a subclass (decoders hold the same names)."""
+    if _has(model, "embeddings"):
+        return True
+    kind = layer_kind(layers[0])
+    return child == "" and _has(model, "embed_tokens") and kind is not None and \
+        isinstance(model, known_classes(dict(kind.roles)[".."], kind.models))
 
 
 @dataclass
@@ -1028,9 +1397,11 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
         reasons += kind.problems(enc_model)
     if why := ops.attention_refusal(head_dim):
         reasons.append(why)
-    if not math.isclose(getattr(at, "scaling", head_dim ** -0.5), head_dim ** -0.5):
-        reasons.append(f"an attention scale other than 1/sqrt(head_dim) ({at.scaling})")
-    if getattr(cfg, "position_embedding_type", "absolute") not in (None, "absolute"):
+    scale = kind.scale(at) if kind.scale else getattr(at, "scaling", head_dim ** -0.5)
+    if not math.isclose(scale, head_dim ** -0.5):
+        reasons.append(f"an attention scale other than 1/sqrt(head_dim) ({scale})")
+    allowed = (None, "absolute", "rotary") if kind.rotary else (None, "absolute")
+    if getattr(cfg, "position_embedding_type", "absolute") not in allowed:
         reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
         reasons.append("a decoder / cross-attention configuration")
@@ -1071,13 +1442,16 @@ class _Fuser:
             block = next((b for b in _GELU_BLOCKS if names == set(b.children)), None)
             if block is None or _is_fused(m) or not isinstance(getattr(m, block.children[0]), nn.Linear):
                 continue
-            act = getattr(m, block.children[1])
-            if gelu_kind(act) is None:
+            # A block of one Linear calls its GeLU as a function (ESM's): known only by its class, so another
+            # class of that shape is no look-alike worth reporting.
+            act = getattr(m, block.children[1]) if len(block.children) > 1 else None
+            if act is not None and gelu_kind(act) is None:
                 if "gelu" in type(act).__name__.lower():
                     report.keep(f"Linear + {type(act).__name__}", "no fused kernel for this activation")
                 continue
             if why := unknown_code(m, known_classes((block.cls,), _BLOCK_MODELS)):
-                report.keep(f"Linear + GeLU in {type(m).__name__}", why)
+                if act is not None:
+                    report.keep(f"Linear + GeLU in {type(m).__name__}", why)
                 continue
             self.fused(m, block.forward)
             fused += 1
@@ -1099,6 +1473,14 @@ class _Fuser:
 
     def layer_norms(self, root: nn.Module) -> int:
         return ops.kernels_package().fuse_layer_norms(root, retype=self.retype)
+
+    def rms_norms(self, root: nn.Module) -> int:
+        """Every RMSNorm of a known family's class (`_RMS_NORM_CLASSES`) under root runs the kernel."""
+        known = known_classes(_RMS_NORM_CLASSES, _ROTARY_MODELS)
+        found = [m for m in root.modules() if isinstance(m, known) and not _is_fused(m) and not unknown_code(m, known)]
+        for m in found:
+            self.fused(m, _rms_norm_forward)
+        return len(found)
 
 
 def _is_fused(module: nn.Module) -> bool:
@@ -1124,8 +1506,9 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
         _attention_problems(model, kind, encoder)
     n_blocks = fuser.output_blocks(model, report)
     n_gelus = fuser.gelu_blocks(model, report)
-    n_norms = fuser.layer_norms(model)
-    report.fused.append(f"{n_norms} LayerNorms ({n_blocks} with dense dropout + residual)")
+    n_norms, n_rms = fuser.layer_norms(model), fuser.rms_norms(model)
+    report.fused.append(f"{n_norms} LayerNorms ({n_blocks} with dense dropout + residual)"
+                        + (f", {n_rms} RMSNorms" if n_rms else ""))
     if n_gelus:
         report.fused.append(f"{n_gelus} Linear + GeLU")
     if reasons:
@@ -1158,9 +1541,13 @@ def _register_recorded_outputs(model: nn.Module) -> None:
 
 # ---- masked-LM heads given labels: the loss at labelled rows only, no vocabulary logits --------------------
 def _mlm_head(task: nn.Module) -> MLMHead | None:
-    for head in MLM_HEADS:
-        if _has(task, head.dense, head.norm, head.decoder) and (head.act is None or _has(task, head.act)) \
-                and isinstance(_get(task, head.decoder), nn.Linear):
+    """The MLM head of `task`: its family's own record first (ESM's head has RoBERTa's paths but adds a bias of
+    its own after the decoder), then any record whose paths it has."""
+    classes = {c.__name__ for c in type(task).__mro__}
+    own = [f.mlm_head for f in FAMILIES if classes & {f.prefix + "ForMaskedLM", f.prefix + "ForPreTraining"}]
+    for head in (*own, *MLM_HEADS):
+        paths = [p for p in (head.dense, head.act, head.norm, head.decoder) if p]
+        if _has(task, *paths) and isinstance(_get(task, head.decoder), nn.Linear):
             return head
     return None
 
@@ -1180,13 +1567,15 @@ def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:
         return (f"sparse_prediction drops the rows labelled {cfg.sparse_pred_ignore_index}, which the masked-only "
                 "loss counts")
     why = unknown_code(task, known_classes(_MLM_TASK_CLASSES, _MLM_MODELS))
-    owners = {p.rsplit(".", 1)[0] for p in (head.dense, head.norm, head.decoder) if "." in p}
+    owners = {p.rsplit(".", 1)[0] for p in (head.dense, head.norm, head.decoder) if p and "." in p}
     prefixes = sorted({o.rsplit(".", i)[0] for o in owners for i in range(o.count(".") + 1)})
     known = known_classes(_MLM_HEAD_CLASSES, _MLM_MODELS)
     return why or next(filter(None, (unknown_code(_get(task, p), known) for p in prefixes)), None)
 
 
 def _head_transform(task: nn.Module, head: MLMHead, x: torch.Tensor) -> torch.Tensor:
+    if head.dense is None:  # the decoder alone
+        return x
     act = _get(task, head.act) if head.act else None
     return _get(task, head.norm)(_linear_gelu(_get(task, head.dense), act, x))
 
@@ -1221,6 +1610,10 @@ class FusedMLMForward:
         self.task, self.head, self.base = task, head, base
         self.original = task.__dict__.get("forward")  # another wrapper's, if any; else the class's forward
         self.pair = pair_head(task)  # pre-training's second head, if any
+        # A head whose forward computes its loss by transformers' loss_function (ModernBERT's, EuroBERT's) sums
+        # it and divides by num_items_in_batch where that is given (transformers.Trainer's count of labelled tokens
+        # over its accumulated steps); the others take the mean and ignore it.
+        self.sums = "loss_function" in inspect.unwrap(type(task).forward).__code__.co_names
         # Its output class, made here: making a class inside a call is not something torch.compile traces.
         self.output = __getattr__(self.pair.output if self.pair else "MaskedLMOutputWithoutLogits")
 
@@ -1256,17 +1649,23 @@ class FusedMLMForward:
                 or not ops.plain(_get(self.task, self.head.decoder), nn.Linear) or ops.exporting_onnx():
             return self.unfused(*args, **kwargs)
         kw.pop("return_dict", None)
+        items = kw.pop("num_items_in_batch", None) if self.sums else None
         out = getattr(self.task, self.base)(**{k: v for k, v in kw.items() if v is not None})
-        return self._loss(out, labels, pair_label)
+        return self._loss(out, labels, pair_label, items)
 
-    def _loss(self, out, labels, pair_label):
+    def _loss(self, out, labels, pair_label, items=None):
         task, head = self.task, self.head
         hidden, labels = out[0], labels.reshape(-1)
         decoder = _get(task, head.decoder)
         check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
         rows = ops.labelled_rows(labels)
         h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
-        loss = ops.masked_lm_loss(h, decoder.weight, decoder.bias, labels[rows], backend=ops.backend_for(h)).loss
+        bias = decoder.bias
+        if head.bias:  # the head's own bias, added after the decoder
+            bias = _get(task, head.bias) if bias is None else bias + _get(task, head.bias)
+        loss = ops.masked_lm_loss(h, decoder.weight, bias, labels[rows], backend=ops.backend_for(h)).loss
+        if items is not None:  # the sum over the labelled rows, divided by the count given
+            loss = loss * rows.numel() / (items.to(loss.device) if torch.is_tensor(items) else items)
         if pair_label is not None:  # pre-training: the sentence-pair head's loss as well
             pair_logits = _get(task, self.pair.module)(out[1])
             loss = loss + F.cross_entropy(pair_logits.view(-1, 2).float(), pair_label.view(-1))

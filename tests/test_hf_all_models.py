@@ -38,16 +38,16 @@ DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "a
 # Sizes tied to others that SIZES changed (LayoutLMv3 splits its hidden size 4:2 between box coordinates and
 # shapes, LiLT in sixths; RADIO's patch_dim is 3 x patch_size^2).
 OVERRIDES = {"layoutlmv3": dict(coordinate_size=4, shape_size=8), "lilt": dict(hidden_size=48),
-             "radio": dict(patch_dim=192)}
+             "radio": dict(patch_dim=192), "eurobert": dict(num_key_value_heads=2)}  # k/v heads dividing the 4
 MAX_PARAMETERS = 200_000_000   # a "tiny" config still larger than this keeps some size we do not know of
 # The model types whose attention stays fused: the true copies of BERT's layer (and DistilBERT's), MPNet, ALBERT,
-# ModernBERT, and the models holding one as a part (DPR's encoders are BertModels; ModernVBERT's and PE Audio's
-# text towers are ModernBertModels).
+# the rotary encoders (ModernBERT, NomicBERT, EuroBERT, ESM, RoFormer), and the models holding one as a part (DPR's
+# encoders are BertModels; ModernVBERT's and PE Audio's text towers are ModernBertModels).
 FUSED_ATTENTION = {"bert", "bert-generation", "camembert", "roberta", "xlm-roberta", "data2vec-text", "electra",
                    "ernie", "layoutlm", "markuplm", "roc_bert", "splinter", "tapas", "visual_bert", "distilbert",
-                   "dpr", "mpnet", "albert", "modernbert", "modernvbert", "pe_audio",
-                   "grounding-dino", "mm-grounding-dino", "vision-text-dual-encoder"}
-LOOK_ALIKES = {"roformer", "mra", "nystromformer", "yoso"}   # BERT's submodule names, other attention math
+                   "dpr", "mpnet", "albert", "modernbert", "modernvbert", "pe_audio", "nomic_bert", "eurobert", "esm",
+                   "roformer", "grounding-dino", "mm-grounding-dino", "vision-text-dual-encoder"}
+LOOK_ALIKES = {"mra", "nystromformer", "yoso"}   # BERT's submodule names, other attention math
 
 
 def _shrink(config, seen=None) -> None:

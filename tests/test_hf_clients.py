@@ -280,7 +280,8 @@ def test_onnx_export_of_a_fused_model_runs_in_onnxruntime(family, dynamo, tmp_pa
 
 # ---- torch.compile: one graph at a fixed batch shape, whatever the padding -----------------------------------------
 @pytest.mark.compile
-@pytest.mark.parametrize("family", [*FAMILIES, "mpnet", "albert"])  # + a relative-position bias, shared layers
+@pytest.mark.parametrize("family", [*FAMILIES, "mpnet", "albert", "modernbert", "nomicbert", "eurobert", "esm",
+                                    "roformer"])  # + a relative-position bias, shared layers, rotary encoders
 def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, monkeypatch):
     from torch._dynamo.utils import counters
 

@@ -56,7 +56,8 @@ class Calls:
 
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_hf.py
-ROTARY = {"modernbert"}
+ROTARY = {"modernbert", "nomicbert", "eurobert", "esm", "roformer"}
+GATED = {"modernbert", "nomicbert", "eurobert"}  # gated MLPs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -70,9 +71,10 @@ def test_family_fused_matches_original(family, monkeypatch):
     calls = Calls(monkeypatch)
     a = ref(input_ids=ids, attention_mask=mask, labels=labels)
     b = fused(input_ids=ids, attention_mask=mask, labels=labels)
-    rotary = {"glu", "rotary"} if family in ROTARY else set()  # their gated MLPs and rotary embeddings
-    head = ref.get_submodule(hf.family(family.removesuffix("-sinusoidal")).mlm_head.dense)
-    gelu = {"bias_gelu"} if head.bias is not None else set()  # ModernBERT's head dense has no bias: GeLU alone
+    rotary = ({"rotary"} if family in ROTARY else set()) | ({"glu"} if family in GATED else set())
+    dense = hf.family(family.removesuffix("-sinusoidal")).mlm_head.dense
+    # ModernBERT's head dense has no bias (GeLU alone); EuroBERT's head is the decoder alone.
+    gelu = {"bias_gelu"} if dense and ref.get_submodule(dense).bias is not None else set()
     assert set(calls.counts) == {"layer_norm", "varlen_attention", "masked_lm_loss"} | gelu | rotary, calls.counts
     assert b.logits is None and rel_err(b.loss, a.loss) <= TOL
     assert_same_gradients(fused, ref, b.loss, a.loss)
@@ -127,7 +129,15 @@ def test_a_padded_row_equals_the_row_alone(family):
                                          ("albert", "ForQuestionAnswering"), ("albert", "ForMultipleChoice"),
                                          ("modernbert", "ForSequenceClassification"),
                                          ("modernbert", "ForTokenClassification"),
-                                         ("modernbert", "ForQuestionAnswering"), ("modernbert", "ForMultipleChoice")])
+                                         ("modernbert", "ForQuestionAnswering"), ("modernbert", "ForMultipleChoice"),
+                                         ("nomicbert", "ForSequenceClassification"),
+                                         ("nomicbert", "ForTokenClassification"),
+                                         ("eurobert", "ForSequenceClassification"),
+                                         ("eurobert", "ForTokenClassification"),
+                                         ("esm", "ForSequenceClassification"), ("esm", "ForTokenClassification"),
+                                         ("roformer", "ForSequenceClassification"),
+                                         ("roformer", "ForTokenClassification"), ("roformer", "ForQuestionAnswering"),
+                                         ("roformer", "ForMultipleChoice")])
 @pytest.mark.slow
 def test_task_heads_of_the_families(family, head):
     ref = build(family, head)
@@ -135,7 +145,9 @@ def test_task_heads_of_the_families(family, head):
     ids, mask, _ = batch(family, seed=7)
     if head == "ForMultipleChoice":  # the three rows as three choices of one question
         ids, mask = ids[None], mask[None]
-    if head == "ForQuestionAnswering":  # its softmax spans padded positions too, whose hidden states fused are 0
+    # QA's softmax spans padded positions too, and RoFormer's multiple-choice summary reads the last position:
+    # padding in a shorter row, whose hidden states fused are 0.
+    if head == "ForQuestionAnswering" or (family, head) == ("roformer", "ForMultipleChoice"):
         mask = torch.ones_like(mask)
     kw = {"ForSequenceClassification": dict(labels=torch.tensor([0, 1, 0])),
           "ForPreTraining": dict(labels=torch.randint(0, 2, ids.shape)),
@@ -284,7 +296,8 @@ def test_one_training_step_through_transformers_trainer(tmp_path):
 MLM_CLASSES = [("bert", "ForPreTraining"), ("bert", "ForMaskedLM"), ("roberta", "ForMaskedLM"),
                ("xlm-roberta", "ForMaskedLM"), ("camembert", "ForMaskedLM"), ("electra", "ForMaskedLM"),
                ("distilbert", "ForMaskedLM"), ("mpnet", "ForMaskedLM"), ("albert", "ForMaskedLM"),
-               ("albert", "ForPreTraining"), ("modernbert", "ForMaskedLM")]
+               ("albert", "ForPreTraining"), ("modernbert", "ForMaskedLM"), ("nomicbert", "ForMaskedLM"),
+               ("eurobert", "ForMaskedLM"), ("esm", "ForMaskedLM"), ("roformer", "ForMaskedLM")]
 PAIR_LABELS = tuple(h.label for h in PAIR_HEADS)  # BERT's and ALBERT's pre-training pair heads
 
 
@@ -484,7 +497,7 @@ def test_modernbert_each_layer_type_reaches_the_kernels_with_its_rotation_and_wi
     ref = _modernbert()
     fused = fuse(copy.deepcopy(ref), mlm_logits=False)
     report = str(fuse_report(fused)[0])
-    assert "RoPE by each layer type's rotation and local windows" in report and "gated MLP" in report
+    assert "RoPE by each token's position id" in report and "local windows" in report and "gated MLP" in report
     emb = ref.model.rotary_emb
     assert not torch.equal(emb.full_attention_inv_freq, emb.sliding_attention_inv_freq)
     ids, mask, labels = batch("modernbert")
@@ -561,3 +574,114 @@ def test_modernbert_with_a_dynamic_rope_keeps_its_attention():
     (report,) = fuse_report(fused)
     assert any(what == "attention" and "rope type 'dynamic'" in why for what, why in report.kept)
     assert "RoPE" not in str(report.fused)
+
+
+def test_eurobert_grouped_heads_rmsnorm_and_swiglu_reach_the_kernels(monkeypatch):
+    """EuroBERT (two k/v heads for four query heads, SiLU, RMSNorm pre-norm): k and v reach the attention kernel
+    with their two heads, never repeated; every RMSNorm runs the kernel (the add before post_attention_layernorm
+    in it); the gate is SwiGLU; the loss and every gradient equal the original's."""
+    ref = build("eurobert")
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    assert "5 RMSNorms" in str(fuse_report(fused)[0])
+    ids, mask, labels = batch("eurobert")
+    calls = Calls(monkeypatch)
+    a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
+                                                                         labels=labels)
+    heads = [(c["q"].shape[1], c["k"].shape[1], c["v"].shape[1]) for c in calls.of("varlen_attention")]
+    assert heads == [(4, 2, 2), (4, 2, 2)]
+    norms = calls.of("layer_norm")
+    assert len(norms) == 5 and all(c["rms"] for c in norms) and [c["return_sum"] for c in norms].count(True) == 2
+    assert [c["activation"] for c in calls.of("glu")] == ["silu", "silu"]
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+
+
+def test_nomicbert_post_norm_dropouts_and_token_types_reach_the_kernels(monkeypatch):
+    """NomicBERT (post-norm, base 1,000, no biases): in training each layer's two dropouts go into their
+    LayerNorm kernels and the attention dropout into the attention kernel; with dropout off, token type ids
+    given by the caller, the loss and every gradient equal the original's."""
+    ref = build("nomicbert", hidden_dropout_prob=0.0)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch("nomicbert")
+    types = (torch.arange(ids.shape[1]) >= 5).long().expand_as(ids)
+    calls = Calls(monkeypatch)
+    a = ref(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    freqs = [c["rot"].inv_freq for c in calls.of("rotary")]
+    assert len(freqs) == 4 and all(torch.equal(f, ref.nomic_bert.rotary_emb.inv_freq) for f in freqs)
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    fused.train()
+    for layer in fused.nomic_bert.layers:
+        layer.self_attn.attention_dropout = 0.25
+        layer.post_attention_dropout.p = layer.post_mlp_dropout.p = 0.125
+    calls.calls.clear()
+    fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert [c["dropout_p"] for c in calls.of("varlen_attention")] == [0.25, 0.25]
+    assert [c["dropout_p"] for c in calls.of("layer_norm") if c["residual"] is not None] == [0.125] * 4
+
+
+@pytest.mark.parametrize("family", ["modernbert", *(pytest.param(f, marks=pytest.mark.slow)
+                                                     for f in ("eurobert", "roberta"))])
+def test_num_items_in_batch_means_what_it_means_unfused(family):
+    """transformers.Trainer passes num_items_in_batch (its count of labelled tokens): heads computing their loss
+    by transformers' loss_function (ModernBERT's, EuroBERT's) divide the sum by it, the others ignore it; fused,
+    the masked-only loss does the same, and the encoder still runs fused."""
+    ref = build(family)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch(family)
+    items = torch.tensor(40)
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=items)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=items)
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert fuse_report(fused)[0].calls == {}
+
+
+@pytest.mark.parametrize("positions", ["rotary-ids", *(pytest.param(p, marks=pytest.mark.slow)
+                                                        for p in ("rotary", "absolute"))])
+def test_esm_reads_the_cos_and_sin_its_model_forms(positions, monkeypatch):
+    """ESM's encoder is handed the cos and sin its model forms (from position ids, which a caller may give per
+    row: then one table row per token): the kernel reads them; with absolute positions there is no rotation.
+    The loss and every gradient equal the original's, and its LM head's own bias is in the masked-only loss."""
+    kind = "absolute" if positions == "absolute" else "rotary"
+    ref = build("esm", position_embedding_type=kind)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    with torch.no_grad():
+        ref.lm_head.bias.normal_()
+        fused.lm_head.bias.copy_(ref.lm_head.bias)
+    ids, mask, labels = batch("esm")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if positions == "rotary-ids":  # every row shifted by its own offset
+        kw["position_ids"] = torch.arange(ids.shape[1])[None] + torch.tensor([[2], [0], [5]])
+    calls = Calls(monkeypatch)
+    a, b = ref(**kw), fused(**kw)
+    rotations = calls.of("rotary")
+    assert len(rotations) == (0 if kind == "absolute" else 4) and calls.of("varlen_attention")
+    assert all(c["rot"].cos is not None and c["rot"].inv_freq is None for c in rotations)
+    assert fuse_report(fused)[0].calls == {}
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+
+
+@pytest.mark.parametrize("rotary_value", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_roformer_rotates_from_its_table_with_left_padding(rotary_value, monkeypatch):
+    """RoFormer's positions are each token's place in its padded row (left padding counts), its table's sin and
+    cos read as they are; rotary_value turns v as well. Hidden states at real tokens, the loss and every
+    gradient equal the original's."""
+    ref = build("roformer", rotary_value=rotary_value)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch("roformer")
+    ids, mask, labels = ids.flip(1), mask.flip(1), labels.flip(1)  # left padding
+    calls = Calls(monkeypatch)
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    table = ref.roformer.encoder.embed_positions.weight
+    rotations = calls.of("rotary")
+    assert len(rotations) == (6 if rotary_value else 4)
+    assert all(c["rot"].interleaved and torch.equal(c["rot"].sin, table[:, :table.shape[1] // 2]) for c in rotations)
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    with torch.no_grad():
+        h_ref = ref.roformer(input_ids=ids, attention_mask=mask).last_hidden_state
+        h = fused.roformer(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert rel_err(h[mask.bool()], h_ref[mask.bool()]) <= TOL

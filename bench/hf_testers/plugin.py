@@ -35,8 +35,13 @@ def model_classes(module) -> list[type]:
 
 
 def modeling_module(family: str):
-    name = family.replace("-", "_")
-    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    """The transformers modeling module of a bert.hf family: the one defining its base model class (NomicBERT's
+    is nomic_bert.modeling_nomic_bert)."""
+    import transformers
+
+    from bert.hf import family as record
+
+    return importlib.import_module(getattr(transformers, record(family).prefix + "Model").__module__)
 
 
 def pytest_configure(config):
