@@ -683,6 +683,18 @@ def _window(left: int, right: int, max_seqlen: int) -> tuple[int, int]:
     return tuple(max_seqlen if w < 0 else min(w, max_seqlen) for w in (left, right))
 
 
+def row_deltas(o: torch.Tensor, do: torch.Tensor, target: targets.Target | None, max_seqlen: int) -> torch.Tensor:
+    """delta = rowsum(dO * O), [H, T] float32, for o and do [T, H, D] with unit stride along D: the backward's
+    first step, shared by the attention ops of this package."""
+    total, heads, dim = o.shape
+    delta = torch.empty((heads, total), dtype=torch.float32, device=o.device)
+    pre = _config("preprocess", dim, o.dtype, target, max_seqlen)
+    _PREPROCESS.launch((triton.cdiv(total, pre.BLOCK_M), heads),
+        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=pre.BLOCK_M,
+        BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=pre.num_warps, num_stages=pre.num_stages)
+    return delta
+
+
 @torch.library.custom_op("bertfuse::varlen_attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                    dropout_p: float, softmax_scale: float, seed: torch.Tensor | None,
@@ -738,12 +750,8 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dtable = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias_table)
     if not (total and batch and max_seqlen):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable
-    delta = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     target = targets.of(q.device)
-    pre = _config("preprocess", dim, q.dtype, target, max_seqlen)
-    _PREPROCESS.launch((triton.cdiv(total, pre.BLOCK_M), heads),
-        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), total, BLOCK_M=pre.BLOCK_M,
-        BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=pre.num_warps, num_stages=pre.num_stages)
+    delta = row_deltas(o, do, target, max_seqlen)
     bias = None if bias_table is None else _bias_by_distance(bias_table, max_distance)
     window = _window(window_left, window_right, max_seqlen)
     flags = dict(HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, HAS_WINDOW=window != (max_seqlen, max_seqlen),
