@@ -169,7 +169,9 @@ def verdict(variant: Variant, result: Compiled) -> str | None:
     (unknown is not clean), spills past `spill_limit`, or, in half precision, what a variant `needs`
     (bench/record.py): "tensor_cores", every dot on the family's tensor-core instruction (wgmma on sm_90,
     tcgen05 on sm_100, with none left on the slower per-warp mma.sync; mma.sync from sm_75 to sm_89 and on
-    sm_120; MFMA on AMD), or "vectors", every global access of its tensors in 16-byte vectors, none element by
+    sm_120; MFMA on AMD), "warp_dots", every dot on tensor cores with the per-warp mma.sync accepted beside
+    the family's own (tiles of 32 rows, narrower than sm_90's warpgroup instruction takes), or "vectors", every
+    global access of its tensors in 16-byte vectors, none element by
     element (the memory-bound LayerNorm and bias-GeLU). SGPR spills on AMD go to vector-register lanes, not to
     memory: reported, not failed."""
     t = result.target
@@ -182,6 +184,8 @@ def verdict(variant: Variant, result: Compiled) -> str | None:
         fallback = result.dots.get("mma", 0) if t.dot != "mma" else 0
         if not result.dots[t.dot] or fallback:
             return f"has dots off {DOT_INSTRUCTIONS[t.dot]} ({result})"
+    if half and variant.needs == "warp_dots" and t.tensor_core_dots and not sum(result.dots.values()):
+        return f"has no tensor-core dots ({result})"
     if half and variant.needs == "vectors" and result.scalar16:
         return f"moves half-precision elements one by one ({result})"
     return None

@@ -118,9 +118,10 @@ def _row_index(buckets: int, max_rel: int, device: torch.device) -> tuple[torch.
 
 @triton.jit
 def _table_rows(Rows, d_min, far, W: tl.constexpr):
-    """[W] int64: the table rows of the distances d_min .. d_min + W - 1 (clamped to the index's -far .. far)."""
+    """[W] int32: the table rows of the distances d_min .. d_min + W - 1 (clamped to the index's -far .. far); a
+    table's offsets fit in int32 (the launcher checks), which keeps its tiles' addresses in 32-bit registers."""
     d = tl.minimum(tl.maximum(d_min + tl.arange(0, W), -far), far)
-    return tl.load(Rows + far + d).to(tl.int64)
+    return tl.load(Rows + far + d)
 
 
 @triton.jit
@@ -130,49 +131,62 @@ def _distance_of(BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(q, kt, PosKey, PosQuery, rows, h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d,
-                 qk_scale, C2P: tl.constexpr, P2C: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The [BLOCK, BLOCK] scores of a tile (base 2, scaled): q kt, plus c2p and p2c gathered from the dots of the
-    tile's table rows (`rows`, its 2 BLOCK distances)."""
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
-    every = rows >= 0
-    if C2P:
-        kr = _tile(PosKey, rows, every, stride_pk_r, h * stride_pk_h, offs_d, HEAD_DIM, BLOCK_D)
-        c2p = tl.dot(q, tl.trans(kr), input_precision=DOT_PRECISION)         # [BLOCK, 2 BLOCK]
-        s += tl.gather(c2p, _distance_of(BLOCK), axis=1)
-    if P2C:
-        qr = _tile(PosQuery, rows, every, stride_pq_r, h * stride_pq_h, offs_d, HEAD_DIM, BLOCK_D)
-        p2c = tl.dot(qr, kt, input_precision=DOT_PRECISION)                  # [2 BLOCK, BLOCK]
-        s += tl.gather(p2c, _distance_of(BLOCK), axis=0)
-    return s * qk_scale
+def _half_rows(Rows, d_min, far, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK] int32: the table rows of window columns HALF * BLOCK .. HALF * BLOCK + BLOCK - 1 of a tile whose
+    first distance is d_min. A tile's window is taken in two halves, one after the other, so that at most one
+    [BLOCK, BLOCK] dot of table rows is alive at a time (a [BLOCK, 2 BLOCK] one spilled registers)."""
+    return _table_rows(Rows, d_min + HALF * BLOCK, far, BLOCK)
 
 
 @triton.jit
-def _by_distance_rows(ds, BLOCK: tl.constexpr):
-    """X [BLOCK, 2 BLOCK]: X[i, e] = dS[i, j] for the key j at distance window column e of query i (0 where that
-    key is outside the tile)."""
-    col = tl.arange(0, BLOCK)[:, None] - tl.arange(0, 2 * BLOCK)[None, :] + (BLOCK - 1)
-    got = tl.gather(ds, tl.minimum(tl.maximum(col, 0), BLOCK - 1), axis=1)
+def _pick(x, col, AXIS: tl.constexpr, BLOCK: tl.constexpr):
+    """x gathered along AXIS at `col` ([BLOCK, BLOCK]) where 0 <= col < BLOCK, else 0."""
+    got = tl.gather(x, tl.minimum(tl.maximum(col, 0), BLOCK - 1), axis=AXIS)
     return tl.where((col >= 0) & (col < BLOCK), got, 0.0)
 
 
 @triton.jit
-def _by_distance_cols(ds, BLOCK: tl.constexpr):
-    """Y [2 BLOCK, BLOCK]: Y[e, j] = dS[i, j] for the query i at distance window column e of key j (0 outside)."""
-    row = tl.arange(0, 2 * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :] - (BLOCK - 1)
-    got = tl.gather(ds, tl.minimum(tl.maximum(row, 0), BLOCK - 1), axis=0)
-    return tl.where((row >= 0) & (row < BLOCK), got, 0.0)
+def _tile_scores(q, kt, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
+                 offs_d, qk_scale, C2P: tl.constexpr, P2C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The [BLOCK, BLOCK] scores of a tile (base 2, scaled): q kt, plus c2p and p2c gathered, half a window at a
+    time, from the dots of the tile's table rows."""
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    e = _distance_of(BLOCK)
+    for half in tl.static_range(2):
+        rows = _half_rows(Rows, d_min, far, half, BLOCK)
+        if C2P:
+            kr = _tile(PosKey, rows, rows >= 0, stride_pk_r, h * stride_pk_h, offs_d, HEAD_DIM, BLOCK_D)
+            s += _pick(tl.dot(q, tl.trans(kr), input_precision=DOT_PRECISION), e - half * BLOCK, 1, BLOCK)
+        if P2C:
+            qr = _tile(PosQuery, rows, rows >= 0, stride_pq_r, h * stride_pq_h, offs_d, HEAD_DIM, BLOCK_D)
+            s += _pick(tl.dot(qr, kt, input_precision=DOT_PRECISION), e - half * BLOCK, 0, BLOCK)
+    return s * qk_scale
 
 
 @triton.jit
-def _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, rows, seed, h, m_ok, n_ok, q_rows, start_n,
+def _by_distance_rows(ds, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """X [BLOCK, BLOCK]: X[i, e] = dS[i, j] for the key j at window column HALF * BLOCK + e of query i (0 where
+    that key is outside the tile)."""
+    col = tl.arange(0, BLOCK)[:, None] - tl.arange(0, BLOCK)[None, :] + ((1 - HALF) * BLOCK - 1)
+    return _pick(ds, col, 1, BLOCK)
+
+
+@triton.jit
+def _by_distance_cols(ds, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Y [BLOCK, BLOCK]: Y[e, j] = dS[i, j] for the query i at window column HALF * BLOCK + e of key j (0 outside)."""
+    row = tl.arange(0, BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :] + ((HALF - 1) * BLOCK + 1)
+    return _pick(ds, row, 0, BLOCK)
+
+
+@triton.jit
+def _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok, q_rows, start_n,
                 stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens, max_seqlen, qk_scale,
                 p_drop, C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """(dS, the dropped-out probabilities) of a tile, from the saved statistics: both [BLOCK, BLOCK] float32."""
-    s = _tile_scores(q, kt, PosKey, PosQuery, rows, h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d,
-                     qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, HEAD_DIM)
+    s = _tile_scores(q, kt, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h, stride_pq_r,
+                     stride_pq_h, offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, HEAD_DIM)
     p = tl.where(m_ok[:, None] & n_ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
     dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
@@ -213,9 +227,9 @@ def _disentangled_fwd_kernel(
     for start_n in range(0, seq_len, BLOCK):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
-        rows = _table_rows(Rows, start_m - start_n - (BLOCK - 1), far, 2 * BLOCK)
-        s = _tile_scores(q, kt, PosKey, PosQuery, rows, h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
-                         offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, HEAD_DIM)
+        s = _tile_scores(q, kt, PosKey, PosQuery, Rows, start_m - start_n - (BLOCK - 1), far, h, stride_pk_r,
+                         stride_pk_h, stride_pq_r, stride_pq_h, offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK,
+                         BLOCK_D, HEAD_DIM)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -261,14 +275,17 @@ def _disentangled_bwd_dq_kernel(
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
-        rows = _table_rows(Rows, start_m - start_n - (BLOCK - 1), far, 2 * BLOCK)
-        ds, _ = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, rows, seed, h, m_ok, n_ok, q_rows, start_n,
-                            stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens, max_seqlen,
-                            qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK, BLOCK_D, HEAD_DIM)
+        d_min = start_m - start_n - (BLOCK - 1)
+        ds, _ = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok, q_rows,
+                            start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens,
+                            max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK, BLOCK_D,
+                            HEAD_DIM)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
-        if C2P:  # sum_j dS_ij Kr[r(i - j)]: dS by distance times the tile's table rows
-            kr = _tile(PosKey, rows, rows >= 0, stride_pk_r, h * stride_pk_h, offs_d, HEAD_DIM, BLOCK_D)
-            dq += tl.dot(_by_distance_rows(ds, BLOCK).to(kr.dtype), kr, input_precision=DOT_PRECISION)
+        if C2P:  # sum_j dS_ij Kr[r(i - j)]: dS by distance times the tile's table rows, half a window at a time
+            for half in tl.static_range(2):
+                rows = _half_rows(Rows, d_min, far, half, BLOCK)
+                kr = _tile(PosKey, rows, rows >= 0, stride_pk_r, h * stride_pk_h, offs_d, HEAD_DIM, BLOCK_D)
+                dq += tl.dot(_by_distance_rows(ds, half, BLOCK).to(kr.dtype), kr, input_precision=DOT_PRECISION)
     _store_tile(DQ, q_rows, m_ok, stride_dq_t, h * stride_dq_h, offs_d, dq * softmax_scale, HEAD_DIM, BLOCK_D)
 
 
@@ -300,16 +317,20 @@ def _disentangled_bwd_dkdv_kernel(
         q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
         do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
         lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
-        rows = _table_rows(Rows, start_m - start_n - (BLOCK - 1), far, 2 * BLOCK)
-        ds, p_dropped = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, rows, seed, h, m_ok, n_ok, q_rows,
+        d_min = start_m - start_n - (BLOCK - 1)
+        ds, p_dropped = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok,
+                                    q_rows,
                                     start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens,
                                     max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK,
                                     BLOCK_D, HEAD_DIM)
         dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
         if P2C:  # sum_i dS_ij Qr[r(i - j)]
-            qr = _tile(PosQuery, rows, rows >= 0, stride_pq_r, h * stride_pq_h, offs_d, HEAD_DIM, BLOCK_D)
-            dk += tl.dot(tl.trans(_by_distance_cols(ds, BLOCK).to(qr.dtype)), qr, input_precision=DOT_PRECISION)
+            for half in tl.static_range(2):
+                rows = _half_rows(Rows, d_min, far, half, BLOCK)
+                qr = _tile(PosQuery, rows, rows >= 0, stride_pq_r, h * stride_pq_h, offs_d, HEAD_DIM, BLOCK_D)
+                dk += tl.dot(tl.trans(_by_distance_cols(ds, half, BLOCK).to(qr.dtype)), qr,
+                             input_precision=DOT_PRECISION)
     _store_tile(DK, k_rows, n_ok, stride_dk_t, h * stride_dk_h, offs_d, dk * softmax_scale, HEAD_DIM, BLOCK_D)
     _store_tile(DV, k_rows, n_ok, stride_dv_t, h * stride_dv_h, offs_d, dv, HEAD_DIM, BLOCK_D)
 
@@ -331,9 +352,13 @@ def _disentangled_bwd_tables_kernel(
     shift = diag - (blocks - 1)          # query block - key block along this diagonal
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
-    sum_key = tl.zeros((2 * BLOCK, BLOCK_D), dtype=tl.float32)
-    sum_query = tl.zeros((2 * BLOCK, BLOCK_D), dtype=tl.float32)
-    rows = _table_rows(Rows, shift * BLOCK - (BLOCK - 1), far, 2 * BLOCK)  # the same in every tile here
+    # Each half of the window's sums: key (C2P) and query (P2C) sums of window columns 0 .. BLOCK - 1 and
+    # BLOCK .. 2 BLOCK - 1.
+    key_lo = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    key_hi = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    query_lo = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    query_hi = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    d_min = shift * BLOCK - (BLOCK - 1)  # the same in every tile of this diagonal
     for b in range(split, batch, tl.num_programs(2)):
         seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
         n_blocks = tl.cdiv(seq_len, BLOCK)
@@ -346,24 +371,30 @@ def _disentangled_bwd_tables_kernel(
             lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
             kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
             vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
-            ds, _ = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, rows, seed, h, m_ok, n_ok, q_rows,
-                                start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens,
-                                max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK, BLOCK_D,
-                                HEAD_DIM)
+            ds, _ = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok,
+                                q_rows, start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d,
+                                total_tokens, max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION,
+                                BLOCK, BLOCK_D, HEAD_DIM)
             if C2P:
-                x = _by_distance_rows(ds, BLOCK).to(q.dtype)
-                sum_key += tl.dot(tl.trans(x), q, input_precision=DOT_PRECISION)
+                key_lo += tl.dot(tl.trans(_by_distance_rows(ds, 0, BLOCK).to(q.dtype)), q,
+                                 input_precision=DOT_PRECISION)
+                key_hi += tl.dot(tl.trans(_by_distance_rows(ds, 1, BLOCK).to(q.dtype)), q,
+                                 input_precision=DOT_PRECISION)
             if P2C:
-                y = _by_distance_cols(ds, BLOCK).to(kt.dtype)
-                sum_query += tl.dot(y, tl.trans(kt), input_precision=DOT_PRECISION)
+                query_lo += tl.dot(_by_distance_cols(ds, 0, BLOCK).to(kt.dtype), tl.trans(kt),
+                                   input_precision=DOT_PRECISION)
+                query_hi += tl.dot(_by_distance_cols(ds, 1, BLOCK).to(kt.dtype), tl.trans(kt),
+                                   input_precision=DOT_PRECISION)
     slot = ((split * tl.num_programs(0) + diag) * tl.num_programs(1) + h).to(tl.int64) * (2 * BLOCK * HEAD_DIM)
-    offs_e = tl.arange(0, 2 * BLOCK)
+    offs_e = tl.arange(0, BLOCK)
     where = slot + offs_e[:, None] * HEAD_DIM + offs_d[None, :]
     lanes = (offs_e[:, None] >= 0) & (offs_d[None, :] < HEAD_DIM)
     if C2P:
-        tl.store(SumKey + where, sum_key, mask=lanes)
+        tl.store(SumKey + where, key_lo, mask=lanes)
+        tl.store(SumKey + where + BLOCK * HEAD_DIM, key_hi, mask=lanes)
     if P2C:
-        tl.store(SumQuery + where, sum_query, mask=lanes)
+        tl.store(SumQuery + where, query_lo, mask=lanes)
+        tl.store(SumQuery + where + BLOCK * HEAD_DIM, query_hi, mask=lanes)
 
 
 class _Launch(NamedTuple):
@@ -374,17 +405,15 @@ class _Launch(NamedTuple):
 
 def _default_config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Target | None) -> _Launch:
     """The built-in config of kernel "fwd", "dq", "dkdv" or "tables" on `target` (None: the interpreter, whose
-    small tiles let short test sequences span several blocks). A tile holds the scores and the two position
-    dots of twice its width, so tiles are 64 wide for heads up to 64 and 32 above (dkdv's two accumulators and
-    tables' two sums: 32 at every width in half precision past 64); float32's exact products on the CUDA cores
-    take 16."""
-    if target is None:
+    small tiles let short test sequences span several blocks). A tile holds its scores, a window half's position
+    dot and its gather, so tiles are 32 wide in half precision: at 64, every kernel spilled registers on sm_90
+    (so its dots run as per-warp mma.sync there, not warpgroup wgmma: compile-checked as "warp_dots"); float32's
+    exact products on the CUDA cores take 16. The backward's two accumulators (dkdv) or four window sums
+    (tables), and heads over 64, take 8 warps. Where these still spill on a family, its table
+    (kernels/configs/<name>.json, bench.tune --compile-only) holds a clean one."""
+    if target is None or dtype == torch.float32:
         return _Launch(16, 4, 1)
-    if dtype == torch.float32:
-        return _Launch(16, 4, 1)
-    if head_dim <= 64:
-        return _Launch(64, 8 if kernel in ("dkdv", "tables") else 4, 2 if kernel == "fwd" else 1)
-    return _Launch(32, 4, 1)
+    return _Launch(32, 8 if head_dim > 64 or kernel in ("dkdv", "tables") else 4, 1)
 
 
 def _config(kernel: str, head_dim: int, dtype: torch.dtype, target: targets.Target | None,
@@ -406,8 +435,8 @@ def _site(part: str, kernel) -> launches.LaunchSite:
     return launches.LaunchSite(f"disentangled.{part}", kernel,
                                lambda dtype, d, target: _default_config(part, d, dtype, target),
                                lambda dtype, d, target, seqlen=None: _config(part, d, dtype, target, seqlen),
-                               launches.grid(BLOCK=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 2]),
-                               needs="tensor_cores")
+                               launches.grid(BLOCK=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
+                               needs="warp_dots")
 
 
 _FWD, _DQ, _DKDV, _TABLES = launches.declare(
@@ -441,6 +470,8 @@ def _check(q, k, v, cu_seqlens, max_seqlen, positions, dropout_p, validate):
             raise ValueError(f"{op}: positions.{name} must be [2 * span, heads, head_dim] = {list(want)}, got {got}")
         if t.dtype != q.dtype:
             raise TypeError(f"{op}: positions.{name} is {t.dtype}, q is {q.dtype}")
+        if max((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) * 3 >= 2 ** 31:
+            raise ValueError(f"{op}: positions.{name} spans over 2^31 elements; the kernels address tables in int32")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
             or cu_seqlens.numel() < 1:
         raise TypeError(f"{op}: cu_seqlens must be a 1-D int32 tensor [batch + 1]")

@@ -33,7 +33,9 @@ class LaunchSite(NamedTuple):
     candidates: tuple = ()      # configs (dicts of the fields a table may set) a tuner sweeps; () for a fixed launch
     needs: str | None = None    # in half precision, what the compile check demands: "tensor_cores" (a kernel built
                                 # on dots: every one on the family's tensor-core instruction; refused where Triton
-                                # has none) or "vectors" (16-byte global accesses)
+                                # has none), "warp_dots" (on tensor cores, the per-warp mma.sync
+                                # accepted on families that also have a wider instruction) or "vectors"
+                                # (16-byte global accesses)
 
     @property
     def op(self) -> str:
