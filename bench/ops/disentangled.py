@@ -7,7 +7,7 @@ from kernels.disentangled import (DisentangledPositions, disentangled_attention,
                                   disentangled_dropout_mask)
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, optional_peer, randn
-from .attention import _cu_seqlens, _problem
+from .attention import _at, _cu_seqlens, _problem
 
 V3_RULE = (256, 512)    # DeBERTa-v3's position_buckets and max_relative_positions
 SMALL_RULE = (8, 20)    # the interpreter's: short test sequences still cross the log range
@@ -164,10 +164,6 @@ def _tune_setup(shape, size, dtype, device, part=None):
         return disentangled_attention(q, k, v, cu, seq, _positions(pk, pq, V3_RULE), dropout_p=0.1, seed=1234,
                                       validate=False)
     return fn, (q, k, v, pk, pq), {"dq": (q,), "dkdv": (k, v), "tables": (pk, pq)}
-
-
-def _at(seq_len: int, padding: float) -> dict:
-    return dict(seq_len=seq_len, padding=padding, head_dim=64)
 
 
 RECORD = Record(
