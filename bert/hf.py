@@ -599,6 +599,66 @@ def _esm_intermediate_forward(self, hidden_states):
     return _linear_gelu(self.dense, None, hidden_states)
 
 
+def _deberta_self_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """DisentangledSelfAttention (DeBERTa-v2/v3): softmax((q k^T + c2p + p2c) / sqrt(d * (1 + terms))) v, the
+    position terms read from this layer's projections of the encoder's relative embeddings (`position`, after
+    its LayerNorm; pos_dropout applied here, as its code does) inside the disentangled kernel."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    heads, dim = self.num_attention_heads, self.attention_head_size
+    q, k, v = ops.project_qkv(hidden_states, self.query_proj, self.key_proj, self.value_proj, heads, dim)
+    tables = [None, None]
+    if self.relative_attention:
+        rel = self.pos_dropout(position)[:2 * self.pos_ebd_size]
+        keyer, querier = (self.key_proj, self.query_proj) if self.share_att_key else \
+            (getattr(self, "pos_key_proj", None), getattr(self, "pos_query_proj", None))
+        for i, (term, proj) in enumerate((("c2p", keyer), ("p2c", querier))):
+            if term in self.pos_att_type:
+                tables[i] = proj(rel).view(rel.shape[0], heads, dim)
+    buckets, max_rel = (self.position_buckets, self.max_relative_positions) if self.relative_attention else (-1, 1)
+    positions = ops.kernels_package().DisentangledPositions(*tables, buckets, max_rel)
+    # DeBERTa's scale: a float32 square root, rounded to the activations' dtype before it divides; it counts the
+    # position terms pos_att_type names, with relative attention or without.
+    terms = sum(t in self.pos_att_type for t in ("c2p", "p2c"))
+    root = torch.sqrt(torch.tensor(dim * (1 + terms), dtype=torch.float)).to(q.dtype)
+    out = ops.disentangled_attention(q, k, v, packed, positions, 1.0 / float(root),
+                                     self.dropout.p if self.training else 0.0, ops.backend_for(hidden_states))
+    return out.reshape(hidden_states.shape[0], heads * dim), None
+
+
+def _deberta_relative(encoder):
+    """The relative embeddings a DeBERTa-v2 encoder hands every layer (after its LayerNorm where norm_rel_ebd
+    says so), or None without relative attention."""
+    return encoder.get_rel_embedding()
+
+
+def _deberta_model_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                           inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                           **kwargs):
+    """DebertaV2Model, whose code asks its encoder for every layer's hidden states on every call: asked for none
+    (nor for attentions, nor z_steps), the fused encoder is asked for the last one only, the rest as its code
+    does. Otherwise its own code runs, and the encoder's own code with it (counted in fuse_report)."""
+    cfg = self.config
+    wants = (cfg.output_attentions if output_attentions is None else output_attentions) or \
+        (cfg.output_hidden_states if output_hidden_states is None else output_hidden_states)
+    if wants or self.z_steps > 1 or (input_ids is None) == (inputs_embeds is None):
+        return _original(self).forward(input_ids=input_ids, attention_mask=attention_mask,
+                                       token_type_ids=token_type_ids, position_ids=position_ids,
+                                       inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+                                       output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs)
+    from transformers.modeling_outputs import BaseModelOutput
+
+    given = input_ids if input_ids is not None else inputs_embeds
+    shape, device = given.shape[:2], given.device
+    mask = torch.ones(shape, device=device) if attention_mask is None else attention_mask
+    segments = torch.zeros(shape, dtype=torch.long, device=device) if token_type_ids is None else token_type_ids
+    x = self.embeddings(input_ids=input_ids, token_type_ids=segments, position_ids=position_ids, mask=mask,
+                        inputs_embeds=inputs_embeds)
+    out = BaseModelOutput(last_hidden_state=self.encoder(x, mask, output_hidden_states=False,
+                                                         output_attentions=False, return_dict=True)[0])
+    return out if (cfg.return_dict if return_dict is None else return_dict) else out.to_tuple()
+
+
 def _table_rows(rows: int, batch: int, seqlen: int, p) -> torch.Tensor:
     """Each packed token's row of a [rows * seqlen] table of its (batch row, position): rows == batch, one
     table row per token; rows == 1, the same rows for every batch row."""
@@ -792,6 +852,12 @@ class Layers(NamedTuple):
     # 1/sqrt(head_dim) before RoPE (a linear map, so the same) and then by `scaling` (1).
     scale: Callable | None = None
     final_norm: str | None = None  # a norm the encoder applies after its layers (ESM's emb_layer_norm_after)
+    # Relative positions the encoder hands every layer: (encoder) -> what its layers' attention reads (DeBERTa's
+    # relative embeddings, each layer projecting them itself).
+    relative: Callable | None = None
+    # A fused forward for the encoder model, whose own code asks the encoder for what the fused one does not
+    # compute on every call (DeBERTa's: every hidden state); its class is among the roles, as "...".
+    model_forward: Callable | None = None
 
 
 class MLMHead(NamedTuple):
@@ -996,6 +1062,39 @@ ROFORMER_LAYERS = BERT_LAYERS._replace(
     problems=_roformer_problems, call_problems=_roformer_call_problems, rotary=_roformer_rotary,
     fused="attention (varlen, padding removed once; RoPE interleaved in the kernels, read from the model's own "
           "sinusoid table)")
+_DEBERTA_V2_MODELS = (("deberta_v2.modeling_deberta_v2", "DebertaV2"),)
+
+
+def _deberta_problems(model) -> list[str]:
+    """What DeBERTa-v2's configuration may ask that the fused layers do not compute: the convolution its encoder
+    runs after the first layer (conv_kernel_size, the v2 xlarge models'), a bucket rule outside the kernel's range
+    (fewer than 2 buckets, or max_relative_positions within the exact range), position terms other than c2p and
+    p2c (its code ignores them; so does the kernel, but the scale counts only those two)."""
+    cfg, why = model.config, []
+    if getattr(cfg, "conv_kernel_size", 0) > 0:
+        why.append("a convolution after the first layer (conv_kernel_size), which the fused encoder does not run")
+    attention = model.encoder.layer[0].attention.self
+    if attention.relative_attention:
+        buckets, max_rel = attention.position_buckets, attention.max_relative_positions
+        if buckets > 0 and (buckets < 2 or max_rel - 1 <= buckets // 2):
+            why.append(f"position_buckets={buckets} with max_relative_positions={max_rel}, outside the log rule's "
+                       "range")
+    return why
+
+
+DEBERTA_V2_LAYERS = Layers(
+    "deberta-v2", ("attention.self.query_proj", "attention.self.key_proj", "attention.self.value_proj",
+                   "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense", "output.dense",
+                   "output.LayerNorm"),
+    "attention.self", (("", _bert_layer_forward), ("attention", _bert_attention_forward),
+                       ("attention.self", _deberta_self_attention_forward)),
+    "BaseModelOutput",
+    (("attention.self", ("DisentangledSelfAttention",)), ("attention", ("{P}Attention",)), ("", ("{P}Layer",)),
+     ("..", ("{P}Encoder",)), ("...", ("{P}Model",)), ("attention.output", ("{P}SelfOutput",)),
+     ("intermediate", ("{P}Intermediate",)), ("output", ("{P}Output",))), _DEBERTA_V2_MODELS,
+    problems=_deberta_problems, relative=_deberta_relative, model_forward=_deberta_model_forward,
+    fused="attention (varlen, padding removed once; DeBERTa's c2p and p2c terms formed inside the disentangled "
+          "kernel from each layer's projections of the relative embeddings, whose LayerNorm is a kernel)")
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -1033,6 +1132,13 @@ FAMILIES = (
            MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"), 1,
            test_config=(("position_embedding_type", "rotary"), ("mask_token_id", 4)), segments=False),
     Family("roformer", "RoFormer", ROFORMER_LAYERS, _BERT_MLM, 0),
+    # DeBERTa-v3's attention: 8 log buckets up to 12 positions (the test batch's 17 tokens cross both ranges),
+    # c2p and p2c through the shared key and query projections, the relative embeddings' LayerNorm, no absolute
+    # positions, no segments.
+    Family("deberta-v2", "DebertaV2", DEBERTA_V2_LAYERS, _BERT_MLM, 0,
+           test_config=(("relative_attention", True), ("position_buckets", 8), ("max_relative_positions", 12),
+                        ("pos_att_type", ["p2c", "c2p"]), ("norm_rel_ebd", "layer_norm"), ("share_att_key", True),
+                        ("position_biased_input", False)), segments=False),
     Family("eurobert", "EuroBert", EUROBERT_LAYERS, MLMHead(None, None, None, "lm_head"), 0,
            config_names=(("attention_probs_dropout_prob", "attention_dropout"),),
            test_config=(("num_key_value_heads", 2), ("bos_token_id", 1), ("eos_token_id", 2), ("mask_token_id", 4)),
@@ -1042,7 +1148,7 @@ FAMILIES = (
 
 # The task models whose forward the masked-only MLM loss stands in for: the families' own.
 _MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS,
-                                *_ROTARY_MODELS, *_ESM_MODELS, *_ROFORMER_MODELS)
+                                *_ROTARY_MODELS, *_ESM_MODELS, *_ROFORMER_MODELS, *_DEBERTA_V2_MODELS)
                     if m[1] in {f.prefix for f in FAMILIES})
 
 
@@ -1084,7 +1190,9 @@ _GELU_BLOCKS = (GeluBlock("{P}Intermediate", ("dense", "intermediate_act_fn"), _
                 GeluBlock("{P}PredictionHead", ("dense", "act", "norm"), _prediction_head_forward),
                 GeluBlock("{P}PredictionHeadTransform", ("dense", "transform_act_fn", "layer_norm"),
                           _nomicbert_head_transform_forward),
-                GeluBlock("{P}Intermediate", ("dense",), _esm_intermediate_forward))
+                GeluBlock("{P}Intermediate", ("dense",), _esm_intermediate_forward),
+                GeluBlock("Legacy{P}PredictionHeadTransform", ("dense", "transform_act_fn", "LayerNorm"),
+                          _head_transform_forward))
 # Blocks computing LayerNorm(dropout(dense(x)) + residual).
 _OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
 # transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
@@ -1174,7 +1282,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     p, kind = _layout(keys), state.layers
     x = unpad(hidden_states, p)
     position = kind.position_bias(self) if kind.position_bias else \
-        kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else None
+        kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else kind.relative(self) if kind.relative else None
     x = kind.stack.run(self, x, p, position)
     out = _padded(getattr(self, kind.final_norm)(x) if kind.final_norm else x, p, keys)
     # What the original encoder returns: BERT-like models read `.cache` from it too.
@@ -1382,7 +1490,8 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
     layers = kind.stack.layers(encoder)
     for path, names in kind.roles:  # every module the fused layer stands in for: of a known class
         known = known_classes(names, kind.models)
-        modules = [encoder] if path == ".." else [_get(layer, path) if path else layer for layer in layers]
+        modules = [encoder] if path == ".." else [enc_model] if path == "..." else \
+            [_get(layer, path) if path else layer for layer in layers]
         reasons += [why for m in modules if (why := unknown_code(m, known))]
     group_classes = known_classes(kind.stack.group_classes, kind.models)
     reasons += [why for m in kind.stack.groups(encoder) if (why := unknown_code(m, group_classes))]
@@ -1439,7 +1548,9 @@ class _Fuser:
         fused = 0
         for m in list(root.modules()):
             names = {n for n, _ in m.named_children()}
-            block = next((b for b in _GELU_BLOCKS if names == set(b.children)), None)
+            shaped = [b for b in _GELU_BLOCKS if names == set(b.children)]  # of several, the one of m's class
+            block = next((b for b in shaped if not unknown_code(m, known_classes((b.cls,), _BLOCK_MODELS))),
+                         shaped[0] if shaped else None)
             if block is None or _is_fused(m) or not isinstance(getattr(m, block.children[0]), nn.Linear):
                 continue
             # A block of one Linear calls its GeLU as a function (ESM's): known only by its class, so another
@@ -1521,7 +1632,9 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
         fuser.fused(group, stack.group_forward)
     fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report))
     fuser.fused(encoder, kind.encoder_forward or _encoder_forward)
-    if encoder is model:
+    if kind.model_forward:
+        fuser.fused(model, kind.model_forward)
+    if encoder is model or kind.model_forward:
         _register_recorded_outputs(model)
     report.fused.append(kind.fused)
     return report
@@ -1554,7 +1667,9 @@ def _mlm_head(task: nn.Module) -> MLMHead | None:
 
 _MLM_TASK_CLASSES = ("{P}ForMaskedLM", "{P}ForPreTraining")
 _MLM_HEAD_CLASSES = ("{P}OnlyMLMHead", "{P}PreTrainingHeads", "{P}LMPredictionHead", "{P}PredictionHeadTransform",
-                     "{P}LMHead", "{P}GeneratorPredictions", "{P}MLMHead", "{P}PredictionHead")
+                     "{P}LMHead", "{P}GeneratorPredictions", "{P}MLMHead", "{P}PredictionHead",
+                     # DeBERTa-v2's BERT-style head (its config's `legacy`), BERT's code under these names
+                     "Legacy{P}OnlyMLMHead", "Legacy{P}LMPredictionHead", "Legacy{P}PredictionHeadTransform")
 
 
 def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:

@@ -55,9 +55,11 @@ class Calls:
         return [arguments for n, arguments in self.calls if n == name]
 
 
+SLOW = pytest.mark.slow
 FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_hf.py
 ROTARY = {"modernbert", "nomicbert", "eurobert", "esm", "roformer"}
 GATED = {"modernbert", "nomicbert", "eurobert"}  # gated MLPs
+DISENTANGLED = {"deberta-v2"}  # DeBERTa's attention: the disentangled kernel, not varlen_attention
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -75,7 +77,8 @@ def test_family_fused_matches_original(family, monkeypatch):
     dense = hf.family(family.removesuffix("-sinusoidal")).mlm_head.dense
     # ModernBERT's head dense has no bias (GeLU alone); EuroBERT's head is the decoder alone.
     gelu = {"bias_gelu"} if dense and ref.get_submodule(dense).bias is not None else set()
-    assert set(calls.counts) == {"layer_norm", "varlen_attention", "masked_lm_loss"} | gelu | rotary, calls.counts
+    attention = "disentangled_attention" if family in DISENTANGLED else "varlen_attention"
+    assert set(calls.counts) == {"layer_norm", attention, "masked_lm_loss"} | gelu | rotary, calls.counts
     assert b.logits is None and rel_err(b.loss, a.loss) <= TOL
     assert_same_gradients(fused, ref, b.loss, a.loss)
     with torch.no_grad():  # without labels: the original head over the fused encoder, logits formed
@@ -137,7 +140,10 @@ def test_a_padded_row_equals_the_row_alone(family):
                                          ("esm", "ForSequenceClassification"), ("esm", "ForTokenClassification"),
                                          ("roformer", "ForSequenceClassification"),
                                          ("roformer", "ForTokenClassification"), ("roformer", "ForQuestionAnswering"),
-                                         ("roformer", "ForMultipleChoice")])
+                                         ("roformer", "ForMultipleChoice"),
+                                         ("deberta-v2", "ForSequenceClassification"),
+                                         ("deberta-v2", "ForTokenClassification"),
+                                         ("deberta-v2", "ForQuestionAnswering"), ("deberta-v2", "ForMultipleChoice")])
 @pytest.mark.slow
 def test_task_heads_of_the_families(family, head):
     ref = build(family, head)
@@ -193,17 +199,20 @@ def test_a_custom_subclass_is_matched_by_structure():
     assert "attention (varlen, padding removed once)" in fuse_report(fused)[0].fused
 
 
-@pytest.mark.parametrize("name", ["DebertaV2"])
-def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name):
-    """Disentangled (DeBERTa) attention stays; LayerNorm and GeLU still fuse."""
+@pytest.mark.parametrize("name, changes, layers", [("Deberta", {}, "unknown"),
+                                                   ("DebertaV2", {"conv_kernel_size": 3}, "deberta-v2")])
+def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name, changes, layers):
+    """DeBERTa (v1: another parameterisation of its attention, classes the drop-in does not know) and a
+    DeBERTa-v2 whose encoder runs a convolution after its first layer keep their attention; LayerNorm and GeLU
+    still fuse."""
     kernels_common._warned.clear()
     torch.manual_seed(0)
-    cfg = getattr(transformers, name + "Config")(**SMALL)
+    cfg = getattr(transformers, name + "Config")(**SMALL, **changes)
     ref = getattr(transformers, name + "Model")(cfg).eval()
     with pytest.warns(UserWarning, match="attention stays unfused"):
         fused = fuse(copy.deepcopy(ref))
     (report,) = fuse_report(fused)
-    assert report.layers == "unknown" and report.kept[0][0] == "attention"
+    assert report.layers == layers and "attention" in dict(report.kept)
     assert "Linear + GeLU" in str(report) and "LayerNorms" in str(report)
     ids, mask, _ = batch("bert")
     with torch.no_grad():
@@ -594,6 +603,57 @@ def test_eurobert_grouped_heads_rmsnorm_and_swiglu_reach_the_kernels(monkeypatch
     assert [c["activation"] for c in calls.of("glu")] == ["silu", "silu"]
     assert rel_err(b.loss, a.loss) <= TOL
     assert_same_gradients(fused, ref, b.loss, a.loss)
+
+
+@pytest.mark.parametrize("changes", [
+    {},                                                           # v3: shared projections, 8 log buckets
+    dict(share_att_key=False),                                    # v2: pos_key_proj and pos_query_proj
+    dict(position_buckets=-1, max_relative_positions=6),          # plain distances, clamped at 6
+    pytest.param(dict(pos_att_type=["c2p"], norm_rel_ebd="none"), marks=SLOW),  # one term, no LayerNorm
+    pytest.param(dict(relative_attention=False, norm_rel_ebd="none"), marks=SLOW),  # no position terms at all
+    pytest.param(dict(position_biased_input=True, type_vocab_size=2), marks=SLOW)])  # v2's absolute positions too
+def test_deberta_v2_configurations_fused_equal_the_original(changes, monkeypatch):
+    """DeBERTa-v2/v3 configurations: every layer's attention runs the disentangled kernel with the tables its
+    code would form (c2p through the key projection, p2c through the query's), and the loss and every
+    gradient, the relative embeddings' and their LayerNorm's included, equal the original's."""
+    ref = build("deberta-v2", **changes)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch("deberta-v2")
+    calls = Calls(monkeypatch)
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    attention = calls.of("disentangled_attention")
+    assert len(attention) == 2 and not calls.of("varlen_attention")
+    cfg = ref.config
+    terms = [t for t in ("c2p", "p2c") if cfg.relative_attention and t in cfg.pos_att_type]
+    got = attention[0]["positions"]
+    assert (got.pos_key is not None, got.pos_query is not None) == ("c2p" in terms, "p2c" in terms)
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    if cfg.relative_attention:
+        assert fused.deberta.encoder.rel_embeddings.weight.grad.abs().max() > 0
+
+
+def test_deberta_v2_dropouts_reach_the_kernels_and_hidden_states_run_the_original(monkeypatch):
+    """In training the attention dropout goes into the kernel, pos_dropout (a module, its hooks firing) onto the
+    relative embeddings each layer reads; a call asking for hidden states runs the original encoder code."""
+    ref = build("deberta-v2", "Model", attention_probs_dropout_prob=0.25, hidden_dropout_prob=0.125)
+    fused = fuse(copy.deepcopy(ref)).train()
+    ids, mask, _ = batch("deberta-v2")
+    seen = []
+    fused.encoder.layer[1].attention.self.pos_dropout.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    calls = Calls(monkeypatch)
+    fused(input_ids=ids, attention_mask=mask)
+    assert [c["dropout_p"] for c in calls.of("disentangled_attention")] == [0.25, 0.25]
+    assert seen == [fused.encoder.rel_embeddings.weight.shape]
+    fused.eval()
+    calls.calls.clear()
+    with torch.no_grad():
+        out = fused(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        want = ref.eval()(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert not calls.of("disentangled_attention") and len(out.hidden_states) == 3
+    assert all(rel_err(x[mask.bool()], y[mask.bool()]) <= TOL for x, y in zip(out.hidden_states, want.hidden_states))
+    assert "output_hidden_states" in str(fuse_report(fused)[0])
 
 
 def test_nomicbert_post_norm_dropouts_and_token_types_reach_the_kernels(monkeypatch):

@@ -43,8 +43,8 @@ def resolve_backend(name: str) -> str:
 
 
 # The Triton path of each op: the public entry point of `kernels` it calls, by the op's module there.
-TRITON = {"attention": "varlen_attention", "bias_gelu": "bias_gelu", "glu": "glu", "layer_norm": "layer_norm",
-          "mlm_loss": "masked_lm_loss", "rotary": "rotary"}
+TRITON = {"attention": "varlen_attention", "bias_gelu": "bias_gelu", "disentangled": "disentangled_attention",
+          "glu": "glu", "layer_norm": "layer_norm", "mlm_loss": "masked_lm_loss", "rotary": "rotary"}
 
 
 def _triton(op: str):
@@ -214,6 +214,45 @@ def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", positio
     if p.rows:
         return _torch_rows_attention(q, k, v, p, dropout_p, position_bias, window_size)
     return _torch_sequence_attention(q, k, v, p, dropout_p, position_bias, window_size)
+
+
+def disentangled_attention(q, k, v, p: Packed, positions, softmax_scale: float, dropout_p=0.0, backend="torch"):
+    """DeBERTa's attention of packed tokens q, k, v [total_tokens, heads, head_dim] within their sequences, the
+    content-to-position and position-to-content terms read from `positions` (a kernels.DisentangledPositions:
+    only fused Hugging Face models pass one, and they have imported the kernels already); filler tokens get
+    zeros. The PyTorch path forms DeBERTa's [sequences, heads, L, L] scores, as its own code does."""
+    if backend == "triton" and (why := kernels_package().refusal("disentangled", q.device, q.dtype,
+                                                                 head_dim=q.shape[-1])):
+        warn_once(f"{why}; this model's attention runs in PyTorch instead")
+        backend = "torch"
+    if backend == "triton":
+        return _triton("disentangled")(q, k, v, p.cu_seqlens, p.max_seqlen, positions, dropout_p=dropout_p,
+                                       softmax_scale=softmax_scale, validate=False)
+    total, heads, dim = q.shape
+    batch, length = p.sequences, max(p.max_seqlen, 1)
+    inside = (p.seq < batch) & (p.pos >= 0) & (p.pos < length)
+    slot = torch.where(inside, p.seq * length + p.pos, batch * length)
+
+    def to_batch(t):  # [total, heads, dim] -> [sequences, heads, L, dim], as _torch_sequence_attention does
+        out = t.new_zeros(batch * length + 1, heads, dim).index_put((slot,), t)[:-1]
+        return out.view(batch, length, heads, dim).transpose(1, 2)
+
+    qb, kb, vb = to_batch(q), to_batch(k), to_batch(v)
+    pos = torch.arange(length, device=q.device)
+    rows = kernels_package().relative_position_rows(pos[:, None] - pos[None, :], positions.position_buckets,
+                                                    positions.max_relative_positions).expand(batch, heads, -1, -1)
+    scores = qb @ kb.transpose(-1, -2)
+    if positions.pos_key is not None:  # q_i . Kr[r(i - j)]
+        scores = scores + torch.gather(qb @ positions.pos_key.permute(1, 2, 0), -1, rows)
+    if positions.pos_query is not None:  # k_j . Qr[r(i - j)]: gathered per key, then transposed
+        scores = scores + torch.gather(kb @ positions.pos_query.permute(1, 2, 0), -1, rows.transpose(-1, -2)
+                                       ).transpose(-1, -2)
+    seqlens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
+    keep = (pos[None, :] < seqlens[:, None])[:, None, None, :]
+    scores = (scores * softmax_scale).masked_fill(~keep, torch.finfo(scores.dtype).min)
+    probs = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
+    out = (probs @ vb).transpose(1, 2).reshape(batch * length, heads, dim)
+    return torch.cat([out, out.new_zeros(1, heads, dim)])[slot]
 
 
 def _window_keep(keep, positions, window_size):
