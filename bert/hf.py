@@ -45,6 +45,10 @@ family is one record. The layer structures (`Layers`) are
     v too) by the cos and sin its model keeps, ESM's formed once per forward from the position ids and handed to
     its encoder, RoFormer's the encoder's float64-made sinusoid table; the kernel reads those tables at each
     token's row (`ops.Rotation.cos`/`.sin`), so the rotation is the model's own to the bit.
+  * DeBERTa-v2/v3: BERT's layer around DisentangledSelfAttention.{query_proj,key_proj,value_proj[,pos_key_proj,
+    pos_query_proj]}, the encoder's rel_embeddings (and their LayerNorm) handed to every layer: each layer projects
+    them (`Layers.relative`) and the disentangled kernel adds the c2p and p2c terms inside its tiles; the model,
+    whose code asks the encoder for every hidden state, is fused too (`Layers.model_forward`).
 What is fused:
   * every LayerNorm; "dense -> dropout -> + residual -> LayerNorm" in one kernel;
   * a Linear followed by its GeLU (intermediate layers, DistilBERT's FFN, head transforms, ELECTRA's heads): the
@@ -58,15 +62,16 @@ What is fused:
     each layer. Under torch.compile and torch.export a static layout replaces unpadding (no host sync, one graph
     whatever the padding); an ONNX export exports each module's original code;
   * with fuse(model, mlm_logits=False), masked-LM heads given labels (BERT's cls.predictions, RoBERTa's lm_head,
-    ELECTRA's generator, DistilBERT's vocab_*, ALBERT's predictions, ModernBERT's, NomicBERT's and RoFormer's
-    heads, ESM's lm_head with its own bias, EuroBERT's bare lm_head): the loss by the masked-only kernel at
-    labelled positions, the vocabulary logits never formed; pre-training models add their sentence-pair head's
-    loss (BERT's next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head
+    ELECTRA's generator, DistilBERT's vocab_*, ALBERT's predictions, ModernBERT's, NomicBERT's, RoFormer's and
+    DeBERTa-v2's BERT-style heads, ESM's lm_head with its own bias, EuroBERT's bare lm_head): the loss by the
+    masked-only kernel at labelled positions, the vocabulary logits never formed; pre-training models add their
+    sentence-pair head's loss (BERT's next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head
     returns transformers' full logits.
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
-`fuse_report` lists it: attention the kernel cannot express (disentangled positions, a relative-position rule
-other than MPNet's, a rope type whose frequencies change with the length, a head_dim over 128, decoders and
+`fuse_report` lists it: attention the kernel cannot express (DeBERTa v1's, DeBERTa-v2's convolution, a
+relative-position rule other than MPNet's, a rope type whose frequencies change with the length, a head_dim over
+128, decoders and
 their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call asking for
 output_attentions, output_hidden_states, cross-attention or
 a cache, with a mask the kernel cannot express (one that differs between queries, or additive values other than

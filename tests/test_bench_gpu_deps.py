@@ -39,9 +39,10 @@ def test_fills_the_folder_and_the_packages_import(scratch):
     assert ".gpu_deps/ holds" in done.stdout and " MB" in done.stdout
     deps = scratch / ".gpu_deps"
     names = set(os.listdir(deps))
-    assert {"pytest", "liger_kernel", "cut_cross_entropy"} <= names
+    assert {"pytest", "liger_kernel", "cut_cross_entropy", "disentangled_flash", "flashdeberta"} <= names
     assert not any(n.startswith(("torch", "triton")) for n in names)  # the GPU image brings its own
     assert not [p for p in os.listdir(scratch) if p.startswith(".gpu_deps.tmp")]  # renamed into place
-    probe = subprocess.run([sys.executable, "-c", "import pytest, liger_kernel, cut_cross_entropy; print('ok')"],
-                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(deps)))
+    imports = "import pytest, liger_kernel, cut_cross_entropy, disentangled_flash, flashdeberta; print('ok')"
+    probe = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(deps)))
     assert probe.stdout.strip() == "ok", probe.stderr[-2000:]
