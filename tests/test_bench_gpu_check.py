@@ -78,6 +78,12 @@ def rows():
         kernels += [dict(row, impl=liger, fwd_bwd_ms=0.9)] if liger else []
     win = dict(att, kernel="attention+window", shape="b64 s512 h12 d64 window64+64", padding=0.25)
     kernels += [dict(win, impl="ours", fwd_bwd_ms=0.3), dict(win, impl="flash_attn-varlen", fwd_bwd_ms=0.33)]
+    # DeBERTa's attention layer, met: twice transformers' eager, faster than both Triton peers.
+    deb = dict(kernel="disentangled", shape="b64 s512 h12 d64 pad0%", seq_len=512, padding=0.0, head_dim=64,
+               dtype="bfloat16", status="ok")
+    kernels += [dict(deb, impl="ours", fwd_bwd_ms=1.0), dict(deb, impl="hf-eager", fwd_bwd_ms=2.5),
+                dict(deb, impl="disentangled_flash", fwd_bwd_ms=1.1), dict(deb, impl="flashdeberta-varlen",
+                                                                        fwd_bwd_ms=1.3)]
     mlm = dict(kernel="mlm_loss", shape="32768 tok x H768", hidden=768, tokens=32768, dtype="bfloat16", status="ok")
     kernels += [dict(mlm, impl="(a) full logits", peak_extra_MB=6000.0, fwd_bwd_ms=9.0),
                 dict(mlm, impl="(b) gather+linear+CE", peak_extra_MB=900.0, fwd_bwd_ms=3.0),
