@@ -122,6 +122,29 @@ def test_torch_attention_with_a_relative_position_bias(cu, max_seqlen, row_align
 
 
 @pytest.mark.parametrize("cu, max_seqlen, row_aligned", [([0, 7, 19, 24], 12, False),
+                                                      ([0, 0, 5, 8, 12, 16, 16, 20], 8, True)])
+def test_torch_disentangled_attention_means_what_the_kernels_do(cu, max_seqlen, row_aligned):
+    """The PyTorch path of DeBERTa's attention (the [sequences, heads, L, L] scores formed) adds the same c2p and
+    p2c terms as the kernels' reference, counted from each sequence's first token, both tables getting their
+    gradients, in both layouts; filler tokens get zeros."""
+    kernels = pytest.importorskip("kernels")
+    total = 24
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    pk, pq = (torch.randn(8, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    positions = kernels.DisentangledPositions(pk, pq, 4, 6)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    out = ops.disentangled_attention(q, k, v, packed_layout(cu, total, max_seqlen, row_aligned), positions, 0.2)
+    want = kernels.disentangled_attention_ref(q, k, v, cu, positions, softmax_scale=0.2)
+    torch.testing.assert_close(out, want)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got, expected = (torch.autograd.grad((t * w).sum(), (q, k, pk, pq)) for t in (out, want))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    assert (out[int(cu[-1]):] == 0).all()
+
+
+@pytest.mark.parametrize("cu, max_seqlen, row_aligned", [([0, 7, 19, 24], 12, False),
                                                       ([0, 0, 5, 8, 12, 16, 16, 20], 8, True),
                                                       ([0, 0, 9], 9, False)])  # an empty sequence first
 @pytest.mark.parametrize("window", [(2, 1), (0, -1), (-1, -1)])
