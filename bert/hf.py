@@ -63,10 +63,11 @@ What is fused:
     whatever the padding); an ONNX export exports each module's original code;
   * with fuse(model, mlm_logits=False), masked-LM heads given labels (BERT's cls.predictions, RoBERTa's lm_head,
     ELECTRA's generator, DistilBERT's vocab_*, ALBERT's predictions, ModernBERT's, NomicBERT's, RoFormer's and
-    DeBERTa-v2's BERT-style heads, ESM's lm_head with its own bias, EuroBERT's bare lm_head): the loss by the
-    masked-only kernel at labelled positions, the vocabulary logits never formed; pre-training models add their
-    sentence-pair head's loss (BERT's next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head
-    returns transformers' full logits.
+    DeBERTa-v2's BERT-style heads, DeBERTa-v2's enhanced mask decoder (the word embeddings as decoder), ESM's
+    lm_head with its own bias, EuroBERT's bare lm_head): the loss by the masked-only kernel at labelled positions,
+    the vocabulary logits never formed; pre-training models add their sentence-pair head's loss (BERT's
+    next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head returns
+    transformers' full logits.
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
 fused models). What cannot be fused keeps the original module with one warning naming the reason, and
 `fuse_report` lists it: attention the kernel cannot express (DeBERTa v1's, DeBERTa-v2's convolution, a
@@ -240,6 +241,12 @@ def _head_transform_forward(self, hidden_states):
 def _nomicbert_head_transform_forward(self, hidden_states):
     """NomicBertPredictionHeadTransform: layer_norm(transform_act_fn(dense(x)))."""
     return self.layer_norm(_linear_gelu(self.dense, self.transform_act_fn, hidden_states))
+
+
+def _deberta_lm_head_forward(self, hidden_states, word_embeddings):
+    """DebertaV2LMPredictionHead (the enhanced mask decoder's): LayerNorm(act(dense(x))) @ E^T + bias."""
+    h = self.LayerNorm(_linear_gelu(self.dense, self.transform_act_fn, hidden_states))
+    return torch.matmul(h, word_embeddings.weight.t()) + self.bias
 
 
 def _generator_head_forward(self, hidden_states):
@@ -867,7 +874,9 @@ class Layers(NamedTuple):
 
 class MLMHead(NamedTuple):
     """Paths, inside the task model, of a family's MLM head: dense -> GeLU -> LayerNorm -> decoder (tied), or the
-    decoder alone (dense and norm None: EuroBERT's lm_head)."""
+    decoder alone (dense and norm None: EuroBERT's lm_head). The decoder is an nn.Linear, or the input embedding
+    itself (DeBERTa-v2's enhanced mask decoder multiplies by the word embeddings' weight: an nn.Embedding, no
+    bias of its own)."""
     dense: str | None
     act: str | None          # None: the head calls an erf GeLU function, not a module (RoBERTa's lm_head)
     norm: str | None
@@ -1139,11 +1148,16 @@ FAMILIES = (
     Family("roformer", "RoFormer", ROFORMER_LAYERS, _BERT_MLM, 0),
     # DeBERTa-v3's attention: 8 log buckets up to 12 positions (the test batch's 17 tokens cross both ranges),
     # c2p and p2c through the shared key and query projections, the relative embeddings' LayerNorm, no absolute
-    # positions, no segments.
-    Family("deberta-v2", "DebertaV2", DEBERTA_V2_LAYERS, _BERT_MLM, 0,
-           test_config=(("relative_attention", True), ("position_buckets", 8), ("max_relative_positions", 12),
-                        ("pos_att_type", ["p2c", "c2p"]), ("norm_rel_ebd", "layer_norm"), ("share_att_key", True),
-                        ("position_biased_input", False)), segments=False),
+    # positions, no segments; its enhanced mask decoder head (legacy=False: the word embeddings' weight as decoder,
+    # a bias of its own). A legacy model's head is BERT's (cls.predictions), found by its paths.
+    Family("deberta-v2", "DebertaV2", DEBERTA_V2_LAYERS,
+           MLMHead("lm_predictions.lm_head.dense", "lm_predictions.lm_head.transform_act_fn",
+                   "lm_predictions.lm_head.LayerNorm", "deberta.embeddings.word_embeddings",
+                   "lm_predictions.lm_head.bias"), 0,
+           test_config=(("legacy", False), ("relative_attention", True), ("position_buckets", 8),
+                        ("max_relative_positions", 12), ("pos_att_type", ["p2c", "c2p"]),
+                        ("norm_rel_ebd", "layer_norm"), ("share_att_key", True), ("position_biased_input", False)),
+           segments=False),
     Family("eurobert", "EuroBert", EUROBERT_LAYERS, MLMHead(None, None, None, "lm_head"), 0,
            config_names=(("attention_probs_dropout_prob", "attention_dropout"),),
            test_config=(("num_key_value_heads", 2), ("bos_token_id", 1), ("eos_token_id", 2), ("mask_token_id", 4)),
@@ -1197,7 +1211,8 @@ _GELU_BLOCKS = (GeluBlock("{P}Intermediate", ("dense", "intermediate_act_fn"), _
                           _nomicbert_head_transform_forward),
                 GeluBlock("{P}Intermediate", ("dense",), _esm_intermediate_forward),
                 GeluBlock("Legacy{P}PredictionHeadTransform", ("dense", "transform_act_fn", "LayerNorm"),
-                          _head_transform_forward))
+                          _head_transform_forward),
+                GeluBlock("{P}LMPredictionHead", ("dense", "transform_act_fn", "LayerNorm"), _deberta_lm_head_forward))
 # Blocks computing LayerNorm(dropout(dense(x)) + residual).
 _OUTPUT_BLOCK_CLASSES = ("{P}SelfOutput", "{P}Output")
 # transformers' own attention functions by implementation name: any of them computes softmax(q k^T s + mask) v.
@@ -1665,11 +1680,12 @@ def _mlm_head(task: nn.Module) -> MLMHead | None:
     own = [f.mlm_head for f in FAMILIES if classes & {f.prefix + "ForMaskedLM", f.prefix + "ForPreTraining"}]
     for head in (*own, *MLM_HEADS):
         paths = [p for p in (head.dense, head.act, head.norm, head.decoder) if p]
-        if _has(task, *paths) and isinstance(_get(task, head.decoder), nn.Linear):
+        if _has(task, *paths) and isinstance(_get(task, head.decoder), _DECODERS):
             return head
     return None
 
 
+_DECODERS = (nn.Linear, nn.Embedding)  # a head's decoder: a Linear, or the tied input embedding (its weight)
 _MLM_TASK_CLASSES = ("{P}ForMaskedLM", "{P}ForPreTraining")
 _MLM_HEAD_CLASSES = ("{P}OnlyMLMHead", "{P}PreTrainingHeads", "{P}LMPredictionHead", "{P}PredictionHeadTransform",
                      "{P}LMHead", "{P}GeneratorPredictions", "{P}MLMHead", "{P}PredictionHead",
@@ -1687,7 +1703,11 @@ def _mlm_code_problem(task: nn.Module, head: MLMHead) -> str | None:
         return (f"sparse_prediction drops the rows labelled {cfg.sparse_pred_ignore_index}, which the masked-only "
                 "loss counts")
     why = unknown_code(task, known_classes(_MLM_TASK_CLASSES, _MLM_MODELS))
-    owners = {p.rsplit(".", 1)[0] for p in (head.dense, head.norm, head.decoder) if p and "." in p}
+    # The modules holding the head's parts; an embedding decoder is the encoder's own input embedding, whose
+    # weight alone is read (the model around it is not the head's).
+    parts = (head.dense, head.norm) if isinstance(_get(task, head.decoder), nn.Embedding) else \
+        (head.dense, head.norm, head.decoder)
+    owners = {p.rsplit(".", 1)[0] for p in parts if p and "." in p}
     prefixes = sorted({o.rsplit(".", i)[0] for o in owners for i in range(o.count(".") + 1)})
     known = known_classes(_MLM_HEAD_CLASSES, _MLM_MODELS)
     return why or next(filter(None, (unknown_code(_get(task, p), known) for p in prefixes)), None)
@@ -1766,7 +1786,7 @@ class FusedMLMForward:
         # a hook on it), or an ONNX export (which exports the original code).
         if labels is None or (pair and pair_label is None) or kw.get("output_attentions") \
                 or kw.get("output_hidden_states") or kw.get("return_dict") is False \
-                or not ops.plain(_get(self.task, self.head.decoder), nn.Linear) or ops.exporting_onnx():
+                or not ops.plain(_get(self.task, self.head.decoder), *_DECODERS) or ops.exporting_onnx():
             return self.unfused(*args, **kwargs)
         kw.pop("return_dict", None)
         items = kw.pop("num_items_in_batch", None) if self.sums else None
@@ -1780,7 +1800,7 @@ class FusedMLMForward:
         check_labels(labels, decoder.weight.shape[0], "labels", (hidden.shape[0] * hidden.shape[1],))
         rows = ops.labelled_rows(labels)
         h = _head_transform(task, head, hidden.reshape(-1, hidden.shape[-1])[rows])
-        bias = decoder.bias
+        bias = getattr(decoder, "bias", None)  # an embedding decoder has none
         if head.bias:  # the head's own bias, added after the decoder
             bias = _get(task, head.bias) if bias is None else bias + _get(task, head.bias)
         loss = ops.masked_lm_loss(h, decoder.weight, bias, labels[rows], backend=ops.backend_for(h)).loss

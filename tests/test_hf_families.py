@@ -607,6 +607,7 @@ def test_eurobert_grouped_heads_rmsnorm_and_swiglu_reach_the_kernels(monkeypatch
 
 @pytest.mark.parametrize("changes", [
     {},                                                           # v3: shared projections, 8 log buckets
+    dict(legacy=True),                                            # the BERT-style MLM head (cls.predictions)
     dict(share_att_key=False),                                    # v2: pos_key_proj and pos_query_proj
     dict(position_buckets=-1, max_relative_positions=6),          # plain distances, clamped at 6
     pytest.param(dict(pos_att_type=["c2p"], norm_rel_ebd="none"), marks=SLOW),  # one term, no LayerNorm
@@ -623,7 +624,7 @@ def test_deberta_v2_configurations_fused_equal_the_original(changes, monkeypatch
     a = ref(input_ids=ids, attention_mask=mask, labels=labels)
     b = fused(input_ids=ids, attention_mask=mask, labels=labels)
     attention = calls.of("disentangled_attention")
-    assert len(attention) == 2 and not calls.of("varlen_attention")
+    assert len(attention) == 2 and not calls.of("varlen_attention") and len(calls.of("masked_lm_loss")) == 1
     cfg = ref.config
     terms = [t for t in ("c2p", "p2c") if cfg.relative_attention and t in cfg.pos_att_type]
     got = attention[0]["positions"]
