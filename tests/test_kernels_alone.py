@@ -57,6 +57,14 @@ rot = kernels.Rotary(1.0 / 10000 ** (torch.arange(0, 16, 2) / 16))
 pos = kernels.rotary_positions(cu, 9)
 check("rotary", lambda x: kernels.rotary(x.float(), pos, rot), lambda x: kernels.rotary_ref(x, pos, rot),
       leaves((9, 2, 16)))
+def deberta(q, k, v, pk, pq, attention):
+    positions = kernels.DisentangledPositions(pk, pq, 4, 6)
+    return attention(q, k, v, cu, positions)
+def ours(q, k, v, c, p):
+    return kernels.disentangled_attention(q, k, v, c, 5, p)
+check("disentangled_attention", lambda *t: deberta(*(x.float() for x in t), ours),
+      lambda *t: deberta(*t, kernels.disentangled_attention_ref),
+      leaves((9, 2, 16), (9, 2, 16), (9, 2, 16), (8, 2, 16), (8, 2, 16)))
 labels = torch.tensor([3, -100, 0, 9, 5])
 check("masked_lm_loss", lambda h, w, b: kernels.masked_lm_loss(h.float(), w.float(), b.float(), labels),
       lambda h, w, b: kernels.masked_lm_loss_ref(h, w, b, labels), leaves((5, 16), (11, 16), (11,)))
