@@ -6,8 +6,8 @@ import torch
 from kernels.disentangled import (DisentangledPositions, disentangled_attention, disentangled_attention_ref,
                                   disentangled_dropout_mask)
 
-from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, optional_peer, randn
-from .attention import _at, _cu_seqlens, _problem
+from ..record import Bench, Case, CompileCall, Goal, Record, Tuning, optional_peer, randn
+from .attention import RECORD as _ATTENTION, _at, _cu_seqlens, _problem
 
 V3_RULE = (256, 512)    # DeBERTa-v3's position_buckets and max_relative_positions
 SMALL_RULE = (8, 20)    # the interpreter's: short test sequences still cross the log range
@@ -170,12 +170,9 @@ RECORD = Record(
     name="disentangled",
     smoke={"disentangled": lambda s, device: _smoke(s, device, 0.0),
            "disentangled_dropout": lambda s, device: _smoke(s, device, 0.1)},
-    bench_shapes=BenchShapes(quick=[(256, 128, 12), (64, 512, 12)],
-                             full=[(b, s, h) for b, s in ((256, 128), (64, 512)) for h in (12, 16)],
-                             tiny=[(2, 24, 2)]),
+    bench_shapes=_ATTENTION.bench_shapes,           # BERT-base and -large heads at 128 and 512, as attention's
     bench=_bench,
-    tuning=Tuning(shapes=(TuneShape(64, 128, (192, 128, 12)), TuneShape(64, 512, (48, 512, 12), rank=1)),
-                  setup=_tune_setup),
+    tuning=Tuning(shapes=_ATTENTION.tuning.shapes, setup=_tune_setup),
     compiled=_compiled,
     call=_call,
     goals=(Goal("DeBERTa attention layer vs transformers' eager, s512", ">= 2x", "disentangled", "fwd_bwd_ms", ">=",
