@@ -8,8 +8,9 @@ import torch
 from kernel_utils import binomial_ok, case_seed, check_against_reference
 
 kernels = pytest.importorskip("kernels")
-from kernels.disentangled import (DisentangledPositions, disentangled_attention, disentangled_attention_ref,  # noqa: E402
-                                  disentangled_dropout_mask, relative_position_rows)
+from kernels.disentangled import (  # noqa: E402
+    DisentangledPositions, disentangled_attention, disentangled_attention_ref, disentangled_dropout_mask,
+    relative_position_rows)
 
 SLOW = pytest.mark.slow
 
@@ -104,6 +105,7 @@ def test_filler_tokens_are_zero_and_get_zero_gradient(device):
     assert all(torch.equal(g[19:], torch.zeros_like(g[19:])) for g in grads[:3])
 
 
+@SLOW
 def test_many_sequences_split_the_table_gradient(device):
     """Enough tokens for the table gradient's programs to split the sequences between them (their partial sums
     added in order): still the reference's gradient, and bit for bit the same on a second call."""

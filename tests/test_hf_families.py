@@ -607,9 +607,9 @@ def test_eurobert_grouped_heads_rmsnorm_and_swiglu_reach_the_kernels(monkeypatch
 
 @pytest.mark.parametrize("changes", [
     {},                                                           # v3: shared projections, 8 log buckets
-    dict(legacy=True),                                            # the BERT-style MLM head (cls.predictions)
+    pytest.param(dict(legacy=True), marks=SLOW),                  # the BERT-style MLM head (cls.predictions)
     dict(share_att_key=False),                                    # v2: pos_key_proj and pos_query_proj
-    dict(position_buckets=-1, max_relative_positions=6),          # plain distances, clamped at 6
+    pytest.param(dict(position_buckets=-1, max_relative_positions=6), marks=SLOW),  # plain distances, clamped
     pytest.param(dict(pos_att_type=["c2p"], norm_rel_ebd="none"), marks=SLOW),  # one term, no LayerNorm
     pytest.param(dict(relative_attention=False, norm_rel_ebd="none"), marks=SLOW),  # no position terms at all
     pytest.param(dict(position_biased_input=True, type_vocab_size=2), marks=SLOW)])  # v2's absolute positions too
