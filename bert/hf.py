@@ -23,7 +23,7 @@ family is one record. The layer structures (`Layers`) are
     output_layer_norm;
   * MPNet: attention.attn.{q,k,v,o,dropout}, attention.{dropout,LayerNorm}, intermediate, output as BERT's, and
     a relative-position bias (encoder.relative_attention_bias, 32 buckets) the encoder computes once for all
-    layers, which the fused attention looks up inside its kernel (`Layers.position_bias`);
+    layers, which the fused attention looks up inside its kernel (`Layers.relative`);
   * ALBERT: attention.{query,key,value,dense,attention_dropout,output_dropout,LayerNorm}, ffn, activation,
     ffn_output, full_layer_layer_norm; held not in a `layer` list but in `albert_layer_groups[g].albert_layers`,
     one set of parameters that num_hidden_layers passes share (`Stack`): each shared layer is fused once, and the
@@ -841,9 +841,10 @@ class Layers(NamedTuple):
     output: str                    # the transformers.modeling_outputs class the original encoder returns
     roles: tuple[tuple[str, tuple[str, ...]], ...]  # (path in the layer, "" itself, ".." the encoder): names
     models: tuple[tuple[str, str], ...]             # (transformers modeling module, class-name prefix "{P}")
-    # A relative-position bias the encoder computes once for all its layers: (the encoder) -> the
-    # kernels.RelativePositionBias its code computes; None for absolute positions (in the embeddings).
-    position_bias: Callable | None = None
+    # Relative positions the encoder computes once for all its layers: (the encoder) -> what its layers' attention
+    # reads (MPNet's bias, the kernels.RelativePositionBias its code computes; DeBERTa's relative embeddings, each
+    # layer projecting them itself); None for absolute positions (in the embeddings) and the rotary families.
+    relative: Callable | None = None
     stack: Stack = LAYER_LIST      # where the encoder holds its layers
     # The attention module's dropout on the probabilities: an nn.Dropout child, or a float attribute (the rate
     # its code passes to the attention function).
@@ -864,9 +865,6 @@ class Layers(NamedTuple):
     # 1/sqrt(head_dim) before RoPE (a linear map, so the same) and then by `scaling` (1).
     scale: Callable | None = None
     final_norm: str | None = None  # a norm the encoder applies after its layers (ESM's emb_layer_norm_after)
-    # Relative positions the encoder hands every layer: (encoder) -> what its layers' attention reads (DeBERTa's
-    # relative embeddings, each layer projecting them itself).
-    relative: Callable | None = None
     # A fused forward for the encoder model, whose own code asks the encoder for what the fused one does not
     # compute on every call (DeBERTa's: every hidden state); its class is among the roles, as "...".
     model_forward: Callable | None = None
@@ -934,6 +932,28 @@ _MPNET_MODELS = (("mpnet.modeling_mpnet", "MPNet"),)
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
 
 
+def _mpnet_problems(model) -> list[str]:
+    """A bias table with fewer rows than MPNet's rule reads."""
+    rows = model.encoder.relative_attention_bias.num_embeddings
+    return [f"a relative-position bias of {rows} buckets, fewer than the {MPNET_BUCKETS} its rule reads"] \
+        if rows < MPNET_BUCKETS else []
+
+
+def _mpnet_call_problems(encoder, keys) -> list[str]:
+    """Why this call's relative-position bias is not what the kernel computes: a bias module that is not a plain
+    nn.Embedding (its lookup would be skipped), or a mask with holes (`_relative_call_problems`)."""
+    why = []
+    if not ops.plain(encoder.relative_attention_bias, nn.Embedding):
+        why.append("a hook on (or a replacement of) the relative-position bias, which the fused attention reads "
+                   "inside its kernel")
+    return why + _relative_call_problems(encoder, keys)
+
+
+def _relative_call_problems(encoder, keys) -> list[str]:
+    """Relative positions within the packed sequence are the original code's only where the mask has no holes."""
+    return _holes(keys, "relative positions")
+
+
 def _mpnet_position_bias(encoder):
     return ops.kernels_package().RelativePositionBias(encoder.relative_attention_bias.weight[:MPNET_BUCKETS],
                                                       MPNET_BUCKETS, MPNET_MAX_DISTANCE)
@@ -946,7 +966,8 @@ MPNET_LAYERS = Layers("mpnet", ("attention.attn.q", "attention.attn.k", "attenti
                       "BaseModelOutput",
                       (("attention.attn", ("{P}SelfAttention",)), ("attention", ("{P}Attention",)),
                        ("", ("{P}Layer",)), ("..", ("{P}Encoder",)), ("intermediate", ("{P}Intermediate",)),
-                       ("output", ("{P}Output",))), _MPNET_MODELS, position_bias=_mpnet_position_bias)
+                       ("output", ("{P}Output",))), _MPNET_MODELS, relative=_mpnet_position_bias,
+                      problems=_mpnet_problems, call_problems=_mpnet_call_problems)
 _ALBERT_MODELS = (("albert.modeling_albert", "Albert"),)
 ALBERT_LAYERS = Layers("albert", ("attention.query", "attention.key", "attention.value", "attention.dense",
                                   "attention.LayerNorm", "ffn", "ffn_output", "full_layer_layer_norm"),
@@ -1081,18 +1102,15 @@ _DEBERTA_V2_MODELS = (("deberta_v2.modeling_deberta_v2", "DebertaV2"),)
 
 def _deberta_problems(model) -> list[str]:
     """What DeBERTa-v2's configuration may ask that the fused layers do not compute: the convolution its encoder
-    runs after the first layer (conv_kernel_size, the v2 xlarge models'), a bucket rule outside the kernel's range
-    (fewer than 2 buckets, or max_relative_positions within the exact range), position terms other than c2p and
-    p2c (its code ignores them; so does the kernel, but the scale counts only those two)."""
+    runs after the first layer (conv_kernel_size, the v2 xlarge models'), a bucket rule the kernels refuse
+    (kernels.disentangled.rule_refusal)."""
     cfg, why = model.config, []
     if getattr(cfg, "conv_kernel_size", 0) > 0:
         why.append("a convolution after the first layer (conv_kernel_size), which the fused encoder does not run")
     attention = model.encoder.layer[0].attention.self
-    if attention.relative_attention:
-        buckets, max_rel = attention.position_buckets, attention.max_relative_positions
-        if buckets > 0 and (buckets < 2 or max_rel - 1 <= buckets // 2):
-            why.append(f"position_buckets={buckets} with max_relative_positions={max_rel}, outside the log rule's "
-                       "range")
+    if attention.relative_attention and (refused := ops.kernels_package().disentangled.rule_refusal(
+            attention.position_buckets, attention.max_relative_positions)):
+        why.append(refused)
     return why
 
 
@@ -1106,7 +1124,8 @@ DEBERTA_V2_LAYERS = Layers(
     (("attention.self", ("DisentangledSelfAttention",)), ("attention", ("{P}Attention",)), ("", ("{P}Layer",)),
      ("..", ("{P}Encoder",)), ("...", ("{P}Model",)), ("attention.output", ("{P}SelfOutput",)),
      ("intermediate", ("{P}Intermediate",)), ("output", ("{P}Output",))), _DEBERTA_V2_MODELS,
-    problems=_deberta_problems, relative=_deberta_relative, model_forward=_deberta_model_forward,
+    problems=_deberta_problems, call_problems=_relative_call_problems, relative=_deberta_relative,
+    model_forward=_deberta_model_forward,
     fused="attention (varlen, padding removed once; DeBERTa's c2p and p2c terms formed inside the disentangled "
           "kernel from each layer's projections of the relative embeddings, whose LayerNorm is a kernel)")
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
@@ -1301,8 +1320,8 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
 
     p, kind = _layout(keys), state.layers
     x = unpad(hidden_states, p)
-    position = kind.position_bias(self) if kind.position_bias else \
-        kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else kind.relative(self) if kind.relative else None
+    position = kind.relative(self) if kind.relative else \
+        kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else None
     x = kind.stack.run(self, x, p, position)
     out = _padded(getattr(self, kind.final_norm)(x) if kind.final_norm else x, p, keys)
     # What the original encoder returns: BERT-like models read `.cache` from it too.
@@ -1343,8 +1362,6 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     if not all(_plain_probs_dropout(kind, layer) for layer in kind.stack.layers(encoder)):
         wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
                   "its kernel")
-    if state.layers.position_bias:
-        wants.update(_position_bias_problems(encoder, keys))
     if state.layers.call_problems:
         wants.update(state.layers.call_problems(encoder, keys))
     # use_cache means a cache only in a decoder (ESM's encoder is handed its config's use_cache and ignores it).
@@ -1363,16 +1380,6 @@ def _plain_probs_dropout(kind: Layers, layer: nn.Module) -> bool:
     """The kernel may apply the probabilities' dropout itself: a plain nn.Dropout there, or a rate."""
     dropout = _probs_dropout(kind, layer)
     return isinstance(dropout, float) or ops.plain(dropout, nn.Dropout)
-
-
-def _position_bias_problems(encoder, keys) -> list[str]:
-    """Why this call's relative-position bias is not what the kernel computes: a bias module that is not a plain
-    nn.Embedding (its lookup would be skipped), or a mask with holes (`_holes`)."""
-    why = []
-    if not ops.plain(encoder.relative_attention_bias, nn.Embedding):
-        why.append("a hook on (or a replacement of) the relative-position bias, which the fused attention reads "
-                   "inside its kernel")
-    return why + _holes(keys, "relative positions")
 
 
 def _run_layer(encoder, layer, x, p, position):
@@ -1534,8 +1541,6 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
         reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
         reasons.append("a decoder / cross-attention configuration")
-    if kind.position_bias and (rows := encoder.relative_attention_bias.num_embeddings) < MPNET_BUCKETS:
-        reasons.append(f"a relative-position bias of {rows} buckets, fewer than the {MPNET_BUCKETS} its rule reads")
     reasons += filter(None, [_attention_function_problem(cfg)])
     return reasons
 

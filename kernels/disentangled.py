@@ -90,17 +90,27 @@ def relative_position_rows(distance: torch.Tensor, position_buckets: int, max_re
     return (bucket + span).clamp(0, 2 * span - 1)
 
 
+def rule_refusal(position_buckets: int, max_relative_positions: int) -> str | None:
+    """Why the kernels cannot take this bucket rule (None where they can): fewer than 2 buckets, a
+    max_relative_positions inside the log rule's exact range (its logarithm would be of a ratio <= 1), a span
+    over 2^20 rows."""
+    buckets, max_rel = position_buckets, max_relative_positions
+    if max_rel < 1:
+        return f"max_relative_positions must be at least 1, got {max_rel}"
+    if buckets > 0 and (buckets < 2 or max_rel - 1 <= buckets // 2):
+        return (f"position_buckets={buckets} needs at least 2 buckets and max_relative_positions above "
+                f"position_buckets // 2 + 1 (the log rule's range), got {max_rel}")
+    if (buckets if buckets > 0 else max_rel) > 2 ** 20:
+        return f"a span of {buckets if buckets > 0 else max_rel} positions is over 2^20"
+    return None
+
+
 def _check_rule(op: str, buckets, max_rel) -> None:
     for name, value in (("position_buckets", buckets), ("max_relative_positions", max_rel)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{op}: {name} must be an int, got {value!r}")
-    if max_rel < 1:
-        raise ValueError(f"{op}: max_relative_positions must be at least 1, got {max_rel}")
-    if buckets > 0 and (buckets < 2 or max_rel - 1 <= buckets // 2):
-        raise ValueError(f"{op}: position_buckets={buckets} needs at least 2 buckets and max_relative_positions "
-                         f"above position_buckets // 2 + 1 (the log rule's range), got {max_rel}")
-    if (buckets if buckets > 0 else max_rel) > 2 ** 20:
-        raise ValueError(f"{op}: a span of {buckets if buckets > 0 else max_rel} positions is over 2^20")
+    if why := rule_refusal(buckets, max_rel):
+        raise ValueError(f"{op}: {why}")
 
 
 @functools.lru_cache(maxsize=64)

@@ -657,6 +657,29 @@ def test_deberta_v2_dropouts_reach_the_kernels_and_hidden_states_run_the_origina
     assert "output_hidden_states" in str(fuse_report(fused)[0])
 
 
+def test_deberta_v2_mask_holes_and_refused_bucket_rules_run_the_original_code(monkeypatch):
+    """DeBERTa counts the padded slots inside a row in its relative distances: a mask with holes runs the original
+    code for that call (counted), as for MPNet. A bucket rule the kernels refuse keeps the attention unfused, with
+    the kernels' reason."""
+    kernels_common._warned.clear()  # MPNet's test may have given the same warning, once per process
+    ref = build("deberta-v2", "Model")
+    fused = fuse(copy.deepcopy(ref))
+    ids, mask, _ = batch("deberta-v2")
+    mask[0, 5] = 0  # a hole inside the first row
+    calls = Calls(monkeypatch)
+    with torch.no_grad(), pytest.warns(UserWarning, match="an attention mask with holes"):
+        b = fused(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        a = ref(input_ids=ids, attention_mask=mask)
+    keep = mask.bool()
+    assert not calls.of("disentangled_attention")
+    assert rel_err(b.last_hidden_state[keep], a.last_hidden_state[keep]) <= TOL
+    assert any("holes" in why and "relative positions" in why for why in fuse_report(fused)[0].calls)
+    narrow = build("deberta-v2", "Model", position_buckets=8, max_relative_positions=5)
+    with pytest.warns(UserWarning, match="attention stays unfused: .*position_buckets=8 needs"):
+        fuse(narrow)
+
+
 def test_nomicbert_post_norm_dropouts_and_token_types_reach_the_kernels(monkeypatch):
     """NomicBERT (post-norm, base 1,000, no biases): in training each layer's two dropouts go into their
     LayerNorm kernels and the attention dropout into the attention kernel; with dropout off, token type ids
