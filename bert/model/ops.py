@@ -228,31 +228,19 @@ def disentangled_attention(q, k, v, p: Packed, positions, softmax_scale: float, 
     if backend == "triton":
         return _triton("disentangled")(q, k, v, p.cu_seqlens, p.max_seqlen, positions, dropout_p=dropout_p,
                                        softmax_scale=softmax_scale, validate=False)
-    total, heads, dim = q.shape
-    batch, length = p.sequences, max(p.max_seqlen, 1)
-    inside = (p.seq < batch) & (p.pos >= 0) & (p.pos < length)
-    slot = torch.where(inside, p.seq * length + p.pos, batch * length)
-
-    def to_batch(t):  # [total, heads, dim] -> [sequences, heads, L, dim], as _torch_sequence_attention does
-        out = t.new_zeros(batch * length + 1, heads, dim).index_put((slot,), t)[:-1]
-        return out.view(batch, length, heads, dim).transpose(1, 2)
-
-    qb, kb, vb = to_batch(q), to_batch(k), to_batch(v)
-    pos = torch.arange(length, device=q.device)
+    s = _Sequences.of(p)
+    qb, kb, vb = s.batched(q), s.batched(k), s.batched(v)
+    pos = torch.arange(s.length, device=q.device)
     rows = kernels_package().relative_position_rows(pos[:, None] - pos[None, :], positions.position_buckets,
-                                                    positions.max_relative_positions).expand(batch, heads, -1, -1)
+                                                    positions.max_relative_positions).expand(*qb.shape[:2], -1, -1)
     scores = qb @ kb.transpose(-1, -2)
     if positions.pos_key is not None:  # q_i . Kr[r(i - j)]
         scores = scores + torch.gather(qb @ positions.pos_key.permute(1, 2, 0), -1, rows)
     if positions.pos_query is not None:  # k_j . Qr[r(i - j)]: gathered per key, then transposed
         scores = scores + torch.gather(kb @ positions.pos_query.permute(1, 2, 0), -1, rows.transpose(-1, -2)
                                        ).transpose(-1, -2)
-    seqlens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
-    keep = (pos[None, :] < seqlens[:, None])[:, None, None, :]
-    scores = (scores * softmax_scale).masked_fill(~keep, torch.finfo(scores.dtype).min)
-    probs = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
-    out = (probs @ vb).transpose(1, 2).reshape(batch * length, heads, dim)
-    return torch.cat([out, out.new_zeros(1, heads, dim)])[slot]
+    scores = (scores * softmax_scale).masked_fill(~s.keys(pos), torch.finfo(scores.dtype).min)
+    return s.packed(F.dropout(torch.softmax(scores, dim=-1), dropout_p) @ vb)
 
 
 def _window_keep(keep, positions, window_size):
@@ -274,29 +262,51 @@ def _bias_mask(keep, position_bias, positions, dtype):
     return torch.where(keep, bias, torch.finfo(dtype).min)
 
 
+class _Sequences(NamedTuple):
+    """Packed tokens laid out as [sequences, max_seqlen], each sequence padded. Tokens outside every sequence
+    (filler, or past max_seqlen when cu_seqlens was not checked) go to one spare slot that the batched tensors
+    never hold, so they read and write nothing real, and get zeros back."""
+    batch: int
+    length: int
+    slot: torch.Tensor             # [total_tokens] each token's row in the [batch * length + 1] layout
+    seqlens: torch.Tensor          # [sequences] their lengths
+
+    @classmethod
+    def of(cls, p: Packed) -> "_Sequences":
+        batch, length = p.sequences, max(p.max_seqlen, 1)
+        inside = (p.seq < batch) & (p.pos >= 0) & (p.pos < length)
+        return cls(batch, length, torch.where(inside, p.seq * length + p.pos, batch * length),
+                   p.cu_seqlens[1:] - p.cu_seqlens[:-1])
+
+    def batched(self, t: torch.Tensor) -> torch.Tensor:
+        """[total, heads, dim] -> [sequences, heads, length, dim], zeros at padding."""
+        heads, dim = t.shape[1:]
+        out = t.new_zeros(self.batch * self.length + 1, heads, dim).index_put((self.slot,), t)[:-1]
+        return out.view(self.batch, self.length, heads, dim).transpose(1, 2)
+
+    def packed(self, out: torch.Tensor) -> torch.Tensor:
+        """[sequences, heads, length, dim] -> [total, heads, dim], zeros at tokens outside every sequence."""
+        heads, dim = out.shape[1], out.shape[3]
+        rows = out.transpose(1, 2).reshape(self.batch * self.length, heads, dim)
+        return torch.cat([rows, rows.new_zeros(1, heads, dim)])[self.slot]
+
+    def keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool [sequences, 1, 1, length]: the positions (arange(length)) inside each sequence."""
+        return (positions[None, :] < self.seqlens[:, None])[:, None, None, :]
+
+
 def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):
-    # Each sequence padded to max_seqlen ([S, max_seqlen]) and SDPA with a key mask. Tokens outside every
-    # sequence (filler, or past max_seqlen when cu_seqlens was not checked) go to one spare slot that SDPA never
-    # sees, so they read and write nothing real. A finite fill instead of -inf keeps empty sequences finite.
-    total, heads, dim = q.shape
-    batch, length = p.sequences, max(p.max_seqlen, 1)
-    inside = (p.seq < batch) & (p.pos >= 0) & (p.pos < length)
-    slot = torch.where(inside, p.seq * length + p.pos, batch * length)
-
-    def to_batch(t):
-        out = t.new_zeros(batch * length + 1, heads, dim).index_put((slot,), t)[:-1]
-        return out.view(batch, length, heads, dim).transpose(1, 2)
-
-    seqlens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
-    positions = torch.arange(length, device=q.device)
-    keep = _window_keep((positions[None, :] < seqlens[:, None])[:, None, None, :], positions, window_size)
+    # Each sequence padded to max_seqlen (`_Sequences`) and SDPA with a key mask. A finite fill instead of -inf
+    # keeps empty sequences finite.
+    s = _Sequences.of(p)
+    positions = torch.arange(s.length, device=q.device)
+    keep = _window_keep(s.keys(positions), positions, window_size)
     if position_bias is None:  # additive and finite: a row that sees no key (padding) stays finite
         mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, torch.finfo(q.dtype).min)
     else:
         mask = _bias_mask(keep, position_bias, positions, q.dtype)
-    out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), attn_mask=mask, dropout_p=dropout_p)
-    out = torch.cat([out.transpose(1, 2).reshape(batch * length, heads, dim), out.new_zeros(1, heads, dim)])
-    return out[slot]
+    return s.packed(F.scaled_dot_product_attention(s.batched(q), s.batched(k), s.batched(v), attn_mask=mask,
+                                                   dropout_p=dropout_p))
 
 
 def _torch_rows_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):
