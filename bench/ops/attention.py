@@ -191,12 +191,19 @@ def _call(dtype, dim, dropout=True, bias=False, window=False, grouped=False):
                      window_size=(4, 4) if window else (-1, -1)).sum().backward()
 
 
-def _tune_setup(shape, size, dtype, device, part=None):
+def tune_batch(shape, size, dtype, device):
+    """(cu_seqlens, q, k, v) of the tuner's attention problem: `batch` sequences of seq // 2 .. seq tokens (a
+    fixed draw), `heads` heads of width `size`, packed; q, k, v leaves wanting gradients."""
     batch, seq, heads = shape
     lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=torch.Generator().manual_seed(0))
-    cu = _cu_seqlens(lengths, device)
     q, k, v = (randn(int(lengths.sum()), heads, size, seed=i, device=device, dtype=dtype, grad=True)
                for i in range(3))
+    return _cu_seqlens(lengths, device), q, k, v
+
+
+def _tune_setup(shape, size, dtype, device, part=None):
+    seq = shape[1]
+    cu, q, k, v = tune_batch(shape, size, dtype, device)
 
     def fn(q, k, v):
         return varlen_attention(q, k, v, cu, seq, dropout_p=0.1, seed=1234, validate=False)

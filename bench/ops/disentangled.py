@@ -7,7 +7,7 @@ from kernels.disentangled import (DisentangledPositions, disentangled_attention,
                                   disentangled_dropout_mask)
 
 from ..record import Bench, Case, CompileCall, Goal, Record, Tuning, optional_peer, randn
-from .attention import RECORD as _ATTENTION, _at, _cu_seqlens, _problem
+from .attention import RECORD as _ATTENTION, _at, _cu_seqlens, _problem, tune_batch
 
 V3_RULE = (256, 512)    # DeBERTa-v3's position_buckets and max_relative_positions
 SMALL_RULE = (8, 20)    # the interpreter's: short test sequences still cross the log range
@@ -152,11 +152,8 @@ def _call(dtype, dim, dropout=True, terms="c2p|p2c"):
 
 
 def _tune_setup(shape, size, dtype, device, part=None):
-    batch, seq, heads = shape
-    lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=torch.Generator().manual_seed(0))
-    cu = _cu_seqlens(lengths, device)
-    q, k, v = (randn(int(lengths.sum()), heads, size, seed=i, device=device, dtype=dtype, grad=True)
-               for i in range(3))
+    seq, heads = shape[1:]
+    cu, q, k, v = tune_batch(shape, size, dtype, device)   # attention's problem, plus the two tables
     pk, pq = (randn(2 * V3_RULE[0], heads, size, seed=3 + i, device=device, dtype=dtype, grad=True)
               for i in range(2))
 
