@@ -13,13 +13,14 @@ row and gathers the [L, L] terms; here no such tensor exists.
 Tiles are square (BLOCK queries x BLOCK keys), so the distances of tile (m0, n0) are the 2 BLOCK - 1 values
 d_min + e, d_min = m0 - n0 - (BLOCK - 1), e = (i - m0) - (j - n0) + BLOCK - 1. A tile loads the table rows of
 those distances, Kr_e = Kr[r(d_min + e)] (rows repeat where buckets are shared), and forms
-    C = q Kr_e^T [BLOCK, 2 BLOCK],  c2p_ij = C[i, e(i, j)]      P = Qr_e k^T [2 BLOCK, BLOCK],  p2c_ij = P[e(i, j), j]
-two dots and two register gathers per tile: any bucket rule, no [T, H, 2 span] scores in memory.
+    C = q Kr_e^T,  c2p_ij = C[i, e(i, j)]          P = Qr_e k^T,  p2c_ij = P[e(i, j), j]
+dots and register gathers, taken one half of the window (BLOCK columns e) at a time, so that one [BLOCK, BLOCK]
+dot of table rows is alive at once: any bucket rule, no [T, H, 2 span] scores in memory.
 
 Forward and the softmax: as kernels.attention (base-2 scores, running max, dropout on the unnormalised
 probabilities, the log-sum-exp saved). Backward, with dS = P * (dP - delta) as there:
-    dq_i  = scale (sum_j dS_ij k_j + sum_j dS_ij Kr[r(i - j)])     dk_j = scale (sum_i dS_ij q_i + sum_i dS_ij Qr[r(i - j)])
-    dKr[r] = scale sum_{r(i - j) = r} dS_ij q_i                     dQr[r] = scale sum_{r(i - j) = r} dS_ij k_j
+    dq_i  = scale (sum_j dS_ij k_j + sum_j dS_ij Kr[r(i - j)])      dKr[r] = scale sum_{r(i - j) = r} dS_ij q_i
+    dk_j  = scale (sum_i dS_ij q_i + sum_i dS_ij Qr[r(i - j)])      dQr[r] = scale sum_{r(i - j) = r} dS_ij k_j
 In a tile the position sums are dots with dS re-indexed by distance: X[i, e] = dS[i, j(i, e)] gives
 dq += X Kr_e and, summed over i, the tile's per-distance sums X^T q; Y[e, j] = dS[i(e, j), j] gives
 dk += Y^T Qr_e and Y k. dq (a program per query block, walking the keys) and dk, dv (a program per key block,
