@@ -32,8 +32,13 @@ def table_problems(path: str) -> list[str]:
     return found
 
 
-def write_table(folder: str, arch: str, results: dict, meta: dict) -> str:
-    """Merge {kernel: {key: entry}} into <folder>/<arch>.json, atomically; returns the path."""
+RUN_FIELDS = ("compile_checked", "command", "date", "torch", "triton", "device")  # the run, once table-wide
+
+
+def write_table(folder: str, arch: str, results: dict, kind: str, run: dict) -> str:
+    """Merge {kernel: {key: entry}} into <folder>/<arch>.json, atomically; returns the path. `run` (meta(): the
+    command, date, versions) is recorded as runs[kernel][kind] ("timed" or "compile_checked") for each kernel
+    written, so every kernel's entries name the command that made them, though a table is filled by several."""
     from bert.common.files import atomic_write
     from kernels import tuned
 
@@ -41,9 +46,12 @@ def write_table(folder: str, arch: str, results: dict, meta: dict) -> str:
     path = os.path.join(folder, f"{arch}.json")
     table = tuned.load_table(folder, arch) or {"format": tuned.FORMAT, "arch": arch, "kernels": {}}
     table = json.loads(json.dumps(table))  # a copy: load_table's result is cached
-    table.update(meta)
+    for field in RUN_FIELDS:  # a table-wide record could only describe its last run
+        table.pop(field, None)
     for kernel, entries in results.items():
         table["kernels"].setdefault(kernel, {}).update(entries)
+        table.setdefault("runs", {}).setdefault(kernel, {})[kind] = run
+
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(table, f, indent=1, sort_keys=True)

@@ -87,8 +87,9 @@ def main_compile_only(args, argv) -> int:
     for arch in targets.TARGETS if "all" in arches else arches:
         keep = tuned.load_table(args.output, arch).get("kernels", {})
         results = compile_only(arch, args.kernels, args.jobs, keep)
-        info = {"compile_checked": dict(meta(argv), rule="untimed: the launcher's default where it compiles "
-                                        "clean (no spill, within shared memory, dots on the tensor cores), else "
-                                        "the clean candidate with the largest tiles no larger than its")}
-        print(f"wrote {write_table(args.output, arch, results, info)}" if results else f"{arch}: nothing written")
+        run = dict(meta(argv), rule="untimed: the launcher's default where it compiles clean (no spill, within "
+                   "shared memory, dots on the tensor cores), else the clean candidate with the largest tiles no "
+                   "larger than its")
+        print(f"wrote {write_table(args.output, arch, results, 'compile_checked', run)}" if results
+              else f"{arch}: nothing written")
     return 0

@@ -191,7 +191,7 @@ def main_timed(args, argv) -> int:
     results = sweep(todo, device, args.budget, do_bench_timer, prune_fn)
     info = dict(meta(argv), device=torch.cuda.get_device_name(device))
     if results:
-        print(f"wrote {write_table(args.output, arch, results, info)}")
+        print(f"wrote {write_table(args.output, arch, results, 'timed', info)}")
     else:
         print("nothing tuned: no table written")
     return 0

@@ -64,15 +64,22 @@ def test_sweep_respects_the_budget_and_the_table_round_trips(tmp_path, monkeypat
                          log=lambda *_: None)
     assert set(results) == {"layer_norm.bwd", "bias_gelu.fwd"}
     assert tune_timed.sweep(TINY, CPU, budget=-1, timer=None, prune_fn=None, log=lambda *_: None) == {}
-    path = tables.write_table(str(tmp_path), "sm_90", results, {"device": "test"})
+    path = tables.write_table(str(tmp_path), "sm_90", results, "timed", {"command": "first"})
     table = json.load(open(path))
-    assert table["format"] == tuned.FORMAT and table["device"] == "test"
+    assert table["format"] == tuned.FORMAT
     assert table["kernels"]["layer_norm.bwd"]["float32/40/all"]["config"] == {"num_warps": 2}
-    # Merging keeps earlier entries.
+    # Merging keeps earlier entries, and each kernel names the run that wrote its entries.
     tables.write_table(str(tmp_path), "sm_90", {"attention.fwd": {"bfloat16/64/s512": {"config": {"BLOCK_M": 64}}}},
-                     {})
+                       "compile_checked", {"command": "second"})
+    tables.write_table(str(tmp_path), "sm_90", {"attention.fwd": {"bfloat16/64/s128": {"config": {"BLOCK_M": 32}}}},
+                       "timed", {"command": "third"})
     table = json.load(open(path))
     assert set(table["kernels"]) == {"layer_norm.bwd", "bias_gelu.fwd", "attention.fwd"}
+    assert table["runs"] == {"layer_norm.bwd": {"timed": {"command": "first"}},
+                             "bias_gelu.fwd": {"timed": {"command": "first"}},
+                             "attention.fwd": {"compile_checked": {"command": "second"},
+                                               "timed": {"command": "third"}}}
+    assert not set(tables.RUN_FIELDS) & set(table)  # no table-wide record of one run
     assert [p.name for p in tmp_path.iterdir()] == ["sm_90.json"]  # no temporary left behind
     # The launcher reads it back, as on an sm_90 GPU.
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
@@ -140,7 +147,7 @@ def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_pat
     assert len(grads) == 3 and all(g is not None and g.abs().sum() > 0 for g in grads)
     entry = tune_timed.tune_problem(problem, CPU, fake_timer([3.0, 1.0]))
     assert entry["config"] == {"strategy": "fused"} and entry["default_ms"] == 3.0 and entry["candidates"] == 2
-    tables.write_table(str(tmp_path), "sm_90", {problem.kernel: {"bfloat16/768/s8192": entry}}, {})
+    tables.write_table(str(tmp_path), "sm_90", {problem.kernel: {"bfloat16/768/s8192": entry}}, "timed", {})
     monkeypatch.setenv("BERTFUSE_CONFIG_DIR", str(tmp_path))
     tuned.clear_cache()
     try:

@@ -58,7 +58,7 @@ def test_a_launch_config_table_compiles_entry_by_entry(tmp_path):
 
     need_backend("nvidia")
     write_table(str(tmp_path), "sm_90", {"bias_gelu.fwd": {"bfloat16/3072/all": {
-        "config": candidates("bias_gelu.fwd")[0], "ms": 0.1}}}, {"gpu": "test"})
+        "config": candidates("bias_gelu.fwd")[0], "ms": 0.1}}}, "timed", {"gpu": "test"})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_90", "table"],
                          env=dict(env, BERTFUSE_CONFIG_DIR=str(tmp_path)), capture_output=True, text=True, timeout=600)

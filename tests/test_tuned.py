@@ -119,7 +119,7 @@ def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path)
     from bench.tune_problems import candidates
 
     good = write_table(str(tmp_path), "sm_90", {"layer_norm.fwd": {"bfloat16/768/all": {
-        "config": candidates("layer_norm.fwd")[0], "ms": 0.1}}}, {"gpu": "test"})
+        "config": candidates("layer_norm.fwd")[0], "ms": 0.1}}}, "timed", {"gpu": "test"})
     assert table_problems(good) == []
     bad = tmp_path / "sm_80.json"
     bad.write_text(json.dumps({"format": tuned.FORMAT, "kernels": {"layer_norm.fwd": {
