@@ -15,7 +15,9 @@ d_min + e, d_min = m0 - n0 - (BLOCK - 1), e = (i - m0) - (j - n0) + BLOCK - 1. A
 those distances, Kr_e = Kr[r(d_min + e)] (rows repeat where buckets are shared), and forms
     C = q Kr_e^T,  c2p_ij = C[i, e(i, j)]          P = Qr_e k^T,  p2c_ij = P[e(i, j), j]
 dots and register gathers, taken one half of the window (BLOCK columns e) at a time, so that one [BLOCK, BLOCK]
-dot of table rows is alive at once: any bucket rule, no [T, H, 2 span] scores in memory.
+dot of table rows is alive at once: any bucket rule, no [T, H, 2 span] scores in memory. In float32 the dots
+over head_dim (the scores' three and the backward's dO v^T) read their operands 32 lanes at a time
+(_chunked_dot): on the CUDA cores a thread holds whole rows of both operands.
 
 Forward and the softmax: as kernels.attention (base-2 scores, running max, dropout on the unnormalised
 probabilities, the log-sum-exp saved). Backward, with dS = P * (dP - delta) as there:
@@ -157,21 +159,56 @@ def _pick(x, col, AXIS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(q, kt, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
-                 offs_d, qk_scale, C2P: tl.constexpr, P2C: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _row_tile(src, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tile of a source = (Ptr, rows, ok, stride_t, head_offset): one head's rows of a [T, H, D] tensor (or
+    of a table), at lanes offs_d."""
+    ptr, rows, ok, stride_t, head_offset = src
+    return _tile(ptr, rows, ok, stride_t, head_offset, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _chunked_dot(a_src, b_src, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """a b^T over the head's lanes, [rows of a, rows of b] float32, for two sources read CHUNK_D lanes at a
+    time in a loop. float32's dots run on the CUDA cores, where a thread holds whole rows of the reduced
+    dimension of both operands: at heads of 128, with a tile's three such dots (content, c2p, p2c) and q held
+    across the loop, ptxas spilled kilobytes whatever the config (and as much with register tiles split by
+    tl.split); slices read from memory (L1) keep a slice alive at a time."""
+    out = tl.zeros((a_src[1].shape[0], b_src[1].shape[0]), dtype=tl.float32)
+    for d0 in tl.range(0, BLOCK_D, CHUNK_D, loop_unroll_factor=1):
+        offs = d0 + tl.arange(0, CHUNK_D)
+        out += tl.dot(_row_tile(a_src, offs, HEAD_DIM, BLOCK_D), tl.trans(_row_tile(b_src, offs, HEAD_DIM, BLOCK_D)),
+                      input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
+def _tile_scores(q, kt, q_src, k_src, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h, stride_pq_r,
+                 stride_pq_h, offs_d, qk_scale, C2P: tl.constexpr, P2C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The [BLOCK, BLOCK] scores of a tile (base 2, scaled): q kt, plus c2p and p2c gathered, half a window at a
-    time, from the dots of the tile's table rows."""
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    time, from the dots of the tile's table rows (q_src, k_src: where q and k are, for _dot_rows)."""
+    if CHUNK_D == BLOCK_D:
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    else:
+        s = _chunked_dot(q_src, k_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
     e = _distance_of(BLOCK)
     for half in tl.static_range(2):
         rows = _half_rows(Rows, d_min, far, half, BLOCK)
         if C2P:
-            kr = _tile(PosKey, rows, rows >= 0, stride_pk_r, h * stride_pk_h, offs_d, HEAD_DIM, BLOCK_D)
-            s += _pick(tl.dot(q, tl.trans(kr), input_precision=DOT_PRECISION), e - half * BLOCK, 1, BLOCK)
+            kr_src = (PosKey, rows, rows >= 0, stride_pk_r, h * stride_pk_h)
+            if CHUNK_D == BLOCK_D:
+                c2p = tl.dot(q, tl.trans(_row_tile(kr_src, offs_d, HEAD_DIM, BLOCK_D)), input_precision=DOT_PRECISION)
+            else:
+                c2p = _chunked_dot(q_src, kr_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+            s += _pick(c2p, e - half * BLOCK, 1, BLOCK)
         if P2C:
-            qr = _tile(PosQuery, rows, rows >= 0, stride_pq_r, h * stride_pq_h, offs_d, HEAD_DIM, BLOCK_D)
-            s += _pick(tl.dot(qr, kt, input_precision=DOT_PRECISION), e - half * BLOCK, 0, BLOCK)
+            qr_src = (PosQuery, rows, rows >= 0, stride_pq_r, h * stride_pq_h)
+            if CHUNK_D == BLOCK_D:
+                p2c = tl.dot(_row_tile(qr_src, offs_d, HEAD_DIM, BLOCK_D), kt, input_precision=DOT_PRECISION)
+            else:
+                p2c = _chunked_dot(qr_src, k_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+            s += _pick(p2c, e - half * BLOCK, 0, BLOCK)
     return s * qk_scale
 
 
@@ -191,15 +228,31 @@ def _by_distance_cols(ds, HALF: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok, q_rows, start_n,
+def _sources(Q, K, V, DO, q_rows, m_ok, k_rows, n_ok, h, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t,
+             stride_v_h, stride_do_t, stride_do_h):
+    """Where a tile's q, k, v and do are: (Ptr, rows, ok, stride_t, head_offset) each (_row_tile)."""
+    return ((Q, q_rows, m_ok, stride_q_t, h * stride_q_h), (K, k_rows, n_ok, stride_k_t, h * stride_k_h),
+            (V, k_rows, n_ok, stride_v_t, h * stride_v_h), (DO, q_rows, m_ok, stride_do_t, h * stride_do_h))
+
+
+@triton.jit
+def _tile_grads(q, kt, vt, do, sources, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok, q_rows,
+                start_n,
                 stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens, max_seqlen, qk_scale,
                 p_drop, C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """(dS, the dropped-out probabilities) of a tile, from the saved statistics: both [BLOCK, BLOCK] float32."""
-    s = _tile_scores(q, kt, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h, stride_pq_r,
-                     stride_pq_h, offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, HEAD_DIM)
+                DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """(dS, the dropped-out probabilities) of a tile, from the saved statistics: both [BLOCK, BLOCK] float32.
+    sources: where q, k, v and do are (_sources), for _chunked_dot."""
+    q_src, k_src, v_src, do_src = sources
+    s = _tile_scores(q, kt, q_src, k_src, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h,
+                     stride_pq_r, stride_pq_h, offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, CHUNK_D,
+                     HEAD_DIM)
     p = tl.where(m_ok[:, None] & n_ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+    if CHUNK_D == BLOCK_D:
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+    else:
+        dp = _chunked_dot(do_src, v_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop, BLOCK)
         dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
@@ -222,7 +275,7 @@ def _disentangled_fwd_kernel(
     stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, p_drop, far,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0) * BLOCK, tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -238,9 +291,10 @@ def _disentangled_fwd_kernel(
     for start_n in range(0, seq_len, BLOCK):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
-        s = _tile_scores(q, kt, PosKey, PosQuery, Rows, start_m - start_n - (BLOCK - 1), far, h, stride_pk_r,
-                         stride_pk_h, stride_pq_r, stride_pq_h, offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK,
-                         BLOCK_D, HEAD_DIM)
+        s = _tile_scores(q, kt, (Q, q_rows, m_ok, stride_q_t, h * stride_q_h),
+                         (K, k_rows, n_ok, stride_k_t, h * stride_k_h), PosKey, PosQuery, Rows,
+                         start_m - start_n - (BLOCK - 1), far, h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
+                         offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, CHUNK_D, HEAD_DIM)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -269,7 +323,7 @@ def _disentangled_bwd_dq_kernel(
     stride_dq_t, stride_dq_h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, far,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0) * BLOCK, tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -287,10 +341,12 @@ def _disentangled_bwd_dq_kernel(
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         d_min = start_m - start_n - (BLOCK - 1)
-        ds, _ = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok, q_rows,
-                            start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens,
-                            max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK, BLOCK_D,
-                            HEAD_DIM)
+        sources = _sources(Q, K, V, DO, q_rows, m_ok, k_rows, n_ok, h, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                           stride_v_t, stride_v_h, stride_do_t, stride_do_h)
+        ds, _ = _tile_grads(q, kt, vt, do, sources, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok,
+                            n_ok, q_rows, start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d,
+                            total_tokens, max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK,
+                            BLOCK_D, CHUNK_D, HEAD_DIM)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
         if C2P:  # sum_j dS_ij Kr[r(i - j)]: dS by distance times the tile's table rows, half a window at a time
             for half in tl.static_range(2):
@@ -310,7 +366,7 @@ def _disentangled_bwd_dkdv_kernel(
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, far,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     start_n, b, h = tl.program_id(0) * BLOCK, tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -329,11 +385,12 @@ def _disentangled_bwd_dkdv_kernel(
         do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
         lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
         d_min = start_m - start_n - (BLOCK - 1)
-        ds, p_dropped = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok,
-                                    q_rows,
-                                    start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens,
-                                    max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION, BLOCK,
-                                    BLOCK_D, HEAD_DIM)
+        sources = _sources(Q, K, V, DO, q_rows, m_ok, k_rows, n_ok, h, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+                           stride_v_t, stride_v_h, stride_do_t, stride_do_h)
+        ds, p_dropped = _tile_grads(q, kt, vt, do, sources, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h,
+                                    m_ok, n_ok, q_rows, start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
+                                    offs_d, total_tokens, max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT,
+                                    DOT_PRECISION, BLOCK, BLOCK_D, CHUNK_D, HEAD_DIM)
         dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
         if P2C:  # sum_i dS_ij Qr[r(i - j)]
@@ -357,7 +414,7 @@ def _disentangled_bwd_tables_kernel(
     stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, p_drop, far, batch, blocks,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     diag, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     shift = diag - (blocks - 1)          # query block - key block along this diagonal
@@ -382,10 +439,12 @@ def _disentangled_bwd_tables_kernel(
             lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
             kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
             vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
-            ds, _ = _tile_grads(q, kt, vt, do, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok,
-                                q_rows, start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d,
+            sources = _sources(Q, K, V, DO, q_rows, m_ok, k_rows, n_ok, h, stride_q_t, stride_q_h, stride_k_t,
+                               stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h)
+            ds, _ = _tile_grads(q, kt, vt, do, sources, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok,
+                                n_ok, q_rows, start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d,
                                 total_tokens, max_seqlen, qk_scale, p_drop, C2P, P2C, HAS_DROPOUT, DOT_PRECISION,
-                                BLOCK, BLOCK_D, HEAD_DIM)
+                                BLOCK, BLOCK_D, CHUNK_D, HEAD_DIM)
             if C2P:
                 key_lo += tl.dot(tl.trans(_by_distance_rows(ds, 0, BLOCK).to(q.dtype)), q,
                                  input_precision=DOT_PRECISION)
@@ -419,7 +478,8 @@ def _default_config(kernel: str, head_dim: int, dtype: torch.dtype, target: targ
     small tiles let short test sequences span several blocks). A tile holds its scores, a window half's position
     dot and its gather, so tiles are 32 wide in half precision: at 64, every kernel spilled registers on sm_90
     (so its dots run as per-warp mma.sync there, not warpgroup wgmma: compile-checked as "warp_dots"); float32's
-    exact products on the CUDA cores take 16. The backward's two accumulators (dkdv) or four window sums
+    exact products on the CUDA cores take 16, head_dim in slices of 32. The backward's two accumulators (dkdv) or
+    four window sums
     (tables), and heads over 64, take 8 warps. Where these still spill on a family, its table
     (kernels/configs/<name>.json, bench.tune --compile-only) holds a clean one."""
     if target is None or dtype == torch.float32:
@@ -506,11 +566,18 @@ class _Args(NamedTuple):
     flags: dict
 
 
+def _chunk_d(dtype: torch.dtype, block_d: int) -> int:
+    """The lanes the head_dim dots take at a time (_chunked_dot): float32's, on the CUDA cores, 32; half
+    precision's, on the tensor cores, the whole head from registers."""
+    return min(block_d, 32) if dtype == torch.float32 else block_d
+
+
 def _args(q, pos_key, pos_query, buckets, max_rel, dropout_p) -> _Args:
     rows, far = _row_index(buckets, max_rel, q.device)
     strides = tuple(s for t in (pos_key, pos_query) for s in ((t.stride(0), t.stride(1)) if t is not None else (0, 0)))
     flags = dict(C2P=pos_key is not None, P2C=pos_query is not None, HAS_DROPOUT=dropout_p > 0,
-                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(q.shape[2]), HEAD_DIM=q.shape[2])
+                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(q.shape[2]),
+                 CHUNK_D=_chunk_d(q.dtype, block_d(q.shape[2])), HEAD_DIM=q.shape[2])
     return _Args(pos_key, pos_query, rows, far, strides, flags)
 
 
