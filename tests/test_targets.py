@@ -89,8 +89,13 @@ def test_a_compile_checked_table_is_committed_for_every_family():
     assert sorted(os.path.basename(p)[:-5] for p in committed_tables()) == sorted(TARGETS)
     for path in committed_tables():
         table = json.load(open(path))
-        assert "compile_checked" in table and table["kernels"], path
+        assert table["kernels"], path
         assert all("timed" in e for entries in table["kernels"].values() for e in entries.values()), path
+        for kernel, entries in table["kernels"].items():  # the run that wrote each kernel's entries, by kind
+            kinds = {"timed" if e["timed"] else "compile_checked" for e in entries.values()}
+            runs = table["runs"][kernel]
+            assert kinds <= set(runs) and all(runs[k]["command"].startswith("python -m bench.tune") for k in kinds)
+            assert ("--compile-only" in runs["compile_checked"]["command"]) if "compile_checked" in kinds else True
 
 
 def test_the_launchers_read_each_tables_choice_on_a_device_of_that_family(monkeypatch):
