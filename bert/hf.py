@@ -168,21 +168,32 @@ def _add_norm(norm, dropout, h, residual):
             p = dropout.p if dropout.training else 0.0
         else:
             h = dropout(h)
-    if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
-        return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, p, backend=ops.backend_for(h))
+    if (eps := _layer_norm_eps(norm)) is not None:
+        return ops.layer_norm(h, norm.weight, norm.bias, eps, residual, p, backend=ops.backend_for(h))
     return norm((F.dropout(h, p) if p else h) + residual)
 
 
 def _add_then_norm(norm, h, residual):
     """(norm(h + residual), h + residual), a pre-norm layer's next input and its residual stream, from one
     LayerNorm or RMSNorm kernel where the norm is plain; else the add, then the norm called."""
-    if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
-        return ops.layer_norm(h, norm.weight, norm.bias, norm.eps, residual, backend=ops.backend_for(h),
+    if (eps := _layer_norm_eps(norm)) is not None:
+        return ops.layer_norm(h, norm.weight, norm.bias, eps, residual, backend=ops.backend_for(h),
                               return_sum=True)
     if _plain_rms_norm(norm):
         return _rms_norm(norm, h, residual)
     total = h + residual
     return norm(total), total
+
+
+def _layer_norm_eps(norm) -> float | None:
+    """The epsilon of a LayerNorm whose parameters a fused op may read instead of calling it: a plain nn.LayerNorm
+    (or the kernels') over one dimension, or a family's own LayerNorm class made the kernel's (DebertaLayerNorm:
+    the same function, its epsilon `variance_epsilon`); None for any other norm, which is called."""
+    if ops.plain(norm, nn.LayerNorm, ops.kernels_package().LayerNorm) and len(norm.normalized_shape) == 1:
+        return norm.eps
+    if getattr(type(norm), "_bertfuse_forward", None) is _family_layer_norm_forward and ops.hookless(norm):
+        return norm.variance_epsilon
+    return None
 
 
 def _plain_rms_norm(norm) -> bool:
@@ -448,6 +459,13 @@ def _rms_norm_forward(self, hidden_states):
     return _rms_norm(self, hidden_states)
 
 
+def _family_layer_norm_forward(self, hidden_states):
+    """DebertaLayerNorm: weight * (x - mean) / sqrt(var + variance_epsilon) + bias, statistics in float32, in one
+    kernel."""
+    return ops.layer_norm(hidden_states, self.weight, self.bias, self.variance_epsilon,
+                          backend=ops.backend_for(hidden_states))
+
+
 def _rope_parameters(emb) -> dict:
     """layer type -> (rope type, inv_freq, attention scaling) of a model's rotary embedding module, as its forward
     reads them: ModernBERT's per layer type, the others' one set."""
@@ -619,27 +637,54 @@ def _deberta_self_attention_forward(self, hidden_states, *args, packed=None, pos
         return _original(self).forward(hidden_states, *args, **kwargs)
     heads, dim = self.num_attention_heads, self.attention_head_size
     q, k, v = ops.project_qkv(hidden_states, self.query_proj, self.key_proj, self.value_proj, heads, dim)
-    tables = [None, None]
+    tables, rule = [None, None], (-1, 1)
     if self.relative_attention:
         rel = self.pos_dropout(position)[:2 * self.pos_ebd_size]
         keyer, querier = (self.key_proj, self.query_proj) if self.share_att_key else \
             (getattr(self, "pos_key_proj", None), getattr(self, "pos_query_proj", None))
-        for i, (term, proj) in enumerate((("c2p", keyer), ("p2c", querier))):
-            if term in self.pos_att_type:
-                tables[i] = proj(rel).view(rel.shape[0], heads, dim)
-    buckets, max_rel = (self.position_buckets, self.max_relative_positions) if self.relative_attention else (-1, 1)
-    positions = ops.kernels_package().DisentangledPositions(*tables, buckets, max_rel)
-    # DeBERTa's scale: a float32 square root, rounded to the activations' dtype before it divides; it counts the
-    # position terms pos_att_type names, with relative attention or without.
+        tables = [proj(rel).view(rel.shape[0], heads, dim) if term in self.pos_att_type else None
+                  for term, proj in (("c2p", keyer), ("p2c", querier))]
+        rule = (self.position_buckets, self.max_relative_positions)
     terms = sum(t in self.pos_att_type for t in ("c2p", "p2c"))
+    return _disentangled_context(self, hidden_states, q, k, v, packed, tables, rule, terms), None
+
+
+def _deberta_v1_self_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+    """DisentangledSelfAttention (DeBERTa): the same attention, with q, k, v from one bias-free in_proj (each
+    head's rows [q | k | v]) plus q_bias and v_bias, the position query table through pos_q_proj, the key table
+    through pos_proj, plain distances clamped to max_relative_positions (its span-sliced table gives the same rows:
+    a distance of a sequence of L tokens is under L), and a scale counting every entry of pos_att_type."""
+    if packed is None:
+        return _original(self).forward(hidden_states, *args, **kwargs)
+    heads, dim = self.num_attention_heads, self.attention_head_size
+    qkv = self.in_proj(hidden_states).view(hidden_states.shape[0], heads, 3 * dim)
+    q, k, v = qkv.split(dim, dim=-1)
+    # A float32 bias promotes autocast's half-precision q and v; the matmuls after it run in half precision.
+    q, v = (q + self.q_bias.view(heads, dim)).to(qkv.dtype), (v + self.v_bias.view(heads, dim)).to(qkv.dtype)
+    tables, rule = [None, None], (-1, 1)
+    if self.relative_attention:
+        rel = self.pos_dropout(position)
+        tables = [getattr(self, proj)(rel).view(rel.shape[0], heads, dim) if term in self.pos_att_type else None
+                  for term, proj in (("c2p", "pos_proj"), ("p2c", "pos_q_proj"))]
+        rule = (-1, self.max_relative_positions)
+    return _disentangled_context(self, hidden_states, q, k, v, packed, tables, rule, len(self.pos_att_type)), None
+
+
+def _disentangled_context(self, x, q, k, v, packed, tables, rule, terms: int):
+    """The context [tokens, hidden] of DeBERTa's attention from q, k, v [tokens, heads, head_dim], the projected
+    tables (c2p's, p2c's; None: no such term) and the bucket rule (position_buckets, max_relative_positions).
+    DeBERTa's scale is a float32 square root of head_dim * (1 + terms), rounded to the activations' dtype
+    before it divides: `terms` counts the position terms its config names, with relative attention or without."""
+    heads, dim = q.shape[1], q.shape[2]
+    positions = ops.kernels_package().DisentangledPositions(*tables, *rule)
     root = torch.sqrt(torch.tensor(dim * (1 + terms), dtype=torch.float)).to(q.dtype)
     out = ops.disentangled_attention(q, k, v, packed, positions, 1.0 / float(root),
-                                     self.dropout.p if self.training else 0.0, ops.backend_for(hidden_states))
-    return out.reshape(hidden_states.shape[0], heads * dim), None
+                                     self.dropout.p if self.training else 0.0, ops.backend_for(x))
+    return out.reshape(x.shape[0], heads * dim)
 
 
 def _deberta_relative(encoder):
-    """The relative embeddings a DeBERTa-v2 encoder hands every layer (after its LayerNorm where norm_rel_ebd
+    """The relative embeddings a DeBERTa encoder hands every layer (v2: after its LayerNorm where norm_rel_ebd
     says so), or None without relative attention."""
     return encoder.get_rel_embedding()
 
@@ -647,9 +692,9 @@ def _deberta_relative(encoder):
 def _deberta_model_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                            inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None,
                            **kwargs):
-    """DebertaV2Model, whose code asks its encoder for every layer's hidden states on every call: asked for none
-    (nor for attentions, nor z_steps), the fused encoder is asked for the last one only, the rest as its code
-    does. Otherwise its own code runs, and the encoder's own code with it (counted in fuse_report)."""
+    """DebertaModel and DebertaV2Model, whose code asks its encoder for every layer's hidden states on every call:
+    asked for none (nor for attentions, nor z_steps), the fused encoder is asked for the last one only, the rest
+    as its code does. Otherwise its own code runs, and the encoder's own code with it (counted in fuse_report)."""
     cfg = self.config
     wants = (cfg.output_attentions if output_attentions is None else output_attentions) or \
         (cfg.output_hidden_states if output_hidden_states is None else output_hidden_states)
@@ -1128,6 +1173,28 @@ DEBERTA_V2_LAYERS = Layers(
     model_forward=_deberta_model_forward,
     fused="attention (varlen, padding removed once; DeBERTa's c2p and p2c terms formed inside the disentangled "
           "kernel from each layer's projections of the relative embeddings, whose LayerNorm is a kernel)")
+_DEBERTA_MODELS = (("deberta.modeling_deberta", "Deberta"),)
+
+
+def _deberta_v1_problems(model) -> list[str]:
+    """What DeBERTa's configuration may ask that the fused layers do not compute: talking heads (talking_head:
+    scores and probabilities mixed across heads by two more projections), a span the kernels refuse."""
+    attention, why = model.encoder.layer[0].attention.self, []
+    if attention.head_logits_proj is not None or attention.head_weights_proj is not None:
+        why.append("talking heads (talking_head: scores and probabilities mixed across heads), which the fused "
+                   "attention does not compute")
+    if attention.relative_attention and (refused := ops.kernels_package().disentangled.rule_refusal(
+            -1, attention.max_relative_positions)):
+        why.append(refused)
+    return why
+
+
+DEBERTA_LAYERS = DEBERTA_V2_LAYERS._replace(
+    name="deberta", paths=("attention.self.in_proj", *DEBERTA_V2_LAYERS.paths[3:]),
+    forwards=(*DEBERTA_V2_LAYERS.forwards[:2], ("attention.self", _deberta_v1_self_attention_forward)),
+    models=_DEBERTA_MODELS, problems=_deberta_v1_problems,
+    fused="attention (varlen, padding removed once; DeBERTa's c2p and p2c terms formed inside the disentangled "
+          "kernel from each layer's projections of the relative embeddings), each DebertaLayerNorm a kernel")
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
 _ROBERTA_MLM = MLMHead("lm_head.dense", None, "lm_head.layer_norm", "lm_head.decoder")
@@ -1177,6 +1244,15 @@ FAMILIES = (
                         ("max_relative_positions", 12), ("pos_att_type", ["p2c", "c2p"]),
                         ("norm_rel_ebd", "layer_norm"), ("share_att_key", True), ("position_biased_input", False)),
            segments=False),
+    # DeBERTa (v1) as its released models: c2p and p2c over plain distances up to 12 positions (the test batch's
+    # 17 tokens reach past them), no absolute positions, no segments, the enhanced mask decoder head.
+    Family("deberta", "Deberta", DEBERTA_LAYERS,
+           MLMHead("lm_predictions.lm_head.dense", "lm_predictions.lm_head.transform_act_fn",
+                   "lm_predictions.lm_head.LayerNorm", "deberta.embeddings.word_embeddings",
+                   "lm_predictions.lm_head.bias"), 0,
+           test_config=(("legacy", False), ("relative_attention", True), ("max_relative_positions", 12),
+                        ("pos_att_type", ["c2p", "p2c"]), ("position_biased_input", False)),
+           segments=False),
     Family("eurobert", "EuroBert", EUROBERT_LAYERS, MLMHead(None, None, None, "lm_head"), 0,
            config_names=(("attention_probs_dropout_prob", "attention_dropout"),),
            test_config=(("num_key_value_heads", 2), ("bos_token_id", 1), ("eos_token_id", 2), ("mask_token_id", 4)),
@@ -1186,7 +1262,8 @@ FAMILIES = (
 
 # The task models whose forward the masked-only MLM loss stands in for: the families' own.
 _MLM_MODELS = tuple(m for m in (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS,
-                                *_ROTARY_MODELS, *_ESM_MODELS, *_ROFORMER_MODELS, *_DEBERTA_V2_MODELS)
+                                *_ROTARY_MODELS, *_ESM_MODELS, *_ROFORMER_MODELS, *_DEBERTA_V2_MODELS,
+                                *_DEBERTA_MODELS)
                     if m[1] in {f.prefix for f in FAMILIES})
 
 
@@ -1207,10 +1284,16 @@ MLM_HEADS = _unique(f.mlm_head for f in FAMILIES)
 
 
 # ---- whose code is known: a module is fused only where its class computes exactly the fused op's math ---------
-# Beyond the fused encoders' models, MPNet's and DeBERTa-v2's intermediate and output blocks are BERT's code too.
+# Beyond the fused encoders' models, MPNet's and DeBERTa's intermediate and output blocks are BERT's code too
+# (DeBERTa's with its own LayerNorm class).
 _BLOCK_MODELS = (*_BERT_MODELS, *_DISTILBERT_MODELS, *_MPNET_MODELS, *_ALBERT_MODELS, *_ROTARY_MODELS,
-                 *_ESM_MODELS, *_ROFORMER_MODELS,
-                 ("deberta_v2.modeling_deberta_v2", "DebertaV2"))
+                 *_ESM_MODELS, *_ROFORMER_MODELS, *_DEBERTA_V2_MODELS, *_DEBERTA_MODELS)
+
+
+# The families' own norm classes, each run by one kernel: (class names, models), the forward it gets.
+_FAMILY_LAYER_NORMS = (("{P}LayerNorm",), _DEBERTA_MODELS)   # DebertaLayerNorm: LayerNorm, eps inside the root
+_FAMILY_NORMS = ((*_FAMILY_LAYER_NORMS, _family_layer_norm_forward),
+                 (_RMS_NORM_CLASSES, _ROTARY_MODELS, _rms_norm_forward))
 
 
 class GeluBlock(NamedTuple):
@@ -1441,10 +1524,12 @@ def layer_kind(layer: nn.Module) -> Layers | None:
 
 
 def _is_output_block(m: nn.Module) -> bool:
-    """dense -> dropout -> + input -> LayerNorm, by its children (BertSelfOutput, BertOutput and their copies)."""
+    """dense -> dropout -> + input -> LayerNorm, by its children (BertSelfOutput, BertOutput and their copies;
+    the LayerNorm an nn.LayerNorm or a family's own LayerNorm class)."""
     names = {n for n, _ in m.named_children()}
+    norms = (nn.LayerNorm, *known_classes(*_FAMILY_LAYER_NORMS))
     return names == {"dense", "dropout", "LayerNorm"} and isinstance(m.dense, nn.Linear) and isinstance(
-        m.LayerNorm, nn.LayerNorm) and isinstance(m.dropout, nn.Dropout)
+        m.LayerNorm, norms) and isinstance(m.dropout, nn.Dropout)
 
 
 def encoder_stack(encoder: nn.Module) -> tuple[Stack, list[nn.Module]] | None:
@@ -1610,13 +1695,18 @@ class _Fuser:
     def layer_norms(self, root: nn.Module) -> int:
         return ops.kernels_package().fuse_layer_norms(root, retype=self.retype)
 
-    def rms_norms(self, root: nn.Module) -> int:
-        """Every RMSNorm of a known family's class (`_RMS_NORM_CLASSES`) under root runs the kernel."""
-        known = known_classes(_RMS_NORM_CLASSES, _ROTARY_MODELS)
-        found = [m for m in root.modules() if isinstance(m, known) and not _is_fused(m) and not unknown_code(m, known)]
-        for m in found:
-            self.fused(m, _rms_norm_forward)
-        return len(found)
+    def family_norms(self, root: nn.Module) -> tuple[int, int]:
+        """Every norm of a family's own class (`_FAMILY_NORMS`: RMSNorms, DebertaLayerNorm) under root runs the
+        kernel: (LayerNorms, RMSNorms) fused."""
+        counts = []
+        for names, models, forward in _FAMILY_NORMS:
+            known = known_classes(names, models)
+            found = [m for m in root.modules()
+                     if isinstance(m, known) and not _is_fused(m) and not unknown_code(m, known)]
+            for m in found:
+                self.fused(m, forward)
+            counts.append(len(found))
+        return counts[0], counts[1]
 
 
 def _is_fused(module: nn.Module) -> bool:
@@ -1642,7 +1732,8 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
         _attention_problems(model, kind, encoder)
     n_blocks = fuser.output_blocks(model, report)
     n_gelus = fuser.gelu_blocks(model, report)
-    n_norms, n_rms = fuser.layer_norms(model), fuser.rms_norms(model)
+    n_family, n_rms = fuser.family_norms(model)
+    n_norms = fuser.layer_norms(model) + n_family
     report.fused.append(f"{n_norms} LayerNorms ({n_blocks} with dense dropout + residual)"
                         + (f", {n_rms} RMSNorms" if n_rms else ""))
     if n_gelus:

@@ -41,12 +41,12 @@ OVERRIDES = {"layoutlmv3": dict(coordinate_size=4, shape_size=8), "lilt": dict(h
              "radio": dict(patch_dim=192), "eurobert": dict(num_key_value_heads=2)}  # k/v heads dividing the 4
 MAX_PARAMETERS = 200_000_000   # a "tiny" config still larger than this keeps some size we do not know of
 # The model types whose attention stays fused: the true copies of BERT's layer (and DistilBERT's), MPNet, ALBERT,
-# the rotary encoders (ModernBERT, NomicBERT, EuroBERT, ESM, RoFormer), DeBERTa-v2, and the models holding one as a
-# part (DPR's encoders are BertModels; ModernVBERT's and PE Audio's text towers are ModernBertModels).
+# the rotary encoders (ModernBERT, NomicBERT, EuroBERT, ESM, RoFormer), DeBERTa and DeBERTa-v2, and the models
+# holding one as a part (DPR's encoders are BertModels; ModernVBERT's and PE Audio's text towers are ModernBertModels).
 FUSED_ATTENTION = {"bert", "bert-generation", "camembert", "roberta", "xlm-roberta", "data2vec-text", "electra",
                    "ernie", "layoutlm", "markuplm", "roc_bert", "splinter", "tapas", "visual_bert", "distilbert",
                    "dpr", "mpnet", "albert", "modernbert", "modernvbert", "pe_audio", "nomic_bert", "eurobert", "esm",
-                   "roformer", "deberta-v2", "grounding-dino", "mm-grounding-dino", "vision-text-dual-encoder"}
+                   "roformer", "deberta", "deberta-v2", "grounding-dino", "mm-grounding-dino", "vision-text-dual-encoder"}
 LOOK_ALIKES = {"mra", "nystromformer", "yoso"}   # BERT's submodule names, other attention math
 
 

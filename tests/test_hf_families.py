@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, assert_grads_no_worse, assert_same_gradients, rel_err
+from hf_utils import TOL, assert_grads_no_worse, assert_same_gradients, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
@@ -59,7 +59,7 @@ SLOW = pytest.mark.slow
 FAMILIES = [f for f in ALL_FAMILIES if f != "bert"]  # BERT itself: tests/test_hf.py
 ROTARY = {"modernbert", "nomicbert", "eurobert", "esm", "roformer"}
 GATED = {"modernbert", "nomicbert", "eurobert"}  # gated MLPs
-DISENTANGLED = {"deberta-v2"}  # DeBERTa's attention: the disentangled kernel, not varlen_attention
+DISENTANGLED = {"deberta-v2", "deberta"}  # DeBERTa's attention: the disentangled kernel, not varlen_attention
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -98,7 +98,20 @@ def test_family_under_float16_autocast(family):
     fused = fuse(copy.deepcopy(ref))
     ids, mask, labels = batch(family, seed=5)
     truth = copy.deepcopy(ref)
-    truth(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    want = truth(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    if family == "deberta":
+        # transformers' DeBERTa (v1) cannot run under autocast: its float32 q_bias makes q float32, and the float32
+        # minimum it fills the half-precision scores with overflows. Fused, against the float32 model.
+        with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="overflow"):
+            ref(input_ids=ids, attention_mask=mask, labels=labels)
+        with torch.autocast("cpu", dtype=torch.float16):
+            b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+        assert abs(b.loss.item() - want.item()) < 1e-2 * abs(want.item())
+        b.loss.backward()
+        errors = grad_errors(fused, truth)
+        assert max(errors.values()) < 1e-2, errors
+        return
     with torch.autocast("cpu", dtype=torch.float16):
         a = ref(input_ids=ids, attention_mask=mask, labels=labels)
         b = fused(input_ids=ids, attention_mask=mask, labels=labels)
@@ -143,7 +156,9 @@ def test_a_padded_row_equals_the_row_alone(family):
                                          ("roformer", "ForMultipleChoice"),
                                          ("deberta-v2", "ForSequenceClassification"),
                                          ("deberta-v2", "ForTokenClassification"),
-                                         ("deberta-v2", "ForQuestionAnswering"), ("deberta-v2", "ForMultipleChoice")])
+                                         ("deberta-v2", "ForQuestionAnswering"), ("deberta-v2", "ForMultipleChoice"),
+                                         ("deberta", "ForSequenceClassification"),
+                                         ("deberta", "ForTokenClassification"), ("deberta", "ForQuestionAnswering")])
 @pytest.mark.slow
 def test_task_heads_of_the_families(family, head):
     ref = build(family, head)
@@ -199,12 +214,11 @@ def test_a_custom_subclass_is_matched_by_structure():
     assert "attention (varlen, padding removed once)" in fuse_report(fused)[0].fused
 
 
-@pytest.mark.parametrize("name, changes, layers", [("Deberta", {}, "unknown"),
+@pytest.mark.parametrize("name, changes, layers", [("Deberta", {"talking_head": True}, "deberta"),
                                                    ("DebertaV2", {"conv_kernel_size": 3}, "deberta-v2")])
 def test_attention_the_kernel_cannot_express_is_kept_with_a_warning(name, changes, layers):
-    """DeBERTa (v1: another parameterisation of its attention, classes the drop-in does not know) and a
-    DeBERTa-v2 whose encoder runs a convolution after its first layer keep their attention; LayerNorm and GeLU
-    still fuse."""
+    """A DeBERTa with talking heads (scores mixed across heads) and a DeBERTa-v2 whose encoder runs a
+    convolution after its first layer keep their attention; LayerNorm and GeLU still fuse."""
     kernels_common._warned.clear()
     torch.manual_seed(0)
     cfg = getattr(transformers, name + "Config")(**SMALL, **changes)
@@ -635,12 +649,13 @@ def test_deberta_v2_configurations_fused_equal_the_original(changes, monkeypatch
         assert fused.deberta.encoder.rel_embeddings.weight.grad.abs().max() > 0
 
 
-def test_deberta_v2_dropouts_reach_the_kernels_and_hidden_states_run_the_original(monkeypatch):
+@pytest.mark.parametrize("family", ["deberta-v2", pytest.param("deberta", marks=SLOW)])
+def test_deberta_dropouts_reach_the_kernels_and_hidden_states_run_the_original(family, monkeypatch):
     """In training the attention dropout goes into the kernel, pos_dropout (a module, its hooks firing) onto the
     relative embeddings each layer reads; a call asking for hidden states runs the original encoder code."""
-    ref = build("deberta-v2", "Model", attention_probs_dropout_prob=0.25, hidden_dropout_prob=0.125)
+    ref = build(family, "Model", attention_probs_dropout_prob=0.25, hidden_dropout_prob=0.125)
     fused = fuse(copy.deepcopy(ref)).train()
-    ids, mask, _ = batch("deberta-v2")
+    ids, mask, _ = batch(family)
     seen = []
     fused.encoder.layer[1].attention.self.pos_dropout.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     calls = Calls(monkeypatch)
@@ -657,14 +672,15 @@ def test_deberta_v2_dropouts_reach_the_kernels_and_hidden_states_run_the_origina
     assert "output_hidden_states" in str(fuse_report(fused)[0])
 
 
-def test_deberta_v2_mask_holes_and_refused_bucket_rules_run_the_original_code(monkeypatch):
-    """DeBERTa counts the padded slots inside a row in its relative distances: a mask with holes runs the original
-    code for that call (counted), as for MPNet. A bucket rule the kernels refuse keeps the attention unfused, with
-    the kernels' reason."""
+@pytest.mark.parametrize("family", ["deberta-v2", "deberta"])
+def test_deberta_mask_holes_and_refused_bucket_rules_run_the_original_code(family, monkeypatch):
+    """DeBERTa (both versions) counts the padded slots inside a row in its relative distances: a mask with holes
+    runs the original code for that call (counted), as for MPNet. A bucket rule the kernels refuse keeps the
+    attention unfused, with the kernels' reason."""
     kernels_common._warned.clear()  # MPNet's test may have given the same warning, once per process
-    ref = build("deberta-v2", "Model")
+    ref = build(family, "Model")
     fused = fuse(copy.deepcopy(ref))
-    ids, mask, _ = batch("deberta-v2")
+    ids, mask, _ = batch(family)
     mask[0, 5] = 0  # a hole inside the first row
     calls = Calls(monkeypatch)
     with torch.no_grad(), pytest.warns(UserWarning, match="an attention mask with holes"):
@@ -675,9 +691,48 @@ def test_deberta_v2_mask_holes_and_refused_bucket_rules_run_the_original_code(mo
     assert not calls.of("disentangled_attention")
     assert rel_err(b.last_hidden_state[keep], a.last_hidden_state[keep]) <= TOL
     assert any("holes" in why and "relative positions" in why for why in fuse_report(fused)[0].calls)
-    narrow = build("deberta-v2", "Model", position_buckets=8, max_relative_positions=5)
-    with pytest.warns(UserWarning, match="attention stays unfused: .*position_buckets=8 needs"):
-        fuse(narrow)
+    if family == "deberta-v2":
+        narrow = build("deberta-v2", "Model", position_buckets=8, max_relative_positions=5)
+        with pytest.warns(UserWarning, match="attention stays unfused: .*position_buckets=8 needs"):
+            fuse(narrow)
+
+
+@pytest.mark.parametrize("changes", [
+    {},                                                          # c2p and p2c over 12 plain distances
+    pytest.param(dict(legacy=True), marks=SLOW),                 # the BERT-style MLM head (cls.predictions)
+    pytest.param(dict(pos_att_type=["p2c"]), marks=SLOW),        # one term
+    dict(pos_att_type=["c2p", "p2c", "p2p"]),                    # a name it does not compute, counted in the scale
+    pytest.param(dict(max_relative_positions=-1), marks=SLOW),   # the span of max_position_embeddings
+    pytest.param(dict(relative_attention=False, pos_att_type=None), marks=SLOW),  # no position terms at all
+    pytest.param(dict(position_biased_input=True, type_vocab_size=2), marks=SLOW)])  # absolute positions, segments
+def test_deberta_v1_configurations_fused_equal_the_original(changes, monkeypatch):
+    """DeBERTa (v1): q, k, v from its one in_proj plus q_bias and v_bias, the tables through pos_proj and
+    pos_q_proj, plain clamped distances, into the disentangled kernel; every DebertaLayerNorm a LayerNorm kernel
+    (the output blocks' with their dropout and residual); the loss and every gradient, q_bias, v_bias and the
+    relative embeddings' included, equal the original's."""
+    ref = build("deberta", **changes)
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch("deberta")
+    calls = Calls(monkeypatch)
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    attention = calls.of("disentangled_attention")
+    assert len(attention) == 2 and not calls.of("varlen_attention") and len(calls.of("masked_lm_loss")) == 1
+    cfg, got = ref.config, attention[0]["positions"]
+    terms = [t for t in ("c2p", "p2c") if cfg.relative_attention and t in cfg.pos_att_type]
+    assert (got.pos_key is not None, got.pos_query is not None) == ("c2p" in terms, "p2c" in terms)
+    assert got.position_buckets == -1
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    root = torch.sqrt(torch.tensor(head_dim * (1.0 + len(ref.deberta.encoder.layer[0].attention.self.pos_att_type))))
+    assert attention[0]["softmax_scale"] == pytest.approx(1 / float(root))
+    with_residual = [c for c in calls.of("layer_norm") if c["residual"] is not None]
+    assert len(with_residual) == 4  # two DebertaLayerNorms per layer, each with its block's add
+    assert rel_err(b.loss, a.loss) <= TOL
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    layer = fused.deberta.encoder.layer[0].attention.self
+    assert layer.q_bias.grad.abs().max() > 0 and layer.v_bias.grad.abs().max() > 0
+    if terms:
+        assert fused.deberta.encoder.rel_embeddings.weight.grad.abs().max() > 0
 
 
 def test_nomicbert_post_norm_dropouts_and_token_types_reach_the_kernels(monkeypatch):
