@@ -631,22 +631,29 @@ def test_deberta_v2_configurations_fused_equal_the_original(changes, monkeypatch
     """DeBERTa-v2/v3 configurations: every layer's attention runs the disentangled kernel with the tables its
     code would form (c2p through the key projection, p2c through the query's), and the loss and every
     gradient, the relative embeddings' and their LayerNorm's included, equal the original's."""
-    ref = build("deberta-v2", **changes)
+    ref, fused, _, terms = run_deberta("deberta-v2", changes, monkeypatch)
+    if terms:
+        assert fused.deberta.encoder.rel_embeddings.weight.grad.abs().max() > 0
+
+
+def run_deberta(family, changes, monkeypatch):
+    """A DeBERTa masked-LM model of `family` with `changes`, unfused and fused on the same batch: both layers'
+    attention in the disentangled kernel with the tables its config names, the loss in the masked-only kernel,
+    the loss and every gradient equal. (ref, fused, the kernel calls, the position terms)."""
+    ref = build(family, **changes)
     fused = fuse(copy.deepcopy(ref), mlm_logits=False)
-    ids, mask, labels = batch("deberta-v2")
+    ids, mask, labels = batch(family)
     calls = Calls(monkeypatch)
     a = ref(input_ids=ids, attention_mask=mask, labels=labels)
     b = fused(input_ids=ids, attention_mask=mask, labels=labels)
     attention = calls.of("disentangled_attention")
     assert len(attention) == 2 and not calls.of("varlen_attention") and len(calls.of("masked_lm_loss")) == 1
-    cfg = ref.config
+    cfg, got = ref.config, attention[0]["positions"]
     terms = [t for t in ("c2p", "p2c") if cfg.relative_attention and t in cfg.pos_att_type]
-    got = attention[0]["positions"]
     assert (got.pos_key is not None, got.pos_query is not None) == ("c2p" in terms, "p2c" in terms)
     assert rel_err(b.loss, a.loss) <= TOL
     assert_same_gradients(fused, ref, b.loss, a.loss)
-    if cfg.relative_attention:
-        assert fused.deberta.encoder.rel_embeddings.weight.grad.abs().max() > 0
+    return ref, fused, calls, terms
 
 
 @pytest.mark.parametrize("family", ["deberta-v2", pytest.param("deberta", marks=SLOW)])
@@ -710,25 +717,15 @@ def test_deberta_v1_configurations_fused_equal_the_original(changes, monkeypatch
     pos_q_proj, plain clamped distances, into the disentangled kernel; every DebertaLayerNorm a LayerNorm kernel
     (the output blocks' with their dropout and residual); the loss and every gradient, q_bias, v_bias and the
     relative embeddings' included, equal the original's."""
-    ref = build("deberta", **changes)
-    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
-    ids, mask, labels = batch("deberta")
-    calls = Calls(monkeypatch)
-    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
-    attention = calls.of("disentangled_attention")
-    assert len(attention) == 2 and not calls.of("varlen_attention") and len(calls.of("masked_lm_loss")) == 1
-    cfg, got = ref.config, attention[0]["positions"]
-    terms = [t for t in ("c2p", "p2c") if cfg.relative_attention and t in cfg.pos_att_type]
-    assert (got.pos_key is not None, got.pos_query is not None) == ("c2p" in terms, "p2c" in terms)
-    assert got.position_buckets == -1
+    ref, fused, calls, terms = run_deberta("deberta", changes, monkeypatch)
+    attention = calls.of("disentangled_attention")[0]
+    assert attention["positions"].position_buckets == -1
+    cfg = ref.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     root = torch.sqrt(torch.tensor(head_dim * (1.0 + len(ref.deberta.encoder.layer[0].attention.self.pos_att_type))))
-    assert attention[0]["softmax_scale"] == pytest.approx(1 / float(root))
+    assert attention["softmax_scale"] == pytest.approx(1 / float(root))
     with_residual = [c for c in calls.of("layer_norm") if c["residual"] is not None]
     assert len(with_residual) == 4  # two DebertaLayerNorms per layer, each with its block's add
-    assert rel_err(b.loss, a.loss) <= TOL
-    assert_same_gradients(fused, ref, b.loss, a.loss)
     layer = fused.deberta.encoder.layer[0].attention.self
     assert layer.q_bias.grad.abs().max() > 0 and layer.v_bias.grad.abs().max() > 0
     if terms:
