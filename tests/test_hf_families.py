@@ -708,7 +708,7 @@ def test_deberta_mask_holes_and_refused_bucket_rules_run_the_original_code(famil
     {},                                                          # c2p and p2c over 12 plain distances
     pytest.param(dict(legacy=True), marks=SLOW),                 # the BERT-style MLM head (cls.predictions)
     pytest.param(dict(pos_att_type=["p2c"]), marks=SLOW),        # one term
-    dict(pos_att_type=["c2p", "p2c", "p2p"]),                    # a name it does not compute, counted in the scale
+    pytest.param(dict(pos_att_type=["c2p", "p2c", "p2p"]), marks=SLOW),  # a name it does not compute, in the scale
     pytest.param(dict(max_relative_positions=-1), marks=SLOW),   # the span of max_position_embeddings
     pytest.param(dict(relative_attention=False, pos_att_type=None), marks=SLOW),  # no position terms at all
     pytest.param(dict(position_biased_input=True, type_vocab_size=2), marks=SLOW)])  # absolute positions, segments
