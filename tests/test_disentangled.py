@@ -82,8 +82,8 @@ def test_head_dims_padded_inside_the_kernel(device, dim):
 
 
 def test_float32_heads_over_32_take_the_dots_in_slices_of_32(device):
-    """float32 at head_dim 72 (a 128-lane tile: four 32-lane slices, the last three partly past the head) with
-    dropout: the sliced dots (_chunked_dot) of the scores and of dP."""
+    """float32 at head_dim 72 with dropout: a 128-lane tile read in four 32-lane slices, the third partly and the
+    fourth wholly past the head; the sliced dots (_chunked_dot) of the scores and of dP."""
     assert kernels.disentangled._chunk_d(torch.float32, 128) == 32
     assert kernels.disentangled._chunk_d(torch.float16, 128) == 128
     run_case([19, 1, 5], 1, 72, torch.float32, device, p=0.2, seed=3)
