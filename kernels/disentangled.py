@@ -183,31 +183,41 @@ def _chunked_dot(a_src, b_src, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CH
 
 
 @triton.jit
+def _head_dot(a, bt, a_src, b_src, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """a b^T over the head's lanes, [rows of a, rows of b] float32: from the register tiles a [rows, BLOCK_D] and
+    bt [BLOCK_D, rows] (None: loaded here from its source, a table's rows) where the whole head is one slice,
+    else from the sources, CHUNK_D lanes at a time (_chunked_dot)."""
+    if CHUNK_D == BLOCK_D:
+        if a is None:
+            left = _row_tile(a_src, offs_d, HEAD_DIM, BLOCK_D)
+        else:
+            left = a
+        if bt is None:
+            right = tl.trans(_row_tile(b_src, offs_d, HEAD_DIM, BLOCK_D))
+        else:
+            right = bt
+        return tl.dot(left, right, input_precision=DOT_PRECISION)
+    return _chunked_dot(a_src, b_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+
+
+@triton.jit
 def _tile_scores(q, kt, q_src, k_src, PosKey, PosQuery, Rows, d_min, far, h, stride_pk_r, stride_pk_h, stride_pq_r,
                  stride_pq_h, offs_d, qk_scale, C2P: tl.constexpr, P2C: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The [BLOCK, BLOCK] scores of a tile (base 2, scaled): q kt, plus c2p and p2c gathered, half a window at a
-    time, from the dots of the tile's table rows (q_src, k_src: where q and k are, for _dot_rows)."""
-    if CHUNK_D == BLOCK_D:
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
-    else:
-        s = _chunked_dot(q_src, k_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+    time, from the dots of the tile's table rows (q_src, k_src: where q and k are, for _head_dot)."""
+    s = _head_dot(q, kt, q_src, k_src, offs_d, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
     e = _distance_of(BLOCK)
     for half in tl.static_range(2):
         rows = _half_rows(Rows, d_min, far, half, BLOCK)
         if C2P:
             kr_src = (PosKey, rows, rows >= 0, stride_pk_r, h * stride_pk_h)
-            if CHUNK_D == BLOCK_D:
-                c2p = tl.dot(q, tl.trans(_row_tile(kr_src, offs_d, HEAD_DIM, BLOCK_D)), input_precision=DOT_PRECISION)
-            else:
-                c2p = _chunked_dot(q_src, kr_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+            c2p = _head_dot(q, None, q_src, kr_src, offs_d, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
             s += _pick(c2p, e - half * BLOCK, 1, BLOCK)
         if P2C:
             qr_src = (PosQuery, rows, rows >= 0, stride_pq_r, h * stride_pq_h)
-            if CHUNK_D == BLOCK_D:
-                p2c = tl.dot(_row_tile(qr_src, offs_d, HEAD_DIM, BLOCK_D), kt, input_precision=DOT_PRECISION)
-            else:
-                p2c = _chunked_dot(qr_src, k_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+            p2c = _head_dot(None, kt, qr_src, k_src, offs_d, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
             s += _pick(p2c, e - half * BLOCK, 0, BLOCK)
     return s * qk_scale
 
@@ -237,9 +247,8 @@ def _sources(Q, K, V, DO, q_rows, m_ok, k_rows, n_ok, h, stride_q_t, stride_q_h,
 
 @triton.jit
 def _tile_grads(q, kt, vt, do, sources, lse, delta, PosKey, PosQuery, Rows, d_min, far, seed, h, m_ok, n_ok, q_rows,
-                start_n,
-                stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens, max_seqlen, qk_scale,
-                p_drop, C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                start_n, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h, offs_d, total_tokens, max_seqlen,
+                qk_scale, p_drop, C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
                 HEAD_DIM: tl.constexpr):
     """(dS, the dropped-out probabilities) of a tile, from the saved statistics: both [BLOCK, BLOCK] float32.
@@ -249,10 +258,7 @@ def _tile_grads(q, kt, vt, do, sources, lse, delta, PosKey, PosQuery, Rows, d_mi
                      stride_pq_r, stride_pq_h, offs_d, qk_scale, C2P, P2C, DOT_PRECISION, BLOCK, BLOCK_D, CHUNK_D,
                      HEAD_DIM)
     p = tl.where(m_ok[:, None] & n_ok[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-    if CHUNK_D == BLOCK_D:
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
-    else:
-        dp = _chunked_dot(do_src, v_src, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
+    dp = _head_dot(do, vt, do_src, v_src, offs_d, HEAD_DIM, BLOCK_D, CHUNK_D, DOT_PRECISION)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, _mask_rows(h, total_tokens, q_rows), max_seqlen, start_n, p_drop, BLOCK)
         dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
@@ -479,8 +485,7 @@ def _default_config(kernel: str, head_dim: int, dtype: torch.dtype, target: targ
     dot and its gather, so tiles are 32 wide in half precision: at 64, every kernel spilled registers on sm_90
     (so its dots run as per-warp mma.sync there, not warpgroup wgmma: compile-checked as "warp_dots"); float32's
     exact products on the CUDA cores take 16, head_dim in slices of 32. The backward's two accumulators (dkdv) or
-    four window sums
-    (tables), and heads over 64, take 8 warps. Where these still spill on a family, its table
+    four window sums (tables), and heads over 64, take 8 warps. Where these still spill on a family, its table
     (kernels/configs/<name>.json, bench.tune --compile-only) holds a clean one."""
     if target is None or dtype == torch.float32:
         return _Launch(16, 4, 1)
@@ -576,8 +581,8 @@ def _args(q, pos_key, pos_query, buckets, max_rel, dropout_p) -> _Args:
     rows, far = _row_index(buckets, max_rel, q.device)
     strides = tuple(s for t in (pos_key, pos_query) for s in ((t.stride(0), t.stride(1)) if t is not None else (0, 0)))
     flags = dict(C2P=pos_key is not None, P2C=pos_query is not None, HAS_DROPOUT=dropout_p > 0,
-                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(q.shape[2]),
-                 CHUNK_D=_chunk_d(q.dtype, block_d(q.shape[2])), HEAD_DIM=q.shape[2])
+                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(q.shape[2]), HEAD_DIM=q.shape[2])
+    flags["CHUNK_D"] = _chunk_d(q.dtype, flags["BLOCK_D"])
     return _Args(pos_key, pos_query, rows, far, strides, flags)
 
 
