@@ -1152,11 +1152,17 @@ def _deberta_problems(model) -> list[str]:
     cfg, why = model.config, []
     if getattr(cfg, "conv_kernel_size", 0) > 0:
         why.append("a convolution after the first layer (conv_kernel_size), which the fused encoder does not run")
-    attention = model.encoder.layer[0].attention.self
-    if attention.relative_attention and (refused := ops.kernels_package().disentangled.rule_refusal(
-            attention.position_buckets, attention.max_relative_positions)):
-        why.append(refused)
-    return why
+    return why + _rule_problems(model.encoder.layer[0].attention.self)
+
+
+def _rule_problems(attention) -> list[str]:
+    """Why the kernels refuse a relative DeBERTa attention's bucket rule (kernels.disentangled.rule_refusal; v1,
+    without position_buckets, takes plain distances: -1); none without relative attention."""
+    if not attention.relative_attention:
+        return []
+    refused = ops.kernels_package().disentangled.rule_refusal(getattr(attention, "position_buckets", -1),
+                                                              attention.max_relative_positions)
+    return [refused] if refused else []
 
 
 DEBERTA_V2_LAYERS = Layers(
@@ -1183,10 +1189,7 @@ def _deberta_v1_problems(model) -> list[str]:
     if attention.head_logits_proj is not None or attention.head_weights_proj is not None:
         why.append("talking heads (talking_head: scores and probabilities mixed across heads), which the fused "
                    "attention does not compute")
-    if attention.relative_attention and (refused := ops.kernels_package().disentangled.rule_refusal(
-            -1, attention.max_relative_positions)):
-        why.append(refused)
-    return why
+    return why + _rule_problems(attention)
 
 
 DEBERTA_LAYERS = DEBERTA_V2_LAYERS._replace(
