@@ -1,9 +1,14 @@
 from setuptools import find_packages, setup
 
-# transformers from 5.25 on requires Hugging Face's `kernels` distribution, whose import package is also named
-# `kernels`: installed beside this project's `kernels`, one of the two shadows the other (transformers' activations
-# or this project's fused ops fail to import). Until the two names can coexist, the extras stay below it.
-TRANSFORMERS = "transformers>=4.40,<5.25"
+# The oldest transformers the compatibility tier checks (.ci/run installs exactly this version); the newest is
+# whatever pip picks, and the whole suite runs on it.
+TRANSFORMERS = "transformers>=5.24.0"
+
+# The repository's folders are the parts of one import package, `bertfuse`: kernels/ is bertfuse.kernels, bert/ is
+# bertfuse.bert, bench/ is bertfuse.bench. Nothing installs a top-level `kernels`, `bert` or `bench`, names that
+# other distributions own (Hugging Face's hub kernels, which transformers requires, is `kernels`).
+PARTS = ("kernels", "bert", "bench")
+PACKAGES = ["bertfuse"] + [f"bertfuse.{p}" for part in PARTS for p in find_packages(include=[part, f"{part}.*"])]
 
 setup(
     name="bertfuse",
@@ -11,12 +16,13 @@ setup(
     description="BERT pre-training and fine-tuning with fused Triton kernels, benchmarked against PyTorch",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["bert", "bert.*", "kernels", "kernels.*", "bench", "bench.*"]),
-    package_data={"kernels": ["configs/*.json"]},  # the launch configs per GPU family (bench/tune.py)
+    packages=PACKAGES,
+    package_dir={"bertfuse": "bertfuse", **{f"bertfuse.{part}": part for part in PARTS}},
+    package_data={"bertfuse.kernels": ["configs/*.json"]},  # the launch configs per GPU family (bench/tune.py)
     entry_points={"console_scripts": [
-        "bert-bench = bench.cli:main",
-        "bert-pretrain = bert.pretrain:cli",
-        "bert-finetune = bert.finetune:cli",
+        "bert-bench = bertfuse.bench.cli:main",
+        "bert-pretrain = bertfuse.bert.pretrain:cli",
+        "bert-finetune = bertfuse.bert.finetune:cli",
     ]},
     python_requires=">=3.10",
     install_requires=[

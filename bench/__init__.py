@@ -1,8 +1,6 @@
-"""Benchmarks of this project against baseline PyTorch (`bert-bench`, `python -m bench`)."""
+"""Benchmarks of this project against baseline PyTorch (`bert-bench`, `python -m bertfuse.bench`)."""
 
-import bert as _bert
+if __name__ == "bench":  # the bare folder name, from the repository root: not this package's name (bertfuse._bare)
+    from bertfuse._bare import elsewhere
 
-if not getattr(_bert, "__bertfuse__", False):  # another distribution's `bert` shadows ours (see bert.common.packages)
-    raise ImportError(f"`import bert` found {_bert!r}, not bertfuse's `bert`: a package of the same name from another "
-                      "distribution shadows it (README: Installing next to other packages)")
-__bertfuse__ = True
+    elsewhere(__name__, __file__)

@@ -80,7 +80,7 @@ def make_packed_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, 
     up to 3 instances a row), filled with sequences of make_batch's lengths and contents: a pool of 16 x batch
     sequences is packed into rows best-fit decreasing, and `batch` rows drawn at random from them are laid out
     by bert.data.packing.PackingCollator."""
-    from bert.data.packing import FlatInstances, PackedShapes, PackingCollator, pack
+    from bertfuse.bert.data.packing import FlatInstances, PackedShapes, PackingCollator, pack
 
     pool = make_batch(16 * batch, seq_len, vocab, padding, seed, mlm_p)
     lengths = pool.attention_mask.sum(1).tolist()

@@ -1,4 +1,4 @@
-"""`bert-bench` / `python -m bench`: this project against baseline PyTorch, end to end and kernel by kernel.
+"""`bert-bench` / `python -m bertfuse.bench`: this project against baseline PyTorch, end to end and kernel by kernel.
 
 With no arguments it runs a quick benchmark on a built-in default: synthetic batches whose lengths follow
 tokenised Wikipedia paragraphs (bench.lengths), BERT-base on a GPU or BERT-mini on a CPU.
@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bert.common.files import atomic_write
-from bert.common.commands import add_debug_flag, add_flags, check_flags, flag
+from bertfuse.bert.common.files import atomic_write
+from bertfuse.bert.common.commands import add_debug_flag, add_flags, check_flags, flag
 
 from . import e2e, encode, precompile
 from . import kernel_suite
@@ -110,7 +110,7 @@ def default_variants(cuda: bool, full: bool = False) -> list[str]:
     if cuda:
         names.append("ours-packed-graphs")
     try:
-        import bert.hf  # noqa: F401  (the drop-in fused layers)
+        import bertfuse.bert.hf  # noqa: F401  (the drop-in fused layers)
 
         if cuda:
             names.append("hf-fused")
@@ -183,7 +183,7 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
 
 def _kernel_plan(cuda: bool) -> str:
     try:
-        from bench.ops import records
+        from bertfuse.bench.ops import records
     except ImportError as e:
         return f"kernels: none ({e})"
     if cuda:
@@ -241,7 +241,7 @@ def run_encode(plan: Plan, results: dict, save) -> None:
 
 def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
     try:
-        from bench.ops import records
+        from bertfuse.bench.ops import records
     except ImportError as e:  # no triton on this platform
         print(f"The kernel suite needs the kernels package, which does not import here: {e}\n")
         return
@@ -270,7 +270,7 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
 
 
 def run_data(args, results: dict, save) -> None:
-    from bert.common.workers import available_cpus
+    from bertfuse.bert.common.workers import available_cpus
 
     from . import data
 
@@ -299,7 +299,7 @@ def run_metadata(device, argv) -> dict:
 
 
 def main(argv=None) -> int:
-    from bert.common.commands import run
+    from bertfuse.bert.common.commands import run
 
     args = parse_args(argv)
     return run("bert-bench", lambda: bench(args, argv), args.debug)
@@ -403,7 +403,7 @@ def bench(args, argv) -> int:
 def run_suites(args, plan: Plan, peaks: dict, device, results: dict, save) -> None:
     cuda = device.type == "cuda"
     if args.precompile if args.precompile is not None else cuda:
-        from bench.ops import records
+        from bertfuse.bench.ops import records
 
         suites = [r.name for r in records()] if cuda else []
         precompile.run(precompile.jobs(suites if plan.kernels else [], plan.variants if cuda and plan.e2e else [],

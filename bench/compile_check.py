@@ -29,10 +29,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from bench.ops import record, records  # noqa: E402
-from bench.record import CompileCall, Variant, record_launches  # noqa: E402
-from kernels import launches, tuned  # noqa: E402
-from kernels.targets import INTERPRET, Target  # noqa: E402
+from bertfuse.bench.ops import record, records  # noqa: E402
+from bertfuse.bench.record import CompileCall, Variant, record_launches  # noqa: E402
+from bertfuse.kernels import launches, tuned  # noqa: E402
+from bertfuse.kernels.targets import INTERPRET, Target  # noqa: E402
 
 if INTERPRET:
     raise RuntimeError("bench.compile_check needs triton's compiler: import it in a process started without "

@@ -44,7 +44,7 @@ def synthetic_corpus(path: str, megabytes: float = 10.0, seed: int = 0) -> str:
     """Documents of paragraphs of sentences of words drawn Zipf-like from the tokenizer's whole-word vocabulary,
     as JSONL: text with the statistics a pipeline cares about (sentence and document lengths, a long-tailed
     vocabulary), made here, since the benchmark may run without any corpus."""
-    from bert.data.tokenizer import load_tokenizer
+    from bertfuse.bert.data.tokenizer import load_tokenizer
 
     words = sorted(w for w in load_tokenizer(tokenizer_path()).get_vocab() if w.isalpha() and len(w) > 1)
     rng = np.random.default_rng(seed)
@@ -71,7 +71,7 @@ def scaled_corpus(source: str, scale: int, work_dir: str) -> str:
     temporary name then renamed); the source itself at scale 1."""
     if scale == 1:
         return source
-    from bert.data.text import iter_document_texts
+    from bertfuse.bert.data.text import iter_document_texts
 
     path = os.path.join(work_dir, f"corpus-x{scale}.jsonl")
     if os.path.exists(path):
@@ -90,8 +90,8 @@ def _row(stage, scale, value, unit, **extra) -> dict:
 
 
 def _corpus(path: str, cache: str, num_proc: int = 1):
-    from bert.data.corpus import tokenize_corpus
-    from bert.data.tokenizer import load_tokenizer
+    from bertfuse.bert.data.corpus import tokenize_corpus
+    from bertfuse.bert.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_path())
     return tok, tokenize_corpus(path, tok, cache_dir=cache, num_proc=num_proc)
@@ -100,7 +100,7 @@ def _corpus(path: str, cache: str, num_proc: int = 1):
 def stage_tokenise(path: str, cache: str, scale: int, num_proc: int) -> list[dict]:
     """The corpus tokenised by one single-threaded process (the per-process rate), then by `num_proc` processes
     into `cache` (which the later stages read)."""
-    from bert.data.text import corpus_files
+    from bertfuse.bert.data.text import corpus_files
 
     text_bytes = sum(os.path.getsize(p) for p in corpus_files(path))
     rows = []
@@ -121,9 +121,9 @@ def stage_tokenise(path: str, cache: str, scale: int, num_proc: int) -> list[dic
 
 
 def stage_instances(path: str, cache: str, scale: int, num_proc: int) -> list[dict]:
-    from bert.data.instances import draw_spans, span_lengths
-    from bert.data.pipeline import Layout, Planner
-    from bert.data.packing import PackedShapes
+    from bertfuse.bert.data.instances import draw_spans, span_lengths
+    from bertfuse.bert.data.pipeline import Layout, Planner
+    from bertfuse.bert.data.packing import PackedShapes
 
     _, corpus = _corpus(path, cache)
     docs = np.arange(len(corpus))
@@ -143,8 +143,8 @@ def stage_instances(path: str, cache: str, scale: int, num_proc: int) -> list[di
 
 
 def stage_packing(path: str, cache: str, scale: int) -> list[dict]:
-    from bert.data.instances import draw_spans, span_lengths
-    from bert.data.packing import efficiency, pack
+    from bertfuse.bert.data.instances import draw_spans, span_lengths
+    from bertfuse.bert.data.packing import efficiency, pack
 
     _, corpus = _corpus(path, cache)
     rows = []
@@ -165,9 +165,9 @@ def _rows(corpus, seq_len: int) -> int:
 
 
 def stage_collation(path: str, cache: str, scale: int, steps: int = 20) -> list[dict]:
-    from bert.data.masking import Masker, SpecialIds
-    from bert.data.packing import PackedShapes
-    from bert.data.pipeline import Layout, Planner, StepCollator, step_work
+    from bertfuse.bert.data.masking import Masker, SpecialIds
+    from bertfuse.bert.data.packing import PackedShapes
+    from bertfuse.bert.data.pipeline import Layout, Planner, StepCollator, step_work
 
     tok, corpus = _corpus(path, cache)
     special = SpecialIds.from_tokenizer(tok)
@@ -190,10 +190,10 @@ def stage_collation(path: str, cache: str, scale: int, steps: int = 20) -> list[
 def stage_first_batch(path: str, cache: str, scale: int, started: float) -> list[dict]:
     """From `started` (the parent's clock when it spawned this process) to the first batch of a BERT-base
     layout, as bert-pretrain gets there: tokenizer, cached corpus, document split, planner, loader workers."""
-    from bert.data.masking import Masker, SpecialIds
-    from bert.data.packing import PackedShapes
-    from bert.data.pipeline import EpochStream, Layout, Planner
-    from bert.common.workers import default_num_workers
+    from bertfuse.bert.data.masking import Masker, SpecialIds
+    from bertfuse.bert.data.packing import PackedShapes
+    from bertfuse.bert.data.pipeline import EpochStream, Layout, Planner
+    from bertfuse.bert.common.workers import default_num_workers
 
     tok, corpus = _corpus(path, cache)
     order = np.random.default_rng(0).permutation(len(corpus))
@@ -211,7 +211,7 @@ MIN_TEXT_BYTES = 1 << 20  # less text than this is tokenised, planned and collat
 def check_size(source: str, scale: int) -> None:
     """A corpus too small to time (at this scale) is refused, naming the scale that would do, instead of rates
     that measured start-up noise. (A hub corpus is streamed: its size is not known here.)"""
-    from bert.data.text import corpus_files
+    from bertfuse.bert.data.text import corpus_files
 
     if source.startswith("hf:"):
         return

@@ -55,7 +55,7 @@ def peak_rss_mb() -> float:
 def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str = "inductor"):
     import torch
 
-    import bert
+    from bertfuse import bert
 
     if variant.startswith("hf"):
         import transformers
@@ -69,7 +69,7 @@ def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str
         cls = transformers.RobertaForMaskedLM if family == "roberta" else transformers.BertForPreTraining
         model = cls(hf_cfg).to(device)
         if variant == "hf-fused":
-            from bert.hf import fuse
+            from bertfuse.bert.hf import fuse
 
             fuse(model, mlm_logits=False)  # the step reads only the loss: the masked-only loss path
         if variant == "hf-compile":
@@ -83,7 +83,7 @@ def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str
 def _stepper(variant: str, model, device, amp, family: str):
     """The timed step: forward, backward, AdamW (fused on a GPU); for ours-packed-graphs, all of it captured
     as one CUDA graph on the first call (bert.train.static.GraphedStep, capturable AdamW) and replayed after."""
-    from bert.train.optim import adamw
+    from bertfuse.bert.train.optim import adamw
 
     from .batches import model_kwargs
 
@@ -101,7 +101,7 @@ def _stepper(variant: str, model, device, amp, family: str):
         return [{"loss": out.loss.detach()}]
 
     if graphs:
-        from bert.train.static import GraphedStep
+        from bertfuse.bert.train.static import GraphedStep
 
         graphed = GraphedStep(step, model, opt)
         return lambda b: graphed([model_kwargs(b, family)], {})
@@ -124,7 +124,7 @@ def run_variant(variant: str, spec: dict) -> dict:
     pytorch_path_on_cpu(spec["device"])
     import torch
 
-    import bert
+    from bertfuse import bert
 
     from .batches import make_batch, make_packed_batch
 

@@ -35,7 +35,7 @@ def build(shape: str, variant: str, device, dtype):
     model_cls = transformers.RobertaModel if config_cls == "RobertaConfig" else transformers.BertModel
     model = model_cls(cfg).to(device, dtype).eval()
     if variant == "hf-fused":
-        from bert.hf import fuse
+        from bertfuse.bert.hf import fuse
 
         fuse(model)
     if variant == "hf-compile":

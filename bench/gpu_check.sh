@@ -7,7 +7,7 @@ usage() {
 usage: bash bench/gpu_check.sh OUT_DIR [--budget SECONDS] [--stages LIST] [--keep-raw]
 
 Runs, from a source checkout (PYTHONPATH=., no install, no network), these stages in this order:
-  smoke    python -m bench.smoke: every kernel forward and backward once at a BERT-base shape in bfloat16
+  smoke    python -m bertfuse.bench.smoke: every kernel forward and backward once at a BERT-base shape in bfloat16
            and float16, and a BERT-base step on the triton backend against the torch backend (checks in
            parallel processes, which also fills Triton's compile cache for the later stages)
   tests    the GPU-marked tests, one pytest per test file, all at once (their time is mostly compilation)
@@ -17,7 +17,7 @@ Runs, from a source checkout (PYTHONPATH=., no install, no network), these stage
   kernels  bert-bench --suite kernels --quick: each kernel against torch eager, torch.compile and the peers
            (varlen_attn, SDPA masked and nested, flash-attn when installed; Liger-Kernel's LayerNorm and fused
            linear cross-entropy, Cut Cross-Entropy, from .gpu_deps), each row with its error to float64
-  tune     python -m bench.tune: launch configs measured on this GPU for the problems the committed table
+  tune     python -m bertfuse.bench.tune: launch configs measured on this GPU for the problems the committed table
            (kernels/configs/) lacks, written with the committed entries to the archive's configs/ folder
 Each stage gets a share of the budget (smoke 20%, tests 20%, e2e 25%, kernels 20%, tune 15%, among the stages
 chosen; time a stage leaves unused passes to the next) and is stopped when it runs over, keeping what it wrote.
@@ -81,7 +81,7 @@ except ImportError:
     env["triton"] = "not installed"
 if torch.cuda.is_available():  # the GPU family whose launch-config table the kernels read, and the results' name
     try:
-        from kernels import targets
+        from bertfuse.kernels import targets
         t = targets.of(torch.device("cuda"))
         env["family"] = f"{t.name} ({t.gpus})"
     except Exception as e:  # an unsupported GPU still gets its environment written
@@ -99,7 +99,7 @@ PY
 cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 
 pack() {   # summary.md and all.tar.gz from what the stages wrote so far
-  python3 -m bench.summary "$raw" "$out/summary.md" > /dev/null 2>> "$raw/summary_errors.log"
+  python3 -m bertfuse.bench.summary "$raw" "$out/summary.md" > /dev/null 2>> "$raw/summary_errors.log"
   cp "$out/summary.md" "$raw/summary.md" 2>/dev/null
   tar -czf "$out/all.tar.gz.tmp" -C "$raw" . && mv "$out/all.tar.gz.tmp" "$out/all.tar.gz"
 }
@@ -132,17 +132,17 @@ for s in smoke tests e2e kernels tune; do
   echo "== stage $s: up to ${allowed} s"
   t0=$(date +%s)
   case $s in
-    smoke) timeout --kill-after=5 "$allowed" python3 -m bench.smoke --json "$raw/smoke.json" ;;
+    smoke) timeout --kill-after=5 "$allowed" python3 -m bertfuse.bench.smoke --json "$raw/smoke.json" ;;
     tests) gpu_tests "$((allowed - 5))" ;;
     e2e) t_end=$(( $(date +%s) + allowed ))   # the training steps, then forward-only encoding in what is left
-         timeout --kill-after=5 "$((allowed * 2 / 3))" python3 -m bench --suite e2e --quick --output-dir "$raw/e2e"
+         timeout --kill-after=5 "$((allowed * 2 / 3))" python3 -m bertfuse.bench --suite e2e --quick --output-dir "$raw/e2e"
          rc_e2e=$?
          timeout --kill-after=5 "$(( t_end - $(date +%s) > 10 ? t_end - $(date +%s) : 10 ))" \
-           python3 -m bench --suite encode --quick --output-dir "$raw/encode" && (exit $rc_e2e) ;;
-    kernels) timeout --kill-after=5 "$allowed" python3 -m bench --suite kernels --quick --output-dir "$raw/kernels" ;;
+           python3 -m bertfuse.bench --suite encode --quick --output-dir "$raw/encode" && (exit $rc_e2e) ;;
+    kernels) timeout --kill-after=5 "$allowed" python3 -m bertfuse.bench --suite kernels --quick --output-dir "$raw/kernels" ;;
     tune) if [ "$cuda" = 1 ]; then   # continues the committed table: the result holds old and new entries
             mkdir -p "$raw/configs" && cp kernels/configs/*.json "$raw/configs/" 2>/dev/null
-            timeout --kill-after=5 "$allowed" python3 -m bench.tune --budget "$((allowed * 3 / 4))" \
+            timeout --kill-after=5 "$allowed" python3 -m bertfuse.bench.tune --budget "$((allowed * 3 / 4))" \
               --output "$raw/configs" --skip-existing
           else
             echo "no GPU: nothing to tune"; (exit 3)

@@ -1,4 +1,4 @@
-"""`python -m bench.hf_parity`: how closely bert.hf.fuse reproduces each BERT-family model, float32.
+"""`python -m bertfuse.bench.hf_parity`: how closely bert.hf.fuse reproduces each BERT-family model, float32.
 
 Small random configurations built offline (2 layers, hidden 64, 4 heads, intermediate 100; ELECTRA with a
 32-wide embedding projected up, ALBERT with a 16-wide one and one layer shared by both passes, DistilBERT with
@@ -15,7 +15,7 @@ import copy
 import os
 import sys
 
-from bert import hf
+from bertfuse.bert import hf
 
 SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
              max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -74,7 +74,7 @@ def worst_grad(fused, ref) -> float:
 def parity(family: str, device) -> dict:
     import torch
 
-    from bert.hf import fuse
+    from bertfuse.bert.hf import fuse
 
     ref = build(family).to(device)
     fused = fuse(copy.deepcopy(ref), mlm_logits=False)  # the masked-only loss; logits compared without labels

@@ -1,4 +1,4 @@
-"""Run transformers' own model tests on plain and on fused models: `python -m bench.hf_suite` (bench/hf_suite.sh).
+"""Run transformers' own model tests on plain and on fused models: `python -m bertfuse.bench.hf_suite` (bench/hf_suite.sh).
 
 The common tests (`ModelTesterMixin`, `ConfigTester`) come from the source distribution of the installed
 transformers version (downloaded once with pip into --cache). That distribution lacks three modules the common
@@ -74,7 +74,7 @@ def run(work: Path, out: Path, family: str, heads: int, mode: str, extra: list[s
     if mode == "interpret":
         env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", "test_fused_families.py", "-q", "-p", "no:cacheprovider",
-           "-p", "bench.hf_testers.plugin", "--rootdir", str(work), "-c", os.devnull, f"--junitxml={xml}", *extra]
+           "-p", "bertfuse.bench.hf_testers.plugin", "--rootdir", str(work), "-c", os.devnull, f"--junitxml={xml}", *extra]
     with open(xml.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     return outcomes(xml)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     try:
         import transformers
 
-        from bert.hf import family
+        from bertfuse.bert.hf import family
         for name in args.families.split(","):
             family(name)
         archive = sdist(transformers.__version__, args.cache)

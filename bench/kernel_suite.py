@@ -89,7 +89,7 @@ def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     """In a fresh process: (peak RSS growth in bytes during one forward+backward, the error to the float64
     reference or None). No time: on a CPU the Triton rows run in Triton's interpreter, whose speed says nothing
     of the kernels', so no row of the CPU table is timed."""
-    from bench.ops import record
+    from bertfuse.bench.ops import record
 
     from .e2e import peak_rss_mb, rss_mb
 

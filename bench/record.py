@@ -133,7 +133,7 @@ def record_launches(rec: "Record", call: CompileCall, target, force: tuple[str, 
     (kernels.launches.recording: what the launchers pass and the configs they pick there); with `force` =
     (launch site, config), that site's config forced (kernels.tuned.forced: a ValueError where the launcher
     cannot take it)."""
-    from kernels import launches, targets, tuned  # imported here: kernels imports triton
+    from bertfuse.kernels import launches, targets, tuned  # imported here: kernels imports triton
 
     with contextlib.ExitStack() as stack:
         if force:

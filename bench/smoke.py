@@ -1,4 +1,4 @@
-"""`python -m bench.smoke`: every kernel forward and backward once, and one BERT training step on the triton
+"""`python -m bertfuse.bench.smoke`: every kernel forward and backward once, and one BERT training step on the triton
 backend against the torch backend; one `PASS`/`FAIL name: max error, tolerance` line per check.
 
 On a GPU the checks run at one BERT-base shape (16 sequences of Wikipedia lengths up to 128, hidden 768,
@@ -37,7 +37,7 @@ class Shapes(NamedTuple):
 
 
 def shapes_for(cuda: bool) -> Shapes:
-    from bench.record import SmokeShapes  # imports triton: only once TRITON_INTERPRET is settled
+    from bertfuse.bench.record import SmokeShapes  # imports triton: only once TRITON_INTERPRET is settled
 
     if cuda:
         return Shapes(SmokeShapes((128, 97, 64, 128, 31, 1, 110, 128, 76, 128, 55, 128, 9, 120, 128, 88), 12, 64,
@@ -118,7 +118,7 @@ def _model_step(model, batch, device, dtype):
 def check_bert_step(s: Shapes, dtype, device, packed: bool = False) -> Result:
     """BertForPreTraining, dropout off: the triton backend in `dtype` against the torch backend in float32, on a
     padded batch or (packed) on a packed one of fixed shapes."""
-    import bert
+    from bertfuse import bert
 
     from .batches import make_batch, make_packed_batch
 
@@ -159,7 +159,7 @@ def checks() -> dict:
     imports triton, so this runs only once TRITON_INTERPRET is settled (main, or a worker it spawned). Filled once:
     the model checks, always present, say it has been."""
     if "bert_step" not in CHECKS:
-        from bench.ops import records
+        from bertfuse.bench.ops import records
 
         found = {name: kernel_check(build) for r in records() for name, build in r.smoke.items()}
         for name, check in dict(found, bert_step=check_bert_step, bert_step_packed=check_bert_step_packed).items():
@@ -190,7 +190,7 @@ def run_all(device: torch.device, dtypes, checks, jobs: int):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.smoke", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bertfuse.bench.smoke", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "float16", "bfloat16"],

@@ -1,4 +1,4 @@
-"""`python -m bench.summary RAW_DIR OUTPUT.md`: one page from a GPU check's raw outputs (bench/gpu_check.sh).
+"""`python -m bertfuse.bench.summary RAW_DIR OUTPUT.md`: one page from a GPU check's raw outputs (bench/gpu_check.sh).
 
 Reads what the stages left in RAW_DIR, each part optional (a stage cut short or not run leaves less):
 environment.json, stages.tsv (stage, status, seconds, allowed seconds), smoke.json, tests/*.log (pytest),
@@ -111,7 +111,7 @@ def render(raw: str) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m bench.summary RAW_DIR OUTPUT.md", file=sys.stderr)
+        print("usage: python -m bertfuse.bench.summary RAW_DIR OUTPUT.md", file=sys.stderr)
         return 2
     text = render(argv[0])
     tmp = argv[1] + ".tmp"

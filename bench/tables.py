@@ -12,7 +12,7 @@ import torch
 def table_problems(path: str) -> list[str]:
     """What is wrong with the launch-config table at `path` ([] for a good one): its format, and each entry's
     key ("<dtype>/<size>/<bucket>") and config (only fields its launcher lets a table tune, values it accepts)."""
-    from kernels import launches, tuned
+    from bertfuse.kernels import launches, tuned
 
     with open(path, encoding="utf-8") as f:
         table = json.load(f)
@@ -39,8 +39,8 @@ def write_table(folder: str, arch: str, results: dict, kind: str, run: dict) -> 
     """Merge {kernel: {key: entry}} into <folder>/<arch>.json, atomically; returns the path. `run` (meta(): the
     command, date, versions) is recorded as runs[kernel][kind] ("timed" or "compile_checked") for each kernel
     written, so every kernel's entries name the command that made them, though a table is filled by several."""
-    from bert.common.files import atomic_write
-    from kernels import tuned
+    from bertfuse.bert.common.files import atomic_write
+    from bertfuse.kernels import tuned
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{arch}.json")
@@ -74,4 +74,4 @@ def meta(argv) -> dict:
 
     return {"torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m bench.tune " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": "python -m bertfuse.bench.tune " + " ".join(sys.argv[1:] if argv is None else argv)}

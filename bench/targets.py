@@ -164,7 +164,7 @@ def targets() -> list[Target]:
     """Every kernel record's goals (bench/record.py), then the model targets. Without the kernels package (no
     triton on this platform) only the model targets."""
     try:
-        from bench.ops import records
+        from bertfuse.bench.ops import records
     except ImportError:
         return list(MODEL_TARGETS)
     return [kernel_target(g) for r in records() for g in r.goals] + MODEL_TARGETS

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bench.ops import RECORDS  # noqa: E402
+from bertfuse.bench.ops import RECORDS  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

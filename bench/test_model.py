@@ -5,8 +5,8 @@ CPU: BERT-tiny, float32, backend torch. GPU: BERT-base, bfloat16, both backends.
 import pytest
 import torch
 
-import bert
-from bench.batches import make_batch, model_kwargs
+from bertfuse import bert
+from bertfuse.bench.batches import make_batch, model_kwargs
 
 transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""`python -m bench.tune`: measure every kernel's launch configs on this GPU and write the winners to a table; with
+"""`python -m bertfuse.bench.tune`: measure every kernel's launch configs on this GPU and write the winners to a table; with
 `--compile-only --arch A`, no GPU needed, write the best configs that compile clean for GPU family A instead.
 
 On a GPU, for each kernel at the shapes BERT uses (base and large: hidden 768/1024, intermediate 3072/4096,
@@ -43,7 +43,7 @@ from .tune_problems import families
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bertfuse.bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", nargs="+", choices=families(), default=families(),
                    help="kernel records to tune (default: all)")
@@ -64,7 +64,7 @@ def parse_args(argv=None):
 
 
 def _families() -> list[str]:
-    from kernels.targets import TARGETS
+    from bertfuse.kernels.targets import TARGETS
 
     return list(TARGETS)
 

@@ -1,4 +1,4 @@
-"""The compile-only tuner (`python -m bench.tune --compile-only --arch A`, no GPU): for each launch the compile check
+"""The compile-only tuner (`python -m bertfuse.bench.tune --compile-only --arch A`, no GPU): for each launch the compile check
 records on family A, the launcher's default where it compiles clean, else the best clean candidate (`ranked`),
 written as untimed "all" entries.
 """
@@ -17,9 +17,9 @@ def compile_problems(names, target) -> list[Problem]:
     """Each (launch site, dtype, size) that the named records' compile calls launch on family `target` and a
     table may configure (a site with candidates), once, keyed for every sequence length ("all"): a call the
     family refuses (bfloat16, or half-precision dots, on sm_75) has nothing to configure."""
-    from bench.ops import record
-    from bench.record import record_launches
-    from kernels import launches
+    from bertfuse.bench.ops import record
+    from bertfuse.bench.record import record_launches
+    from bertfuse.kernels import launches
 
     out = []
     for rec in map(record, names):
@@ -51,8 +51,8 @@ def compile_only(arch: str, names, jobs: int, keep: dict, log=print) -> dict:
     """{kernel: {key: entry}}: for each compile problem on family `arch`, the first of `ranked` that compiles
     clean with every flag its sites use (bench/compile_check.py), as an untimed entry. Problems whose key is in
     `keep` (timed entries of the table) are left alone; a problem with no clean candidate gets no entry."""
-    from kernels import tuned
-    from kernels.targets import named
+    from bertfuse.kernels import tuned
+    from bertfuse.kernels.targets import named
 
     t = named(arch)
     todo = [p for p in compile_problems(names, t) if not timed(keep, p)]
@@ -78,7 +78,7 @@ def compile_only(arch: str, names, jobs: int, keep: dict, log=print) -> dict:
 
 
 def main_compile_only(args, argv) -> int:
-    from kernels import targets, tuned
+    from bertfuse.kernels import targets, tuned
 
     arches = args.arch or ([targets.of(torch.device("cuda")).name] if torch.cuda.is_available() else None)
     if not arches:

@@ -15,7 +15,7 @@ import torch
 
 def families() -> list[str]:
     """The kernel records (bench/record.py), each a family of table kernels "<record>.<part>"."""
-    from bench.ops import records
+    from bertfuse.bench.ops import records
 
     return [r.name for r in records()]
 
@@ -29,7 +29,7 @@ class Problem(NamedTuple):
 
     @property
     def key(self) -> str:
-        from kernels import tuned
+        from bertfuse.kernels import tuned
 
         return tuned.entry_key(self.dtype, self.size, tuned.bucket(self.seq_len))
 
@@ -38,14 +38,14 @@ class Problem(NamedTuple):
 
 
 def _site(kernel: str):
-    from kernels import launches
+    from bertfuse.kernels import launches
 
     return launches.site(kernel)
 
 
 def tunable(name: str) -> list[str]:
     """The launch sites of record `name` that a tuner sweeps (kernels.launches: those with candidates)."""
-    from kernels import launches
+    from bertfuse.kernels import launches
 
     return [s.part for s in launches.sites(name) if s.candidates]
 
@@ -58,7 +58,7 @@ def candidates(kernel: str) -> list[dict]:
 def problems(names, dtypes) -> list[Problem]:
     """BERT's shapes of the named records' kernels, most used first: per dtype, BERT-base's shapes before
     BERT-large's (each record's TuneShape.rank), the first dtype before the next."""
-    from bench.ops import record
+    from bertfuse.bench.ops import record
 
     out = []
     for dtype in dtypes:
@@ -72,7 +72,7 @@ def refusal(problem: Problem, target) -> str | None:
     """Why GPU family `target` refuses the problem's kernel in its dtype (kernels.targets.refusal: bfloat16, or
     half-precision dots, on sm_75), so that a table has nothing to configure there; None where it runs it, and
     for a launch site that chooses among implementations (mlm_loss.strategy)."""
-    from kernels.targets import refusal as refused
+    from bertfuse.kernels.targets import refusal as refused
 
     site = _site(problem.kernel)
     return None if site.choice else refused(site.op, problem.dtype, target, site.needs == "tensor_cores")
@@ -103,7 +103,7 @@ def pool_of(problem: Problem, target, configs=None) -> tuple[dict, list[dict]]:
 def check_candidate(problem: Problem, config: dict, arch: str) -> str | None:
     """In a worker: None if the candidate compiles cleanly for GPU family `arch` ("sm_90", "gfx942") in every
     launch the compile check records for it, else the reason it was pruned."""
-    from kernels.targets import named
+    from bertfuse.kernels.targets import named
 
     from . import compile_check
 

@@ -1,4 +1,4 @@
-"""The timed tuner (`python -m bench.tune` on a GPU): each problem's candidates pruned to those that compile
+"""The timed tuner (`python -m bertfuse.bench.tune` on a GPU): each problem's candidates pruned to those that compile
 clean and run, timed through the real launcher with the config forced, the fastest whose outputs match the
 default config's kept; see bench/tune.py for the whole procedure.
 """
@@ -77,7 +77,7 @@ def setup(problem: Problem, device: torch.device) -> Run:
 
 
 def run_with(problem: Problem, config: dict, run: Run, what: str):
-    from kernels import tuned
+    from bertfuse.kernels import tuned
 
     with tuned.forced(problem.kernel, config):
         return getattr(run, what)()
@@ -124,7 +124,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def tune_problem(problem: Problem, device: torch.device, timer, prune_fn=None, configs=None) -> dict | None:
     """The table entry for one problem: {"config", "ms", "default_ms", "candidates", "pruned", "timed"}; None
     if no candidate survives (the default then stays)."""
-    from kernels import targets
+    from bertfuse.kernels import targets
 
     base, pool = pool_of(problem, targets.of(device), configs)
     kept, pruned = prune_fn(problem, pool) if prune_fn else (pool, {})
@@ -169,8 +169,8 @@ def sweep(todo: list[Problem], device: torch.device, budget: float, timer, prune
 
 
 def main_timed(args, argv) -> int:
-    """`python -m bench.tune` on a GPU: sweep, write the winners to the table in --output."""
-    from kernels import targets, tuned
+    """`python -m bertfuse.bench.tune` on a GPU: sweep, write the winners to the table in --output."""
+    from bertfuse.kernels import targets, tuned
 
     device = torch.device("cuda")
     target = targets.of(device)

@@ -1,27 +1,28 @@
-"""A BERT whose hot ops can run as fused Triton kernels (see `kernels`), with Hugging Face interop."""
-from bert.common.packages import collision, ours
-from bert.data.tokenizer import load_tokenizer
-from bert.model.config import BertConfig
-from bert.model.modeling import (
-    BertForMaskedLM,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertModel,
-)
+"""A BERT whose hot ops can run as fused Triton kernels (see `bertfuse.kernels`), with Hugging Face interop."""
 
-__all__ = [
-    "load_tokenizer",
-    "ours",
-    "collision",
-    "BertConfig",
-    "BertModel",
-    "BertForPreTraining",
-    "BertForMaskedLM",
-    "BertForSequenceClassification",
-    "BertForTokenClassification",
-    "BertForQuestionAnswering",
-]
+if __name__ == "bert":  # the bare folder name, from the repository root: not this package's name (bertfuse._bare)
+    from bertfuse._bare import elsewhere
 
-__bertfuse__ = True  # this distribution's `bert`, not another of the same name (bert.common.packages)
+    elsewhere(__name__, __file__)
+else:
+    from bertfuse.bert.data.tokenizer import load_tokenizer
+    from bertfuse.bert.model.config import BertConfig
+    from bertfuse.bert.model.modeling import (
+        BertForMaskedLM,
+        BertForPreTraining,
+        BertForQuestionAnswering,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        BertModel,
+    )
+
+    __all__ = [
+        "load_tokenizer",
+        "BertConfig",
+        "BertModel",
+        "BertForPreTraining",
+        "BertForMaskedLM",
+        "BertForSequenceClassification",
+        "BertForTokenClassification",
+        "BertForQuestionAnswering",
+    ]

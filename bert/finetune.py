@@ -1,4 +1,4 @@
-"""Fine-tuning: `bert-finetune TASK` / `python -m bert.finetune`, one task of bert.tasks.task.TASKS (listed below,
+"""Fine-tuning: `bert-finetune TASK` / `python -m bertfuse.bert.finetune`, one task of bert.tasks.task.TASKS (listed below,
 from each task class's own description).
 
 --train/--eval take local files or a Hugging Face dataset name (glue/sst2, conll2003, squad). --model is a
@@ -19,19 +19,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from bert.common import commands, seeds
-from bert.common.commands import add_debug_flag, add_flags, check_flags, check_source, flag, resumed
-from bert.common.errors import stop_signals
-from bert.common.files import atomic_write_text, read_json_object
-from bert.data.batch import pad_batch
-from bert.data.pipeline import StepList
-from bert.data.tokenizer import load_tokenizer, tokenizer_digest
-from bert.tasks.readers import Features
-from bert.tasks.task import TASKS, Task
-from bert.train.distributed import micro_batch, setup_device
-from bert.train.loop import Job, Trainer
-from bert.train.rundir import output_dir_lock, prepare_output_dir
-from bert.train.settings import Settings
+from bertfuse.bert.common import commands, seeds
+from bertfuse.bert.common.commands import add_debug_flag, add_flags, check_flags, check_source, flag, resumed
+from bertfuse.bert.common.errors import stop_signals
+from bertfuse.bert.common.files import atomic_write_text, read_json_object
+from bertfuse.bert.data.batch import pad_batch
+from bertfuse.bert.data.pipeline import StepList
+from bertfuse.bert.data.tokenizer import load_tokenizer, tokenizer_digest
+from bertfuse.bert.tasks.readers import Features
+from bertfuse.bert.tasks.task import TASKS, Task
+from bertfuse.bert.train.distributed import micro_batch, setup_device
+from bertfuse.bert.train.loop import Job, Trainer
+from bertfuse.bert.train.rundir import output_dir_lock, prepare_output_dir
+from bertfuse.bert.train.settings import Settings
 
 logger = logging.getLogger("bert")
 

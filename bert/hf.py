@@ -95,9 +95,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert.model import ops
-from bert.model.modeling import check_labels
-from bert.model.padding import pad, static_layout, unpad, unpad_mask
+from bertfuse.bert.model import ops
+from bertfuse.bert.model.modeling import check_labels
+from bertfuse.bert.model.padding import pad, static_layout, unpad, unpad_mask
 
 _ORIGINALS = "_bertfuse_originals"
 _REPORT = "_bertfuse_report"

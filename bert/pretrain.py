@@ -1,4 +1,4 @@
-"""BERT pre-training (MLM + NSP): `bert-pretrain` / `python -m bert.pretrain`.
+"""BERT pre-training (MLM + NSP): `bert-pretrain` / `python -m bertfuse.bert.pretrain`.
 
 One process on a CPU or GPU, or several GPUs and nodes through torchrun (DistributedDataParallel; NCCL on GPU,
 gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.data.packing; `--no-packing` lays
@@ -26,24 +26,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bert.common import seeds
-from bert.common.commands import add_debug_flag, add_flags, check_flags, check_source, entry, flag, resumed, run
-from bert.common.errors import stop_signals
-from bert.common.workers import default_num_workers, ordered_map
-from bert.data.batch import PackedBatch
-from bert.data.corpus import TokenisedCorpus, source_digest, tokenize_corpus
-from bert.data.instances import nsp_skew
-from bert.data.masking import Masker, SpecialIds
-from bert.data.packing import PackedShapes
-from bert.data.pipeline import EpochStream, Layout, Planner, held_out_batches
-from bert.data.text import iter_documents
-from bert.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
-from bert.model.config import BertConfig
-from bert.model.modeling import BertForPreTraining
-from bert.train.distributed import Dist, setup_device
-from bert.train.loop import Job, Trainer
-from bert.train.rundir import output_dir_lock, prepare_output_dir
-from bert.train.settings import Settings
+from bertfuse.bert.common import seeds
+from bertfuse.bert.common.commands import add_debug_flag, add_flags, check_flags, check_source, entry, flag, resumed, run
+from bertfuse.bert.common.errors import stop_signals
+from bertfuse.bert.common.workers import default_num_workers, ordered_map
+from bertfuse.bert.data.batch import PackedBatch
+from bertfuse.bert.data.corpus import TokenisedCorpus, source_digest, tokenize_corpus
+from bertfuse.bert.data.instances import nsp_skew
+from bertfuse.bert.data.masking import Masker, SpecialIds
+from bertfuse.bert.data.packing import PackedShapes
+from bertfuse.bert.data.pipeline import EpochStream, Layout, Planner, held_out_batches
+from bertfuse.bert.data.text import iter_documents
+from bertfuse.bert.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
+from bertfuse.bert.model.config import BertConfig
+from bertfuse.bert.model.modeling import BertForPreTraining
+from bertfuse.bert.train.distributed import Dist, setup_device
+from bertfuse.bert.train.loop import Job, Trainer
+from bertfuse.bert.train.rundir import output_dir_lock, prepare_output_dir
+from bertfuse.bert.train.settings import Settings
 
 PRESETS = ("tiny", "mini", "base", "large")
 

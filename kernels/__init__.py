@@ -12,44 +12,47 @@ Importing this package imports triton. On a machine without CUDA the kernels run
 interpreter, which must be enabled with TRITON_INTERPRET=1 before triton is first imported.
 """
 
-import importlib as _importlib
-import pkgutil as _pkgutil
+if __name__ == "kernels":  # the bare folder name, from the repository root: not this package's name (bertfuse._bare)
+    from bertfuse._bare import elsewhere
 
-import torch as _torch
+    elsewhere(__name__, __file__)
+else:
+    import importlib as _importlib
+    import pkgutil as _pkgutil
 
-from . import targets as _targets
-from ._common import backend_for, device_refusal, exporting_onnx, warn_once
+    import torch as _torch
 
-__bertfuse__ = True  # this distribution's `kernels`, not another package of the same name (what imports it may check)
+    from . import targets as _targets
+    from ._common import backend_for, device_refusal, exporting_onnx, warn_once
 
-__all__ = ["backend_for", "exporting_onnx", "refusal", "warn_once"]
-_OPS = {}
-for _info in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if _info.name.startswith("_") or _info.name in ("launches", "targets", "tuned"):  # sites, families, tables
-        continue
-    _module = _OPS[_info.name] = _importlib.import_module(f"{__name__}.{_info.name}")
-    for _name in _module.__all__:  # a function may shadow its module's name (kernels.layer_norm is the function)
-        globals()[_name] = getattr(_module, _name)
-    __all__ += _module.__all__
+    __all__ = ["backend_for", "exporting_onnx", "refusal", "warn_once"]
+    _OPS = {}
+    for _info in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if _info.name.startswith("_") or _info.name in ("launches", "targets", "tuned"):  # sites, families, tables
+            continue
+        _module = _OPS[_info.name] = _importlib.import_module(f"{__name__}.{_info.name}")
+        for _name in _module.__all__:  # a function may shadow its module's name (kernels.layer_norm is the function)
+            globals()[_name] = getattr(_module, _name)
+        __all__ += _module.__all__
 
 
-def refusal(op: str, device=None, dtype: _torch.dtype | None = None, **shape) -> str | None:
-    """Why op `op` (a module name here: "attention", "layer_norm", ...) cannot run its Triton kernels, or None
-    where it can: on `device` (`device_refusal`: a GPU older than the kernels support, a CPU without the
-    interpreter), in `dtype` on that device's GPU family (`targets.refusal`: bfloat16 before sm_80; for an op
-    built on half-precision dots, a family where Triton has no tensor-core dots), at `shape` (the op's own
-    limits, such as attention's head_dim=). What is not given is not judged."""
-    if op not in _OPS:
-        raise KeyError(f"kernels has no op {op!r} (have: {', '.join(_OPS)})")
-    module = _OPS[op]
-    device = None if device is None else _torch.device(device)
-    why = device_refusal(device) if device is not None else None
-    if why is None and dtype is not None:
-        target = _targets.of(device) if device is not None else None
-        why = _targets.refusal(op, dtype, target, getattr(module, "DOTS", False))
-    if why is None and shape:
-        if not hasattr(module, "shape_refusal"):
-            raise TypeError(f"kernels.refusal: op {op!r} has no shape limits to judge ({', '.join(shape)})")
-        why = module.shape_refusal(**shape)
-        why = why and f"{op}: {why}"
-    return why
+    def refusal(op: str, device=None, dtype: _torch.dtype | None = None, **shape) -> str | None:
+        """Why op `op` (a module name here: "attention", "layer_norm", ...) cannot run its Triton kernels, or None
+        where it can: on `device` (`device_refusal`: a GPU older than the kernels support, a CPU without the
+        interpreter), in `dtype` on that device's GPU family (`targets.refusal`: bfloat16 before sm_80; for an op
+        built on half-precision dots, a family where Triton has no tensor-core dots), at `shape` (the op's own
+        limits, such as attention's head_dim=). What is not given is not judged."""
+        if op not in _OPS:
+            raise KeyError(f"kernels has no op {op!r} (have: {', '.join(_OPS)})")
+        module = _OPS[op]
+        device = None if device is None else _torch.device(device)
+        why = device_refusal(device) if device is not None else None
+        if why is None and dtype is not None:
+            target = _targets.of(device) if device is not None else None
+            why = _targets.refusal(op, dtype, target, getattr(module, "DOTS", False))
+        if why is None and shape:
+            if not hasattr(module, "shape_refusal"):
+                raise TypeError(f"kernels.refusal: op {op!r} has no shape limits to judge ({', '.join(shape)})")
+            why = module.shape_refusal(**shape)
+            why = why and f"{op}: {why}"
+        return why

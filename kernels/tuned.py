@@ -5,11 +5,11 @@ Each GPU family the kernels are built for (kernels/targets.py: "sm_80", "sm_90",
 "<dtype>/<size>/<bucket>": the dtype name, the head_dim or hidden size, and a sequence-length bucket ("s128",
 "s512", ...; "all": every length). A table is data, small and committed, and comes two ways:
 
-* compile-checked ("timed": false): without a GPU, `python -m bench.tune --compile-only --arch <name>` keeps the
+* compile-checked ("timed": false): without a GPU, `python -m bertfuse.bench.tune --compile-only --arch <name>` keeps the
   launcher's default where it compiles clean for that family (no register spill, within shared memory or LDS,
   dots on its tensor cores) and otherwise the clean candidate with the largest tiles, one "all" entry per
   dtype and size the compile check covers;
-* timed ("timed": true): `python -m bench.tune` on a GPU of the family times the candidates at BERT's shapes and
+* timed ("timed": true): `python -m bertfuse.bench.tune` on a GPU of the family times the candidates at BERT's shapes and
   merges the fastest into the table, per sequence bucket; those entries win over the compile-checked ones.
 
 A launcher calls `pick` with its default config; the table's entry replaces the tunable fields, or the default

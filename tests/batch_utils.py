@@ -8,12 +8,12 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from bert.data.batch import PackedBatch, pad_batch
-from bert.data.corpus import TokenisedCorpus
-from bert.data.instances import SPAN, gather, iter_spans, span_lengths
-from bert.data.masking import Masker, key_array
-from bert.data.packing import FlatInstances, PackingCollator
-from bert.data.packing import one_per_row as one_per_row_flat
+from bertfuse.bert.data.batch import PackedBatch, pad_batch
+from bertfuse.bert.data.corpus import TokenisedCorpus
+from bertfuse.bert.data.instances import SPAN, gather, iter_spans, span_lengths
+from bertfuse.bert.data.masking import Masker, key_array
+from bertfuse.bert.data.packing import FlatInstances, PackingCollator
+from bertfuse.bert.data.packing import one_per_row as one_per_row_flat
 
 
 def materialize(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> list[dict]:

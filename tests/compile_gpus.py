@@ -25,8 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.pop("TRITON_INTERPRET", None)
 
-from bench import compile_check  # noqa: E402
-from kernels.targets import TARGETS, named  # noqa: E402
+from bertfuse.bench import compile_check  # noqa: E402
+from bertfuse.kernels.targets import TARGETS, named  # noqa: E402
 
 
 def variants(arch: str, names: list[str]) -> list:

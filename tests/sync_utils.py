@@ -4,7 +4,7 @@ from unittest import mock
 
 import torch
 
-from bert.model import modeling, padding
+from bertfuse.bert.model import modeling, padding
 
 
 class HostSyncError(RuntimeError):

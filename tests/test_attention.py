@@ -6,8 +6,8 @@ import torch
 
 from kernel_utils import binomial_ok, case_seed, check_against_reference
 
-kernels = pytest.importorskip("kernels")
-from kernels.attention import attention_dropout_mask  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels.attention import attention_dropout_mask  # noqa: E402
 
 
 def cu_of(lengths, device):
@@ -189,7 +189,7 @@ def test_bad_inputs(change, err, match):
 def run_window_case(lengths, heads, kv_heads, dim, dtype, device, window=(-1, -1), p=0.0, filler=2, bias=False):
     """varlen_attention with grouped-query heads and/or a sliding window (and MPNet's bias) against
     varlen_attention_ref: the output and the gradients of q, k, v (k and v with kv_heads heads)."""
-    from kernels.attention import RelativePositionBias, varlen_attention_ref
+    from bertfuse.kernels.attention import RelativePositionBias, varlen_attention_ref
 
     g = torch.Generator().manual_seed(case_seed(tuple(lengths), heads, kv_heads, dim, str(dtype), window, p))
     total = sum(lengths) + filler
@@ -267,7 +267,7 @@ def test_padded_attention_with_grouped_heads_and_window(device):
 def run_bias_case(lengths, heads, dim, dtype, device, max_distance=128, num_buckets=32, p=0.0, filler=3):
     """varlen_attention with a relative-position bias against varlen_attention_ref: the output and the gradients
     of q, k, v and the bias table."""
-    from kernels.attention import RelativePositionBias, varlen_attention_ref
+    from bertfuse.kernels.attention import RelativePositionBias, varlen_attention_ref
 
     g = torch.Generator().manual_seed(case_seed(tuple(lengths), heads, dim, str(dtype), max_distance, p))
     total = sum(lengths) + filler
@@ -306,7 +306,7 @@ def test_relative_position_bias_with_dropout_and_other_buckets(device):
 
 
 def test_relative_position_bias_gradient_is_deterministic_and_optional(device):
-    from kernels.attention import RelativePositionBias
+    from bertfuse.kernels.attention import RelativePositionBias
 
     lengths, heads = [40, 7, 33], 2
     cu = cu_of(lengths, device)
@@ -325,7 +325,7 @@ def test_relative_position_bias_gradient_is_deterministic_and_optional(device):
 
 def test_bucket_rule_is_transformers_mpnet_rule():
     transformers = pytest.importorskip("transformers")
-    from kernels.attention import relative_position_bucket
+    from bertfuse.kernels.attention import relative_position_bucket
     from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
     distance = torch.arange(600)[None, :] - torch.arange(600)[:, None]
@@ -455,7 +455,7 @@ def test_cu_seqlens_past_the_tokens_never_leave_the_buffers(device):
 def test_lse_is_defined_at_filler_tokens(device):
     """The forward op's log-sum-exp rows of tokens in no sequence hold 0, the same on every call (they were left
     uninitialised, which made opcheck's comparisons fail now and then)."""
-    from kernels.attention import _attention_fwd
+    from bertfuse.kernels.attention import _attention_fwd
 
     q = torch.randn(40, 2, 16, device=device)
     cu = torch.tensor([0, 9, 25], dtype=torch.int32, device=device)

@@ -6,21 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-import bert
-import kernels  # noqa: F401  (triton imported now, interpreter on, before run_variant turns it off for itself)
-from bench import e2e
-from bench.batches import make_batch
-from bench.cli import main
-from bench.report import plot
-from bench import kernel_suite
-from bench.lengths import WIKI_PERCENTILES, sample_lengths
+from bertfuse import bert
+from bertfuse import kernels  # noqa: F401  (triton imported now, interpreter on, before run_variant turns it off for itself)
+from bertfuse.bench import e2e
+from bertfuse.bench.batches import make_batch
+from bertfuse.bench.cli import main
+from bertfuse.bench.report import plot
+from bertfuse.bench import kernel_suite
+from bertfuse.bench.lengths import WIKI_PERCENTILES, sample_lengths
 
 PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 0.1, "matmul_dtype": "float32"}
 
 
 @pytest.fixture(autouse=True)
 def few_repeats(monkeypatch):
-    monkeypatch.setattr("bench.peaks.CPU_REPEATS", (0, 1))
+    monkeypatch.setattr("bertfuse.bench.peaks.CPU_REPEATS", (0, 1))
 
 
 def test_lengths_follow_the_table_and_padding_levels():
@@ -78,7 +78,7 @@ def test_a_fresh_process_reports_its_own_peak_memory_not_its_parents():
 
 @pytest.mark.slow
 def test_kernel_suites_at_tiny_sizes_on_this_device(device):
-    from bench.ops import record, records
+    from bertfuse.bench.ops import record, records
 
     every = []
     for r in records():
@@ -119,7 +119,7 @@ def _peer_rows_say_why(rows):
 
 @pytest.mark.slow
 def test_cli_writes_tables_json_csv_and_plots(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bertfuse.bench.cli.measure_peaks", lambda device: PEAKS)
     out = tmp_path / "results"
     assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
                  "--variants", "hf-eager", "ours-torch", "--output-dir", str(out), "--device", "cpu"]) == 0
@@ -143,7 +143,7 @@ def test_padding_plot(tmp_path):
 
 @pytest.mark.slow
 def test_cli_defaults_outside_the_source_tree_and_says_only_what_it_wrote(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bertfuse.bench.cli.measure_peaks", lambda device: PEAKS)
     monkeypatch.chdir(tmp_path)
     assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
                  "--variants", "hf-eager", "ours-torch", "--device", "cpu"]) == 0
@@ -165,7 +165,7 @@ def test_padding_plot_needs_two_levels(tmp_path):
 
 
 def test_quick_cpu_default_leaves_out_compile():
-    from bench.cli import default_variants, e2e_specs, parse_args
+    from bertfuse.bench.cli import default_variants, e2e_specs, parse_args
 
     assert default_variants(False) == ["hf-eager", "ours-torch", "ours-packed"]
     for name in ("hf-compile", "ours-packed-compile"):
@@ -184,7 +184,7 @@ def test_bad_padding_is_one_line_before_any_work(capsys):
 @pytest.mark.slow
 def test_encode_suite_on_the_cpu(tmp_path, capsys, monkeypatch):
     """Forward-only encoding, eager against fused (its PyTorch path on a CPU), in fresh processes."""
-    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bertfuse.bench.cli.measure_peaks", lambda device: PEAKS)
     assert main(["--suite", "encode", "--encode-models", "minilm", "--batch", "2", "--device", "cpu",
                  "--output-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
@@ -230,7 +230,7 @@ def test_cuda_without_a_gpu_is_one_line(capsys):
 def test_ctrl_c_writes_what_finished_and_says_so(tmp_path, capsys, monkeypatch):
     """Ctrl-C during the second variant: the first variant's row is kept and written, with one line saying so
     (it was a traceback, and the finished result was thrown away)."""
-    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bertfuse.bench.cli.measure_peaks", lambda device: PEAKS)
     calls = []
 
     def fake(fn, variant, spec):
@@ -250,7 +250,7 @@ def test_ctrl_c_writes_what_finished_and_says_so(tmp_path, capsys, monkeypatch):
 
 
 def test_a_later_run_leaves_no_stale_files_of_an_earlier_one(tmp_path, monkeypatch):
-    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bertfuse.bench.cli.measure_peaks", lambda device: PEAKS)
     out = tmp_path / "o"
     out.mkdir()
     for name in ("e2e.csv", "speedup.png", "padding.png"):
@@ -258,6 +258,6 @@ def test_a_later_run_leaves_no_stale_files_of_an_earlier_one(tmp_path, monkeypat
     def rows(record, peaks, quick, device, on_row):
         on_row({"kernel": record.name, "status": "ok"})
 
-    monkeypatch.setattr("bench.kernel_suite.rows", rows)
+    monkeypatch.setattr("bertfuse.bench.kernel_suite.rows", rows)
     assert main(["--suite", "kernels", "--output-dir", str(out), "--device", "cpu"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["kernels.csv", "results.json"]

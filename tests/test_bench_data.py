@@ -4,13 +4,13 @@ import os
 
 import pytest
 
-from bench import data
-from bench.cli import main
+from bertfuse.bench import data
+from bertfuse.bench.cli import main
 from corpus_utils import write_wikipedia_jsonl
 
 
 def test_a_scaled_corpus_is_every_document_scale_times_shuffled(tmp_path):
-    from bert.data.text import iter_document_texts
+    from bertfuse.bert.data.text import iter_document_texts
 
     source = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=7)
     scaled = data.scaled_corpus(source, 3, str(tmp_path))

@@ -6,10 +6,10 @@ import tarfile
 
 import pytest
 
-from bench import precompile
-from bench.smoke import checks
-from bench.summary import render
-from bench.targets import evaluate, targets
+from bertfuse.bench import precompile
+from bertfuse.bench.smoke import checks
+from bertfuse.bench.summary import render
+from bertfuse.bench.targets import evaluate, targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")

@@ -1,7 +1,7 @@
 """bench/hf_suite.py's bookkeeping (the run itself needs transformers' source distribution: bash bench/hf_suite.sh)."""
 import pytest
 
-from bench import hf_suite
+from bertfuse.bench import hf_suite
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +33,7 @@ def test_a_group_where_nothing_passed_unfused_is_named():
 
 
 def test_plugin_finds_every_model_class_of_a_family():
-    from bench.hf_testers import plugin
+    from bertfuse.bench.hf_testers import plugin
 
     names = {c.__name__ for c in plugin.model_classes(plugin.modeling_module("xlm-roberta"))}
     assert {"XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForCausalLM"} <= names

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bench import smoke  # noqa: E402
+from bertfuse.bench import smoke  # noqa: E402
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import json
 import pytest
 
 pytest.importorskip("triton")
-from bench import targets  # noqa: E402
+from bertfuse.bench import targets  # noqa: E402
 
 
 def attention_rows(tflops: float) -> list:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bench import tables, tune, tune_compile, tune_problems, tune_timed  # noqa: E402
-from kernels import tuned  # noqa: E402
-from kernels.targets import TARGETS  # noqa: E402
+from bertfuse.bench import tables, tune, tune_compile, tune_problems, tune_timed  # noqa: E402
+from bertfuse.kernels import tuned  # noqa: E402
+from bertfuse.kernels.targets import TARGETS  # noqa: E402
 
 CPU = torch.device("cpu")
 SM90 = TARGETS["sm_90"]
@@ -136,7 +136,7 @@ def test_the_mlm_strategy_is_tuned_on_forward_and_backward_and_read_back(tmp_pat
     """mlm_loss.strategy is a choice, not a kernel config: no compile check prunes it, each candidate is timed on
     the whole forward + backward (the chunked strategy computes its gradients in the forward), the winner's
     gradients are checked against the default's, and the launcher's pick reads it from the table."""
-    from kernels.mlm_loss import _Strategy
+    from bertfuse.kernels.mlm_loss import _Strategy
 
     problem = tune_problems.Problem("mlm_loss.strategy", torch.float32, 16, 20, (20, 16, 50))
     choices = [{"strategy": "chunked"}, {"strategy": "fused"}]

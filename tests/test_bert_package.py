@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Earliest first: text -> tokenised corpus -> instances -> packing -> pipeline -> model -> training -> jobs.
 STAGES = [
-    "bert.common.packages", "bert.common.errors", "bert.common.files", "bert.common.seeds", "bert.common.commands",
+    "bert.common.errors", "bert.common.files", "bert.common.seeds", "bert.common.commands",
     "bert.common.workers",
     "bert.data.text", "bert.data.tokenizer", "bert.data.corpus", "bert.data.instances", "bert.data.masking",
     "bert.data.batch", "bert.data.packing", "bert.data.pipeline",
@@ -20,22 +20,27 @@ STAGES = [
 
 
 def _module(path: Path) -> str:
+    """bert/data/text.py: "bert.data.text" (the name in STAGES; it imports as bertfuse.bert.data.text)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path):
-    """(line, imported module) for every import of a bert module in the file, a package's modules included."""
+    """(line, imported module, as named in STAGES) for every import of a bert module in the file, a package's
+    modules included."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bert":
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bertfuse.bert"):
             assert node.level == 0, f"{path}:{node.lineno}: relative import"
+            module = node.module.removeprefix("bertfuse.")
             for a in node.names:
-                full = f"{node.module}.{a.name}"
-                yield node.lineno, full if full in STAGES else node.module
+                full = f"{module}.{a.name}"
+                yield node.lineno, full if full in STAGES else module
+        elif isinstance(node, ast.ImportFrom) and node.module == "bertfuse" and any(a.name == "bert" for a in node.names):
+            yield node.lineno, "bert"
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.split(".")[0] == "bert":
-                    yield node.lineno, a.name
+                if a.name.startswith("bertfuse.bert"):
+                    yield node.lineno, a.name.removeprefix("bertfuse.")
 
 
 def test_every_module_has_a_stage_and_imports_only_from_earlier_ones():
@@ -54,13 +59,13 @@ def test_every_module_has_a_stage_and_imports_only_from_earlier_ones():
 
 
 def test_the_public_names_stay_where_users_import_them():
-    import bert
-    import bert.hf
-    import bert.finetune
-    import bert.pretrain
+    import bertfuse
+    from bertfuse import bert
+    from bertfuse.bert import finetune, hf, pretrain
 
     for name in ("BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
                  "BertForTokenClassification", "BertForQuestionAnswering", "load_tokenizer"):
         assert hasattr(bert, name), name
-    assert callable(bert.hf.fuse) and callable(bert.hf.unfuse) and callable(bert.hf.fuse_report)
-    assert callable(bert.pretrain.main) and callable(bert.finetune.main)
+    assert callable(hf.fuse) and callable(hf.unfuse) and callable(hf.fuse_report)
+    assert (bertfuse.fuse, bertfuse.unfuse, bertfuse.fuse_report) == (hf.fuse, hf.unfuse, hf.fuse_report)
+    assert callable(pretrain.main) and callable(finetune.main)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from kernel_utils import DTYPES, case_seed, check_against_reference
 
-kernels = pytest.importorskip("kernels")
+kernels = pytest.importorskip("bertfuse.kernels")
 
 
 def run_case(shape, dtype, device, approximate):

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from bert.common import commands
-from bert.common.errors import Interrupted, StopRun, StopSignals, stop_signals
+from bertfuse.bert.common import commands
+from bertfuse.bert.common.errors import Interrupted, StopRun, StopSignals, stop_signals
 
 
 def test_the_first_signal_sets_a_flag_and_raises_only_where_the_run_may_stop_at_once():
@@ -62,8 +62,8 @@ def test_a_run_that_saved_and_stopped_exits_with_128_plus_the_signal(capsys):
 FINALISING = """
 import atexit, os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
-from bert.common import commands
-from bert.common.errors import stop_signals
+from bertfuse.bert.common import commands
+from bertfuse.bert.common.errors import stop_signals
 
 class Slow:
     def __del__(self):  # a finaliser (a loader's workers closing): a signal here must not be swallowed
@@ -110,7 +110,7 @@ def test_a_signal_before_the_run_starts_is_one_line_and_stops_a_shell_chain(tmp_
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = ("import os, signal, sys, time\nsys.path.insert(0, sys.argv[1])\nfrom bert.common import commands\n"
+    script = ("import os, signal, sys, time\nsys.path.insert(0, sys.argv[1])\nfrom bertfuse.bert.common import commands\n"
               "def main():\n    print('parsing', flush=True)\n    time.sleep(30)\n    return 0\n"
               "commands.entry('prog', main)\n")
     marker = tmp_path / "next-ran"
@@ -151,7 +151,7 @@ def test_options_declared_once_give_the_parser_the_checks_and_what_resume_compar
 
 
 def test_each_command_compares_on_resume_what_makes_its_run():
-    from bert import finetune, pretrain
+    from bertfuse.bert import finetune, pretrain
 
     assert {"max_seq_len", "batch_size", "packing", "data"} <= set(pretrain.RUN_SETTINGS)
     assert not {"num_workers", "cache_dir", "backend"} & set(pretrain.RUN_SETTINGS)

@@ -6,7 +6,7 @@ from kernel_utils import binomial_ok
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-common = pytest.importorskip("kernels._common")
+common = pytest.importorskip("bertfuse.kernels._common")
 
 
 @triton.jit

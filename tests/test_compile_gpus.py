@@ -53,8 +53,8 @@ def test_sm75_refuses_bfloat16_and_half_precision_dots_instead_of_compiling_them
 
 def test_a_launch_config_table_compiles_entry_by_entry(tmp_path):
     """The compile check's "table" group compiles each entry of the table the lookup reads."""
-    from bench.tables import write_table
-    from bench.tune_problems import candidates
+    from bertfuse.bench.tables import write_table
+    from bertfuse.bench.tune_problems import candidates
 
     need_backend("nvidia")
     write_table(str(tmp_path), "sm_90", {"bias_gelu.fwd": {"bfloat16/3072/all": {

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-import bert
-from bert.common.files import read_json_object
+from bertfuse import bert
+from bertfuse.bert.common.files import read_json_object
 
 
 def test_config_json_round_trips_through_transformers(tmp_path):

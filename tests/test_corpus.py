@@ -6,9 +6,9 @@ import pickle
 import numpy as np
 import pytest
 
-from bert.data.corpus import TokenisedCorpus, tokenize_corpus
-from bert.data.text import iter_documents
-from bert.data.tokenizer import train_tokenizer
+from bertfuse.bert.data.corpus import TokenisedCorpus, tokenize_corpus
+from bertfuse.bert.data.text import iter_documents
+from bertfuse.bert.data.tokenizer import train_tokenizer
 from corpus_utils import topic_documents, write_wikipedia_jsonl
 
 
@@ -69,7 +69,7 @@ def test_the_word_cache_encodes_exactly_as_the_tokenizer_on_hostile_text():
     tokens written in the text: cached word by word equals the tokenizer on the whole sentence."""
     import random
 
-    from bert.data.corpus import WordCache
+    from bertfuse.bert.data.corpus import WordCache
 
     tok = train_tokenizer(topic_documents(12, 6) + ["café naïve 中文 straße"], vocab_size=150)
     assert WordCache.applies(tok)
@@ -84,8 +84,8 @@ def test_the_word_cache_encodes_exactly_as_the_tokenizer_on_hostile_text():
 def test_a_full_word_cache_starts_over_without_losing_the_words_it_had(monkeypatch):
     """Filling up mid-corpus (a real corpus has millions of distinct words): a later batch that repeats words of
     earlier ones and brings new ones still encodes every word."""
-    from bert.data import corpus as corpus_module
-    from bert.data.corpus import WordCache
+    from bertfuse.bert.data import corpus as corpus_module
+    from bertfuse.bert.data.corpus import WordCache
 
     monkeypatch.setattr(corpus_module, "CACHE_WORDS", 8)
     tok = train_tokenizer(topic_documents(12, 6), vocab_size=150)
@@ -99,7 +99,7 @@ def test_a_full_word_cache_starts_over_without_losing_the_words_it_had(monkeypat
 def test_a_tokenizer_the_word_cache_does_not_fit_is_encoded_directly(tmp_path, monkeypatch):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from bert.data.corpus import WordCache
+    from bertfuse.bert.data.corpus import WordCache
 
     byte_level = Tokenizer(models.BPE())
     byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
@@ -118,9 +118,9 @@ import fcntl  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from bert.data import corpus as corpus_module  # noqa: E402
-from bert.data.corpus import WRITER_LOCK, remove_stale  # noqa: E402
-from bert.data.instances import SPAN, gather  # noqa: E402
+from bertfuse.bert.data import corpus as corpus_module  # noqa: E402
+from bertfuse.bert.data.corpus import WRITER_LOCK, remove_stale  # noqa: E402
+from bertfuse.bert.data.instances import SPAN, gather  # noqa: E402
 from corpus_utils import write_corpus  # noqa: E402
 
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from bert.data.corpus import tokenize_corpus
-from bert.common import seeds
-from bert.data.masking import SpecialIds
-from bert.data.packing import bucket_rows
-from bert.data.text import iter_documents, split_sentences
-from bert.data.tokenizer import train_tokenizer
-from bert.train.distributed import micro_batch
+from bertfuse.bert.data.corpus import tokenize_corpus
+from bertfuse.bert.common import seeds
+from bertfuse.bert.data.masking import SpecialIds
+from bertfuse.bert.data.packing import bucket_rows
+from bertfuse.bert.data.text import iter_documents, split_sentences
+from bertfuse.bert.data.tokenizer import train_tokenizer
+from bertfuse.bert.train.distributed import micro_batch
 from batch_utils import DictMasker, iter_instances
 from corpus_utils import topic_documents, write_corpus
 from kernel_utils import binomial_ok
@@ -288,7 +288,7 @@ def _sequential_greedy(unit_inst, unit_u, sizes, budget):
 
 
 def test_the_batched_greedy_fill_is_the_sequential_one():
-    from bert.data.masking import _greedy_fill
+    from bertfuse.bert.data.masking import _greedy_fill
 
     rng = np.random.default_rng(0)
     for trial in range(200):

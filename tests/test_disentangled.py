@@ -7,8 +7,8 @@ import torch
 
 from kernel_utils import binomial_ok, case_seed, check_against_reference
 
-kernels = pytest.importorskip("kernels")
-from kernels.disentangled import (  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels.disentangled import (  # noqa: E402
     DisentangledPositions, disentangled_attention, disentangled_attention_ref, disentangled_dropout_mask,
     relative_position_rows)
 

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-import bert
-from bert.finetune import build_parser, run
-from bert.data.tokenizer import save_tokenizer, train_tokenizer
+from bertfuse import bert
+from bertfuse.bert.finetune import build_parser, run
+from bertfuse.bert.data.tokenizer import save_tokenizer, train_tokenizer
 
 NAMES = ["john", "mary", "peter", "anna"]
 CITIES = ["paris", "berlin", "tokyo", "lima"]
@@ -125,7 +125,7 @@ def test_pretraining_checkpoint_gets_a_new_head(tmp_path, checkpoint, caplog):
 
 
 def test_bad_command_lines_fail_at_once_with_one_line(tmp_path, checkpoint, capsys):
-    from bert.finetune import main
+    from bertfuse.bert.finetune import main
 
     train = tmp_path / "train.tsv"
     train.write_text("sentence\tlabel\njohn is good\t1\nmary is bad\t0\n")
@@ -160,7 +160,7 @@ def test_bad_command_lines_fail_at_once_with_one_line(tmp_path, checkpoint, caps
 
 
 def test_messages_show_without_a_progress_bar(tmp_path, checkpoint, capsys):
-    from bert.finetune import main
+    from bertfuse.bert.finetune import main
 
     data = tmp_path / "d.tsv"
     data.write_text("sentence\tlabel\n" + "".join(f"{n} is good\t1\n{n} is bad\t0\n" for n in NAMES))
@@ -271,7 +271,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, still_checkpoint):
 def test_a_diverging_run_stops_with_one_line_and_writes_no_nan_model(tmp_path, checkpoint, capsys):
     """--lr 1e6 makes the loss NaN from step 2: the run exits 2 with one line naming the step, writes no model
     (and no accuracy for one), and keeps the step-1 checkpoint intact."""
-    from bert.finetune import main
+    from bertfuse.bert.finetune import main
 
     train, dev = sentiment_files(tmp_path, n=64)
     out = tmp_path / "out"
@@ -303,7 +303,7 @@ def test_evaluation_only_writes_no_model_into_a_fine_tuned_directory(tmp_path, c
 
 
 def test_micro_batches_without_examples_are_refused_up_front(tmp_path, checkpoint, capsys):
-    from bert.finetune import main
+    from bertfuse.bert.finetune import main
 
     train, _ = sentiment_files(tmp_path, n=16)
     assert main(["classify", "--model", checkpoint, "--train", train, "--batch-size", "4", "--grad-accum", "8",
@@ -331,11 +331,11 @@ def test_a_second_job_on_a_busy_output_dir_is_refused_in_one_line(tmp_path, chec
     import subprocess
     import sys
 
-    from bert.finetune import main
+    from bertfuse.bert.finetune import main
 
     train, _ = sentiment_files(tmp_path, n=16)
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom bert.train.rundir import output_dir_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom bertfuse.bert.train.rundir import output_dir_lock\n"
                                "with output_dir_lock(sys.argv[1]):\n    print('locked', flush=True)\n"
                                "    time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -365,7 +365,7 @@ def test_labels_written_as_floats_are_the_same_classes(tmp_path, checkpoint):
 def test_friction_cases_are_one_line_before_any_work(tmp_path, checkpoint, capsys, caplog):
     """A UTF-16 file (named, with the command that converts it), --max-seq-len past the model's positions, and a
     tokenizer that is not the checkpoint's: refused in one line each."""
-    from bert.finetune import main
+    from bertfuse.bert.finetune import main
 
     utf16 = tmp_path / "utf16.tsv"
     utf16.write_bytes("sentence\tlabel\njohn is good\t1\n".encode("utf-16"))
@@ -403,8 +403,8 @@ def test_friction_cases_are_one_line_before_any_work(tmp_path, checkpoint, capsy
 
 
 def test_doc_stride_0_gives_windows_that_do_not_overlap(tmp_path, checkpoint):
-    from bert.data.tokenizer import load_tokenizer
-    from bert.tasks.readers import QAExample, qa_windows
+    from bertfuse.bert.data.tokenizer import load_tokenizer
+    from bertfuse.bert.tasks.readers import QAExample, qa_windows
 
     context = " ".join(["john lives in paris today and often"] * 6)
     ex = QAExample("q0", "where john lives", context, ["paris"], context.index("paris"), "here")

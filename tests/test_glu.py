@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from kernel_utils import DTYPES, case_seed, check_against_reference
 
-kernels = pytest.importorskip("kernels")
+kernels = pytest.importorskip("bertfuse.kernels")
 ACTS = ["gelu", "gelu_tanh", "silu"]
 
 

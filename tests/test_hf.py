@@ -10,8 +10,8 @@ from hf_utils import TOL, assert_grads_no_worse, grad_errors, mlm_labels, random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
-from bert.hf import fuse, unfuse  # noqa: E402
-import kernels._common as kernels_common  # noqa: E402
+from bertfuse.bert.hf import fuse, unfuse  # noqa: E402
+import bertfuse.kernels._common as kernels_common  # noqa: E402
 
 TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=100,
             max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -284,7 +284,7 @@ def test_fused_model_on_the_cpu_without_the_interpreter_runs_the_pytorch_path(tm
 import copy, os, sys, warnings
 sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
 import torch, transformers
-from bert.hf import fuse
+from bertfuse.bert.hf import fuse
 from hf_utils import random_batch, rel_err, mlm_labels
 torch.manual_seed(0)
 ref = transformers.BertForMaskedLM(transformers.BertConfig(**{TINY!r})).eval()

@@ -21,8 +21,8 @@ import torch
 from hf_utils import TOL, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
-import kernels._common as kernels_common  # noqa: E402
-from bert.hf import encoder_parts, fuse, fuse_report  # noqa: E402
+import bertfuse.kernels._common as kernels_common  # noqa: E402
+from bertfuse.bert.hf import encoder_parts, fuse, fuse_report  # noqa: E402
 
 # What a tiny model sets, on every config and sub-config that has the field. Heads of 8 (a head_dim the kernel
 # supports, 32 / 4); a hidden size divisible by the heads of every family tried.

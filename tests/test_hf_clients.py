@@ -13,10 +13,10 @@ from torch import nn
 from hf_utils import TOL, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
-kernels = pytest.importorskip("kernels")
-from bert.hf import fuse, fuse_report, pair_head, unfuse  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.bert.hf import fuse, fuse_report, pair_head, unfuse  # noqa: E402
 
-from bench.hf_parity import batch, build  # noqa: E402  (the parity table's small models and batches)
+from bertfuse.bench.hf_parity import batch, build  # noqa: E402  (the parity table's small models and batches)
 
 FAMILIES = ["bert", "roberta", "distilbert"]
 QV = {"bert": ["query", "value"], "roberta": ["query", "value"], "distilbert": ["q_lin", "v_lin"]}

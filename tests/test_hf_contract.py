@@ -11,8 +11,8 @@ import torch
 from hf_utils import TOL, grad_errors, random_batch, rel_err
 
 transformers = pytest.importorskip("transformers")
-kernels = pytest.importorskip("kernels")
-from bert.hf import fuse, fuse_report, unfuse  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.bert.hf import fuse, fuse_report, unfuse  # noqa: E402
 
 # transformers' tester sizes: hidden 32 in 4 heads of 8 (head_dim 8, padded to 16 inside the attention kernel).
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,

@@ -16,13 +16,13 @@ import torch
 from hf_utils import TOL, assert_grads_no_worse, assert_same_gradients, grad_errors, rel_err
 
 transformers = pytest.importorskip("transformers")
-kernels = pytest.importorskip("kernels")
-import kernels._common as kernels_common  # noqa: E402
-from bert import hf  # noqa: E402
-from bert.hf import PAIR_HEADS, fuse, fuse_report, unfuse  # noqa: E402
-from bert.model import ops  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+import bertfuse.kernels._common as kernels_common  # noqa: E402
+from bertfuse.bert import hf  # noqa: E402
+from bertfuse.bert.hf import PAIR_HEADS, fuse, fuse_report, unfuse  # noqa: E402
+from bertfuse.bert.model import ops  # noqa: E402
 
-from bench.hf_parity import FAMILIES as ALL_FAMILIES, SMALL, batch, build  # noqa: E402  (the parity table's models)
+from bertfuse.bench.hf_parity import FAMILIES as ALL_FAMILIES, SMALL, batch, build  # noqa: E402  (the parity table's models)
 
 
 class Calls:
@@ -44,7 +44,7 @@ class Calls:
                 return _original(*bound.args, **bound.kwargs)
             # the package's name (bert.model.ops calls it) and the op module's own (its drop-in module calls that)
             monkeypatch.setattr(kernels, name, recorded)
-            monkeypatch.setattr(sys.modules[f"kernels.{module}"], name, recorded)
+            monkeypatch.setattr(sys.modules[f"bertfuse.kernels.{module}"], name, recorded)
 
     @property
     def counts(self) -> collections.Counter:
@@ -262,7 +262,7 @@ def test_mpnet_with_another_bucket_rule_stays_unfused():
 
 def _sentence_transformer(tmp_path, family):
     st = pytest.importorskip("sentence_transformers")
-    from bert.data.tokenizer import train_tokenizer
+    from bertfuse.bert.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer([f"word{i} and word{i + 1} went to town {i}" for i in range(50)], vocab_size=99)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
@@ -480,9 +480,9 @@ def test_albert_training_passes_its_dropouts_and_tanh_gelu_to_the_kernels(monkey
     assert sorted(a["dropout_p"] for a in norms) == [0.0] * (passes + 2) + [p_hidden] * passes
     assert len(gelus) == passes + 1 and all(a["approximate"] == "tanh" for a in gelus)  # + the MLM head's
     a, n = attn[0], next(a for a in norms if a["dropout_p"])
-    kept_attn = sys.modules["kernels.attention"].attention_dropout_mask(a["cu_seqlens"], a["q"].shape[1],
+    kept_attn = sys.modules["bertfuse.kernels.attention"].attention_dropout_mask(a["cu_seqlens"], a["q"].shape[1],
                                                                         a["max_seqlen"], p_attn, a["seed"])
-    kept_norm = sys.modules["kernels.layer_norm"].dropout_mask(n["seed"], *n["x"].shape, p_hidden, n["x"].device)
+    kept_norm = sys.modules["bertfuse.kernels.layer_norm"].dropout_mask(n["seed"], *n["x"].shape, p_hidden, n["x"].device)
     for kept, p in ((kept_attn, p_attn), (kept_norm, p_hidden)):
         rate, count = 1 - kept.float().mean().item(), kept.numel()
         assert abs(rate - p) < 5 * (p * (1 - p) / count) ** 0.5, (rate, p, count)

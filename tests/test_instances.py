@@ -1,7 +1,7 @@
 """bert.data.instances: NSP instances as spans of the flat corpus, drawn without touching a token."""
 import numpy as np
 
-from bert.data.instances import SPAN, draw_spans, gather, span_lengths
+from bertfuse.bert.data.instances import SPAN, draw_spans, gather, span_lengths
 from batch_utils import materialize
 from test_pipeline import SPECIAL, corpus
 
@@ -39,8 +39,8 @@ def test_gather_lays_out_cls_a_sep_b_sep_with_segment_ids():
 
 def test_a_corpus_of_one_sentence_documents_is_named_for_its_skewed_nsp_labels():
     """Sentence-per-row files: every B comes from another document, so "random next" is far more than half."""
-    from bert.data.corpus import TokenisedCorpus
-    from bert.data.instances import nsp_skew
+    from bertfuse.bert.data.corpus import TokenisedCorpus
+    from bertfuse.bert.data.instances import nsp_skew
 
     rows = TokenisedCorpus.from_documents([[[5 + d] * 6] for d in range(10)])
     why = nsp_skew(rows, np.arange(10))

@@ -5,8 +5,8 @@ import importlib
 import pytest
 import torch
 
-kernels = pytest.importorskip("kernels")
-from kernels import launches, targets  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels import launches, targets  # noqa: E402
 
 SM90 = targets.named("sm_90")
 
@@ -15,7 +15,7 @@ def test_every_op_declares_its_sites_and_each_launcher_reads_its_own():
     names = [s.name for s in launches.sites()]
     assert len(names) == len(set(names))
     for s in launches.sites():
-        importlib.import_module(f"kernels.{s.op}")  # named after its op module
+        importlib.import_module(f"bertfuse.kernels.{s.op}")  # named after its op module
         assert s.choice or hasattr(s.kernel, "run"), s.name  # a jit function
         size = 64 if s.op == "attention" else 768
         default = s.default(torch.bfloat16, size, SM90)

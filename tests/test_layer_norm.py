@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from kernel_utils import DTYPES, binomial_ok, case_seed, check_against_reference
 
-kernels = pytest.importorskip("kernels")
-from kernels.layer_norm import dropout_mask  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels.layer_norm import dropout_mask  # noqa: E402
 
 
 def reference(x, w, b, eps, residual=None, keep=None, p=0.0, rms=False, return_sum=False):

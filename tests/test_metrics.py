@@ -1,7 +1,7 @@
 """Metrics against values worked out by hand."""
 import pytest
 
-from bert.tasks.metrics import accuracy_and_macro_f1, ner_scores, normalize_answer, squad_exact_match, squad_f1, squad_scores
+from bertfuse.bert.tasks.metrics import accuracy_and_macro_f1, ner_scores, normalize_answer, squad_exact_match, squad_f1, squad_scores
 
 
 def test_accuracy_and_macro_f1():

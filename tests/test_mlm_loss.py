@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernel_utils import check_against_reference
 
-kernels = pytest.importorskip("kernels")
+kernels = pytest.importorskip("bertfuse.kernels")
 
 
 def make(n, v, h, seed=0, ignore_every=3):
@@ -231,8 +231,8 @@ def _ops_called(fn) -> set[str]:
 def test_auto_is_chunked_without_a_table_and_follows_the_table(device):
     """No table entry (the CPU): auto runs chunked. An entry for this launch site picks the strategy; one naming
     no strategy is ignored with a warning."""
-    from kernels import tuned
-    from kernels.mlm_loss import pick_strategy
+    from bertfuse.kernels import tuned
+    from bertfuse.kernels.mlm_loss import pick_strategy
 
     hidden, weight, bias, labels = (t.to(device) for t in make(9, 30, 8))
 
@@ -317,7 +317,7 @@ def test_strided_and_expanded_weight_and_bias(device, layout):
 def test_unvalidated_labels_outside_the_vocabulary_count_for_nothing_on_both_backends(device, backend):
     """validate=False (a packed batch): a label outside [0, V) acts as an ignored row on both backends (it was
     counted by the kernel and raised in PyTorch): the loss, hits and gradients equal those without that row."""
-    from bert.model import ops
+    from bertfuse.bert.model import ops
 
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(6, 16, generator=g).to(device).requires_grad_()
@@ -338,7 +338,7 @@ def test_unvalidated_labels_outside_the_vocabulary_count_for_nothing_on_both_bac
 def test_chunked_ops_pass_opcheck_and_compile(device):
     """The chunked custom ops' schemas, fake implementations and autograd registration (torch.library.opcheck),
     and a fullgraph torch.compile of an unvalidated call giving eager's loss and gradients."""
-    from kernels import mlm_loss as m
+    from bertfuse.kernels import mlm_loss as m
 
     hidden, weight, bias, labels = make(20, 40, 16)
     hidden, weight, bias, labels = hidden.to(device), weight.to(device), bias.to(device), labels.to(device)
@@ -368,7 +368,7 @@ def test_validated_call_compiles_into_one_graph_for_every_labelled_count(device)
     fullgraph, it makes one graph with no break, eager's loss and gradients, no recompilation when only the
     count changes, and a device assertion (not a sync) for a label outside the vocabulary."""
     from torch._dynamo.utils import counters
-    from kernels import mlm_loss as m
+    from bertfuse.kernels import mlm_loss as m
 
     hidden, weight, bias, labels = (t.to(device) for t in make(20, 40, 16))
     result = torch.library.opcheck(m._labelled_rows, (labels, -100))
@@ -402,7 +402,7 @@ def test_validated_call_compiles_into_one_graph_for_every_labelled_count(device)
 def test_default_chunks_bound_the_logits():
     """The default chunk: BERT-base pre-training's labelled rows (256 x 128 tokens, ~4,915) in one chunk of
     bfloat16 logits, BERT-large's (256 x 512, ~19,660) in four equal ones; each chunk's logits within CHUNK_BYTES."""
-    from kernels._mlm_chunked import CHUNK_BYTES, _chunk_bounds
+    from bertfuse.kernels._mlm_chunked import CHUNK_BYTES, _chunk_bounds
 
     assert _chunk_bounds(4915, 30522, 2, None) == [(0, 4915)]
     large = _chunk_bounds(19660, 30522, 2, None)

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-import bert
-from bert.model.checkpoint import LoadingInfo
+from bertfuse import bert
+from bertfuse.bert.model.checkpoint import LoadingInfo
 from hf_utils import TOL, assert_grads_no_worse, grad_errors, mlm_labels, random_batch, rel_err
 
 transformers = pytest.importorskip("transformers")

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert.data.batch import packed_layout
-from bert.model import ops
+from bertfuse.bert.data.batch import packed_layout
+from bertfuse.bert.model import ops
 
 
 def test_resolve_backend():
@@ -28,8 +28,8 @@ def test_auto_backend_skips_gpus_older_than_the_kernels_support(monkeypatch):
 def test_half_precision_attention_runs_in_pytorch_where_triton_has_no_tensor_core_dots(monkeypatch):
     """On an sm_75 GPU (faked here) the Triton attention would run its dots on the CUDA cores: the model's
     attention takes the PyTorch path there, with one warning; float32 keeps the kernel."""
-    kernels = pytest.importorskip("kernels")
-    from kernels.targets import TARGETS
+    kernels = pytest.importorskip("bertfuse.kernels")
+    from bertfuse.kernels.targets import TARGETS
 
     monkeypatch.setattr(kernels.targets, "of", lambda device: TARGETS["sm_75"])
     monkeypatch.setattr(ops, "warn_once", lambda message: warnings.warn(message))
@@ -43,15 +43,15 @@ def test_half_precision_attention_runs_in_pytorch_where_triton_has_no_tensor_cor
 
 
 def test_the_triton_table_names_a_public_entry_point_of_every_op_of_the_kernels():
-    kernels = pytest.importorskip("kernels")
+    kernels = pytest.importorskip("bertfuse.kernels")
 
     assert set(ops.TRITON) == {s.op for s in kernels.launches.sites()}  # a new op is one row here
     for op, name in ops.TRITON.items():
-        assert name in kernels.__all__ and getattr(kernels, name).__module__ == f"kernels.{op}", (op, name)
+        assert name in kernels.__all__ and getattr(kernels, name).__module__ == f"bertfuse.kernels.{op}", (op, name)
 
 
 def test_attention_refusal_names_what_the_kernel_cannot_take():
-    pytest.importorskip("kernels")
+    pytest.importorskip("bertfuse.kernels")
     assert "head_dim 200 is not supported" in ops.attention_refusal(200)
     assert ops.attention_refusal(64) is None and ops.attention_refusal(8, torch.device("cpu"), torch.float32) is None
 
@@ -59,7 +59,7 @@ def test_attention_refusal_names_what_the_kernel_cannot_take():
 def test_backend_for_follows_where_the_kernels_run():
     """CPU tensors take the kernels only under Triton's interpreter (conftest sets it on a machine without CUDA);
     CUDA tensors always do."""
-    from kernels._common import INTERPRET
+    from bertfuse.kernels._common import INTERPRET
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning (tests/test_hf.py checks it)
@@ -104,7 +104,7 @@ def test_torch_attention_any_layout_against_float64(cu, max_seqlen, row_aligned)
 def test_torch_attention_with_a_relative_position_bias(cu, max_seqlen, row_aligned):
     """The PyTorch path adds the same bias as the kernels (counted from each sequence's first token), and the
     table gets its gradient, in both layouts."""
-    kernels = pytest.importorskip("kernels")
+    kernels = pytest.importorskip("bertfuse.kernels")
     total = 24
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -127,7 +127,7 @@ def test_torch_disentangled_attention_means_what_the_kernels_do(cu, max_seqlen, 
     """The PyTorch path of DeBERTa's attention (the [sequences, heads, L, L] scores formed) adds the same c2p and
     p2c terms as the kernels' reference, counted from each sequence's first token, both tables getting their
     gradients, in both layouts; filler tokens get zeros."""
-    kernels = pytest.importorskip("kernels")
+    kernels = pytest.importorskip("bertfuse.kernels")
     total = 24
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -151,7 +151,7 @@ def test_torch_disentangled_attention_means_what_the_kernels_do(cu, max_seqlen, 
 def test_torch_attention_with_grouped_heads_and_a_window(cu, max_seqlen, row_aligned, window):
     """The PyTorch path's grouped-query heads and sliding window mean what the kernels' do
     (kernels.varlen_attention_ref), output and gradients, in both layouts; and the Triton path agrees."""
-    kernels = pytest.importorskip("kernels")
+    kernels = pytest.importorskip("bertfuse.kernels")
     total = 24
     g = torch.Generator().manual_seed(3)
     q = torch.randn(total, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -172,7 +172,7 @@ def test_torch_attention_with_grouped_heads_and_a_window(cu, max_seqlen, row_ali
 
 def test_rotary_glu_and_rms_norm_paths_agree():
     """Each new op's PyTorch path here against its kernel (float32) and the kernels' float64 reference."""
-    kernels = pytest.importorskip("kernels")
+    kernels = pytest.importorskip("bertfuse.kernels")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(11, 3, 20, generator=g)
     positions = torch.arange(11) * 5

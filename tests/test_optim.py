@@ -3,8 +3,8 @@ device."""
 import pytest
 import torch
 
-import bert
-from bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
+from bertfuse import bert
+from bertfuse.bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
 
 
 def test_no_weight_decay_on_biases_and_layer_norms_and_none_for_frozen_parameters():

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert.data.masking import SpecialIds
-from bert.data.packing import PackedShapes, efficiency, pack
+from bertfuse.bert.data.masking import SpecialIds
+from bertfuse.bert.data.packing import PackedShapes, efficiency, pack
 from batch_utils import DictMasker, DictPacker
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=1000, special=(0, 1, 2, 3, 4))
@@ -100,7 +100,7 @@ def test_labels_past_the_bound_are_undone_as_bert_caps_them():
 
 
 def test_epoch_rows_are_deterministic_rows_of_every_instance():
-    from bert.data.packing import epoch_rows
+    from bertfuse.bert.data.packing import epoch_rows
 
     rng = random.Random(2)
     lengths = np.array([rng.choice([rng.randint(5, 60), 128]) for _ in range(500)])
@@ -113,8 +113,8 @@ def test_epoch_rows_are_deterministic_rows_of_every_instance():
 
 
 def test_bench_packing_reports_both_padding_shares(tmp_path, capsys):
-    from bench.packing import main, measure
-    from bert.data.tokenizer import train_tokenizer
+    from bertfuse.bench.packing import main, measure
+    from bertfuse.bert.data.tokenizer import train_tokenizer
     from corpus_utils import topic_documents, write_corpus
 
     corpus = write_corpus(tmp_path / "c.txt", n_docs=40, sentences=12)
@@ -165,7 +165,7 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(backend):
 def assert_same_step(backend, packed_kwargs, padded_kwargs):
     """BertForPreTraining (tiny, float32, no dropout) called packed and padded: same losses, label count and
     gradients (finite)."""
-    import bert
+    from bertfuse import bert
 
     torch.manual_seed(0)
     cfg = bert.BertConfig.preset("tiny", vocab_size=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -216,7 +216,7 @@ def test_any_cu_seqlens_gives_the_padded_results(backend, row_aligned):
 
 
 def test_packed_validation_names_the_problem():
-    import bert
+    from bertfuse import bert
 
     model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=1000, backend="torch"))
     ids = torch.randint(5, 999, (16,))
@@ -246,7 +246,7 @@ def test_packed_validation_names_the_problem():
 
 
 def _model_and_batch(backend="torch"):
-    import bert
+    from bertfuse import bert
 
     torch.manual_seed(0)
     model = bert.BertForPreTraining(bert.BertConfig.preset("tiny", vocab_size=1000, backend=backend,
@@ -299,15 +299,14 @@ def test_unchecked_slots_outside_the_tokens_or_vocabulary_count_for_nothing_on_b
     """Where values go unchecked (a GPU batch without validate; here the CPU's free check switched off), a slot
     whose position or label is out of range is ignored alike on both backends: never a read out of bounds, an
     error inside a kernel, or a different loss."""
-    import bert.model.modeling
-    import bert.model.padding
+    from bertfuse.bert.model import modeling, padding
 
     model, batch = _model_and_batch(backend)
     reference = model(**batch)
     used = (batch["mlm_labels"] != -100).nonzero().squeeze(1)
     dropped = _with(batch, mlm_labels=(used[:2], -100))
-    monkeypatch.setattr(bert.model.modeling, "checks_are_free", lambda t: False)
-    monkeypatch.setattr(bert.model.padding, "checks_are_free", lambda t: False)
+    monkeypatch.setattr(modeling, "checks_are_free", lambda t: False)
+    monkeypatch.setattr(padding, "checks_are_free", lambda t: False)
     expected = model(**dropped)
     for change in (dict(mlm_positions=(used[:2], torch.tensor([-7, 10**6]))),
                    dict(mlm_labels=(used[:2], torch.tensor([1000, -3])))):

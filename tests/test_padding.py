@@ -1,8 +1,8 @@
 """bert.model.padding: packing kept tokens and scattering them back, for any mask pattern."""
 import torch
 
-from bert.data.batch import packed_layout
-from bert.model.padding import pad, unpad, unpad_mask
+from bertfuse.bert.data.batch import packed_layout
+from bertfuse.bert.model.padding import pad, unpad, unpad_mask
 
 
 def test_unpad_and_pad_round_trip_with_left_padding_and_holes():
@@ -27,7 +27,7 @@ def test_empty_batch():
 def test_static_layout_has_value_independent_shapes_and_the_kept_tokens_in_order():
     """torch.compile's and torch.export's layout: every token of the [batch, seq] input, each row's kept tokens
     in order as its sequence, all the padding after the last one as filler; holes, empty and full rows."""
-    from bert.model.padding import static_layout
+    from bertfuse.bert.model.padding import static_layout
 
     keep = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 1]]).bool()
     p = static_layout(keep)

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 import torch
 
-import bert.data.pipeline as pipeline
-from bert.data.corpus import TokenisedCorpus
-from bert.data.masking import SpecialIds
+import bertfuse.bert.data.pipeline as pipeline
+from bertfuse.bert.data.corpus import TokenisedCorpus
+from bertfuse.bert.data.masking import SpecialIds
 from batch_utils import DictMasker, materialize
-from bert.data.instances import span_lengths
-from bert.data.packing import PackedShapes
-from bert.data.pipeline import Layout, Planner, StepCollator, StepSampler, shard_starts, step_work
+from bertfuse.bert.data.instances import span_lengths
+from bertfuse.bert.data.packing import PackedShapes
+from bertfuse.bert.data.pipeline import Layout, Planner, StepCollator, StepSampler, shard_starts, step_work
 
 SPECIAL = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=30_000, special=(0, 1, 2, 3, 4))
 
@@ -142,7 +142,7 @@ def test_closing_the_loader_with_planners_blocked_mid_send_returns_within_a_boun
     processes when the loader closes after the last step. Closing returns, and no planner or worker is left."""
     import time
 
-    from bert.data.pipeline import EpochStream
+    from bertfuse.bert.data.pipeline import EpochStream
 
     n_tokens = 4 << 20  # four shards of the minimum size
     tokens = np.random.default_rng(0).integers(5, 29_000, n_tokens).astype(np.uint16)

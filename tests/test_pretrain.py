@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import bert
-from bert.pretrain import build_parser, train
+from bertfuse import bert
+from bertfuse.bert.pretrain import build_parser, train
 from corpus_utils import write_corpus
 
 
@@ -90,7 +90,7 @@ def test_checkpoints_keep_last_k(tmp_path, corpus):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     out = tmp_path / "sig"
-    cmd = [sys.executable, "-m", "bert.pretrain", "--data", corpus, "--train-tokenizer", "200", "--config", "tiny",
+    cmd = [sys.executable, "-m", "bertfuse.bert.pretrain", "--data", corpus, "--train-tokenizer", "200", "--config", "tiny",
            "--max-seq-len", "64", "--batch-size", "8", "--steps", "100000", "--output-dir", str(out),
            "--eval-every", "0", "--save-every", "0", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -204,7 +204,7 @@ def test_resume_from_an_earlier_checkpoint_rewrites_the_later_log_rows(tmp_path,
 
 @pytest.mark.slow
 def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path, corpus):
-    from bert.data.tokenizer import load_tokenizer
+    from bertfuse.bert.data.tokenizer import load_tokenizer
 
     train(args_for(tmp_path, corpus, "--steps", "2", out="x"))
     train(args_for(tmp_path, corpus, "--steps", "2", out="y"))
@@ -233,7 +233,7 @@ def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path
                                                   "accumulation step(s)"),
 ])
 def test_arguments_are_checked_before_any_work_with_one_line(tmp_path, corpus, capsys, flags, message):
-    from bert.pretrain import main
+    from bertfuse.bert.pretrain import main
 
     argv = ["--data", corpus, "--train-tokenizer", "200", "--output-dir", str(tmp_path / "run"), "--no-progress"]
     assert main(argv + flags) == 2
@@ -245,7 +245,7 @@ def test_arguments_are_checked_before_any_work_with_one_line(tmp_path, corpus, c
 
 
 def test_missing_local_data_fails_at_once(tmp_path, capsys):
-    from bert.pretrain import main
+    from bertfuse.bert.pretrain import main
 
     assert main(["--data", "no/such/corpus.txt", "--train-tokenizer", "200", "--output-dir", str(tmp_path)]) == 2
     assert "--data no/such/corpus.txt: no such file or directory" in capsys.readouterr().err
@@ -275,7 +275,7 @@ def test_a_token_budget_larger_than_the_data_names_the_token_budget(tmp_path, co
 
 @pytest.mark.slow
 def test_a_diverging_pre_training_run_stops_and_saves_no_nan_weights(tmp_path, corpus, capsys):
-    from bert.pretrain import main
+    from bertfuse.bert.pretrain import main
 
     argv = ["--data", corpus, "--train-tokenizer", "200", "--config", "tiny", "--max-seq-len", "64",
             "--batch-size", "8", "--steps", "6", "--lr", "1e6", "--warmup", "0", "--save-every", "1",
@@ -297,13 +297,13 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
     instance per row otherwise. The held-out instances and their masking are the same either way, so both layouts
     give one loss."""
 
-    from bert.data.corpus import TokenisedCorpus
+    from bertfuse.bert.data.corpus import TokenisedCorpus
     from batch_utils import DictMasker
-    from bert.data.masking import SpecialIds
-    from bert.data.batch import PackedBatch
-    from bert.data.packing import PackedShapes
-    from bert.data.pipeline import held_out_batches
-    from bert.pretrain import evaluate
+    from bertfuse.bert.data.masking import SpecialIds
+    from bertfuse.bert.data.batch import PackedBatch
+    from bertfuse.bert.data.packing import PackedShapes
+    from bertfuse.bert.data.pipeline import held_out_batches
+    from bertfuse.bert.pretrain import evaluate
 
     special = SpecialIds(cls=2, sep=3, mask=4, pad=0, vocab_size=300, special=(0, 1, 2, 3, 4))
     docs = [[[5 + (7 * d + s + j) % 290 for j in range(6 + s % 5)] for s in range(8)] for d in range(6)]
@@ -325,7 +325,7 @@ def test_a_packed_run_is_evaluated_packed_with_the_masking_it_trains_with(backen
 
 def _slow_rank0_worker(rank, world, port, argv, delay, out_file):
     """A rank of a 2-rank gloo run whose rank 0 tokenises `delay` seconds slower than usual."""
-    import bert.pretrain as pretrain
+    import bertfuse.bert.pretrain as pretrain
 
     tokenize = pretrain.tokenize_corpus
 
@@ -372,7 +372,7 @@ def test_a_slow_rank_0_is_waited_for_as_long_as_dist_timeout_says(tmp_path, corp
 def test_wikipedia_jsonl_trains_and_the_log_says_how_long_steps_waited_for_data(tmp_path, monkeypatch, capsys):
     """A corpus in the schema of hf:wikimedia/wikipedia trains; every log row has data_wait_ms, the first one the
     pipeline's start-up (data_start_s); a pipeline slower than the steps is warned about, once."""
-    from bert.data import pipeline
+    from bertfuse.bert.data import pipeline
     from corpus_utils import write_wikipedia_jsonl
 
     wiki = write_wikipedia_jsonl(tmp_path / "wiki.jsonl", n_docs=40, sentences=12)
@@ -426,13 +426,13 @@ def _all_gone(pids, seconds=15.0) -> bool:
 
 
 def _command(data, out, *extra):
-    return [sys.executable, "-m", "bert.pretrain", "--data", str(data), "--config", "tiny", "--max-seq-len", "64",
+    return [sys.executable, "-m", "bertfuse.bert.pretrain", "--data", str(data), "--config", "tiny", "--max-seq-len", "64",
             "--batch-size", "8", "--output-dir", str(out), "--eval-every", "0", "--no-progress", "--backend", "torch",
             *extra]
 
 
 def _saved_tokenizer(path, docs=6, vocab=120, seed=0):
-    from bert.data.tokenizer import train_tokenizer
+    from bertfuse.bert.data.tokenizer import train_tokenizer
     from corpus_utils import topic_documents
 
     train_tokenizer(topic_documents(docs, 4, seed=seed), vocab_size=vocab, output_dir=str(path))
@@ -491,7 +491,7 @@ def test_sigterm_while_preparing_ends_the_run_at_once_leaving_no_file_and_no_pro
 def test_a_killed_run_leaves_no_process_behind_and_no_lock(tmp_path, corpus):
     """SIGKILL of the training process (no handler, no finaliser): its planners and collating workers exit on
     their own, and the output directory's lock is free for --resume."""
-    from bert.train.rundir import output_dir_lock
+    from bertfuse.bert.train.rundir import output_dir_lock
 
     out = tmp_path / "run"
     proc = subprocess.Popen(_command(corpus, out, "--train-tokenizer", "200", "--steps", "100000", "--num-proc", "2",
@@ -583,7 +583,7 @@ def test_a_cache_damaged_in_place_stops_the_run_before_any_step_trains_on_it(tmp
     exists, so the run stops with one line naming the cache and no step, log row or checkpoint comes of it."""
     import numpy as np
 
-    from bert.data.corpus import TokenisedCorpus
+    from bertfuse.bert.data.corpus import TokenisedCorpus
 
     cache = tmp_path / "cache"
     train(args_for(tmp_path, corpus, "--steps", "1", "--cache-dir", str(cache), out="first"))

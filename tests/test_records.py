@@ -7,10 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bench import ops  # noqa: E402
-from bench.ops import record  # noqa: E402
-from bench.record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, randn  # noqa: E402
-from kernels import launches  # noqa: E402
+from bertfuse.bench import ops  # noqa: E402
+from bertfuse.bench.ops import record  # noqa: E402
+from bertfuse.bench.record import Bench, BenchShapes, Case, Goal, Record, TuneShape, Tuning, randn  # noqa: E402
+from bertfuse.kernels import launches  # noqa: E402
 
 CPU = torch.device("cpu")
 PEAKS = {"copy_GBps": 10.0, "matmul_TFLOPs": 1.0, "matmul_dtype": "float32"}
@@ -53,7 +53,7 @@ SITES = [launches.LaunchSite(f"double.{part}", _double, lambda dtype, size, targ
 
 @pytest.fixture
 def with_double(monkeypatch):
-    from bench import smoke
+    from bertfuse.bench import smoke
 
     for site in SITES:
         monkeypatch.setitem(launches._SITES, site.name, site)
@@ -62,7 +62,7 @@ def with_double(monkeypatch):
 
 
 def test_the_package_lists_one_record_per_op_module():
-    import kernels
+    from bertfuse import kernels
 
     ops_here = sorted({s.op for s in launches.sites()})  # every op module of kernels declares its launch sites
     assert [r.name for r in ops.RECORDS] == ops_here and ops_here == sorted(kernels._OPS)
@@ -74,7 +74,7 @@ def test_the_package_lists_one_record_per_op_module():
 
 
 def test_a_new_record_reaches_smoke(with_double, capsys):
-    from bench import smoke
+    from bertfuse.bench import smoke
 
     assert "double" in smoke.checks()
     assert smoke.main(["--checks", "double", "--dtypes", "float32", "float16", "--device", "cpu"]) == 0
@@ -82,7 +82,7 @@ def test_a_new_record_reaches_smoke(with_double, capsys):
 
 
 def test_a_new_record_reaches_the_kernel_suite_targets_and_precompile(with_double):
-    from bench import kernel_suite, precompile, targets
+    from bertfuse.bench import kernel_suite, precompile, targets
 
     seen = []  # each row handed on as it is measured (bert-bench saves then: a cut run keeps what finished)
     rows = kernel_suite.rows(DOUBLE, PEAKS, True, CPU, shapes=DOUBLE.bench_shapes.tiny, on_row=seen.append)
@@ -96,7 +96,7 @@ def test_a_new_record_reaches_the_kernel_suite_targets_and_precompile(with_doubl
 
 
 def test_a_new_record_reaches_the_tuner(with_double):
-    from bench import tune_problems, tune_timed
+    from bertfuse.bench import tune_problems, tune_timed
 
     assert "double" in tune_problems.families()
     todo = tune_problems.problems(["double"], [torch.float32])
@@ -111,10 +111,10 @@ def test_a_new_record_reaches_the_tuner(with_double):
 
 
 def test_bert_bench_lists_a_gpu_only_record_as_such(with_double, tmp_path, capsys, monkeypatch):
-    from bench.cli import main
+    from bertfuse.bench.cli import main
 
-    monkeypatch.setattr("bench.cli.measure_peaks", lambda device: PEAKS)
-    monkeypatch.setattr("bench.kernel_suite.rows", lambda record, peaks, quick, device, on_row=None: [])
+    monkeypatch.setattr("bertfuse.bench.cli.measure_peaks", lambda device: PEAKS)
+    monkeypatch.setattr("bertfuse.bench.kernel_suite.rows", lambda record, peaks, quick, device, on_row=None: [])
     assert main(["--suite", "kernels", "--output-dir", str(tmp_path), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     gpu_only = ", ".join(r.name for r in ops.RECORDS if r.bench_shapes.cpu is None)

@@ -5,8 +5,8 @@ import torch
 
 from kernel_utils import DTYPES, case_seed, check_against_reference
 
-kernels = pytest.importorskip("kernels")
-from kernels.rotary import Rotary, rotary_positions, rotary_ref  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels.rotary import Rotary, rotary_positions, rotary_ref  # noqa: E402
 
 
 def inv_freq(rotary_dim, base=10000.0):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from bert.common import seeds
+from bertfuse.bert.common import seeds
 
 
 def test_streams_are_deterministic_and_independent():

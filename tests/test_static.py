@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-import bert
-from bert.data.masking import SpecialIds
-from bert.train.optim import adamw
-from bert.data.packing import PackedShapes
-from bert.train.static import GraphedStep
+from bertfuse import bert
+from bertfuse.bert.data.masking import SpecialIds
+from bertfuse.bert.train.optim import adamw
+from bertfuse.bert.data.packing import PackedShapes
+from bertfuse.bert.train.static import GraphedStep
 from batch_utils import DictMasker, DictPacker
 from sync_utils import HostSyncError, forbid_host_sync
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-kernels = pytest.importorskip("kernels")
-from kernels import targets, tuned  # noqa: E402
-from kernels.targets import TARGETS  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels import targets, tuned  # noqa: E402
+from bertfuse.kernels.targets import TARGETS  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(tuned.__file__), "configs")
 
@@ -94,14 +94,14 @@ def test_a_compile_checked_table_is_committed_for_every_family():
         for kernel, entries in table["kernels"].items():  # the run that wrote each kernel's entries, by kind
             kinds = {"timed" if e["timed"] else "compile_checked" for e in entries.values()}
             runs = table["runs"][kernel]
-            assert kinds <= set(runs) and all(runs[k]["command"].startswith("python -m bench.tune") for k in kinds)
+            assert kinds <= set(runs) and all(runs[k]["command"].startswith("python -m bertfuse.bench.tune") for k in kinds)
             assert "compile_checked" not in kinds or "--compile-only" in runs["compile_checked"]["command"]
 
 
 def test_the_launchers_read_each_tables_choice_on_a_device_of_that_family(monkeypatch):
     """Each entry of each committed table, looked up through the launcher's own config function for a fake
     device of the table's family, comes back as the table's config (and a table is never read for another)."""
-    from kernels import launches
+    from bertfuse.kernels import launches
 
     monkeypatch.delenv("BERTFUSE_CONFIG_DIR", raising=False)
     tuned.clear_cache()

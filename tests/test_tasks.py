@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from bert.tasks.readers import QAExample, classification_features, decode_answers, ner_features, qa_windows, read_classification, read_conll, read_squad
-from bert.data.tokenizer import bert_wordpiece, _finish
+from bertfuse.bert.tasks.readers import QAExample, classification_features, decode_answers, ner_features, qa_windows, read_classification, read_conll, read_squad
+from bertfuse.bert.data.tokenizer import bert_wordpiece, _finish
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "john", "lives", "in",
          "new", "york", "where", "does", "live", "?", ".", "play", "##ing", "##s", "a", "b", "c", "d", "e", "f"]
@@ -16,7 +16,7 @@ def tok():
 
 
 def test_ner_labels_on_first_subtoken(tok):
-    from bert.tasks.readers import NerSentence
+    from bertfuse.bert.tasks.readers import NerSentence
 
     s = NerSentence(["John", "plays", "in", "New", "York"], ["B-PER", "O", "O", "B-LOC", "I-LOC"], "x:1")
     label2id = {"O": 0, "B-PER": 1, "B-LOC": 2, "I-LOC": 3}

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from bert.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+from bertfuse.bert.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,8 +147,8 @@ def test_training_is_deterministic(tmp_path):
 
 def test_a_save_killed_half_way_leaves_no_torn_file_and_no_tokenizer_json(tmp_path, monkeypatch):
     """Each file is whole or absent, and tokenizer.json, which marks a saved tokenizer, is written last."""
-    from bert.common import files
-    from bert.data.tokenizer import save_tokenizer
+    from bertfuse.bert.common import files
+    from bertfuse.bert.data.tokenizer import save_tokenizer
     from corpus_utils import topic_documents
 
     tok = train_tokenizer(topic_documents(6, 4), vocab_size=120)
@@ -161,7 +161,7 @@ def test_a_save_killed_half_way_leaves_no_torn_file_and_no_tokenizer_json(tmp_pa
         written.append(os.path.basename(path))
         real(path, text)
 
-    monkeypatch.setattr("bert.data.tokenizer.atomic_write_text", killed_at_the_last)
+    monkeypatch.setattr("bertfuse.bert.data.tokenizer.atomic_write_text", killed_at_the_last)
     with pytest.raises(KeyboardInterrupt):
         save_tokenizer(tok, str(tmp_path))
     assert written == ["vocab.txt", "tokenizer_config.json"] and sorted(os.listdir(tmp_path)) == written[::-1]

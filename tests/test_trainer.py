@@ -12,15 +12,15 @@ import time
 import pytest
 import torch
 
-import bert
-from bert.common.errors import ExpectedError
-from bert.data.pipeline import StepList
-from bert.model.checkpoint import read_state_dict
-from bert.train.health import NonFiniteError
-from bert.train.loop import Job, Trainer, amp_precision, warmup_steps
-from bert.train.optim import linear_schedule
-from bert.train.rundir import OutputDirBusy, latest_checkpoint, output_dir_lock
-from bert.train.settings import Settings
+from bertfuse import bert
+from bertfuse.bert.common.errors import ExpectedError
+from bertfuse.bert.data.pipeline import StepList
+from bertfuse.bert.model.checkpoint import read_state_dict
+from bertfuse.bert.train.health import NonFiniteError
+from bertfuse.bert.train.loop import Job, Trainer, amp_precision, warmup_steps
+from bertfuse.bert.train.optim import linear_schedule
+from bertfuse.bert.train.rundir import OutputDirBusy, latest_checkpoint, output_dir_lock
+from bertfuse.bert.train.settings import Settings
 
 POISON = float("nan")
 
@@ -203,7 +203,7 @@ def test_warm_up_follows_transformers():
 
 LOCK_HOLDER = """
 import sys, time
-from bert.train.rundir import output_dir_lock
+from bertfuse.bert.train.rundir import output_dir_lock
 with output_dir_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(60)
@@ -229,7 +229,7 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_holder_leaves
 def test_both_commands_take_the_trainer_options_from_one_group():
     """bert-pretrain and bert-finetune take the trainer's options as declared (Settings), each with its own
     defaults, and build Settings from them the same way."""
-    from bert import finetune, pretrain
+    from bertfuse.bert import finetune, pretrain
 
     parsers = {"pretrain": pretrain.build_parser(), "finetune": finetune.build_parser()}
     helps = {name: p.format_help().split("\ntraining:\n")[1].split("\n\n")[0] for name, p in parsers.items()}
@@ -255,7 +255,7 @@ def test_a_trainer_option_is_one_declaration():
     import argparse
     import dataclasses
 
-    from bert.train.settings import option
+    from bertfuse.bert.train.settings import option
 
     @dataclasses.dataclass
     class More(Settings):
@@ -276,7 +276,7 @@ def test_a_trainer_option_is_one_declaration():
 # ---- signals and faults: each test bounded by its own timeout -------------------------------------------------
 import threading  # noqa: E402
 
-from bert.train.rundir import truncate_log  # noqa: E402
+from bertfuse.bert.train.rundir import truncate_log  # noqa: E402
 
 
 class SlowSteps(Steps):
@@ -347,7 +347,7 @@ def test_sigterm_while_evaluating_abandons_it_and_checkpoints(tmp_path):
 KILLED_WORKER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from bert.common import commands
+from bertfuse.bert.common import commands
 from test_trainer import SlowJob, fit, settings
 sys.exit(commands.run("train", lambda: fit(SlowJob(fatal=3), settings(sys.argv[2], steps=10, num_workers=1)) and 0))
 """

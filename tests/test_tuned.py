@@ -5,10 +5,10 @@ import sys
 import pytest
 import torch
 
-kernels = pytest.importorskip("kernels")
-from kernels import tuned  # noqa: E402
-from kernels.layer_norm import _default_config as ln_default  # noqa: E402
-from kernels.targets import TARGETS  # noqa: E402
+kernels = pytest.importorskip("bertfuse.kernels")
+from bertfuse.kernels import tuned  # noqa: E402
+from bertfuse.kernels.layer_norm import _default_config as ln_default  # noqa: E402
+from bertfuse.kernels.targets import TARGETS  # noqa: E402
 
 
 @pytest.fixture
@@ -115,8 +115,8 @@ def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path)
     import glob
     import os
 
-    from bench.tables import table_problems, write_table
-    from bench.tune_problems import candidates
+    from bertfuse.bench.tables import table_problems, write_table
+    from bertfuse.bench.tune_problems import candidates
 
     good = write_table(str(tmp_path), "sm_90", {"layer_norm.fwd": {"bfloat16/768/all": {
         "config": candidates("layer_norm.fwd")[0], "ms": 0.1}}}, "timed", {"gpu": "test"})
@@ -132,7 +132,7 @@ def test_tables_are_checked_entry_by_entry_and_the_committed_ones_pass(tmp_path)
 
 def _launcher_config(kernel: str, dtype: torch.dtype, size: int, target):
     """What the launcher of `kernel` picks for one launch of (dtype, size) on `target` (its declared site)."""
-    from kernels import launches
+    from bertfuse.kernels import launches
 
     return launches.site(kernel).config(dtype, size, target)
 
@@ -186,7 +186,7 @@ def test_entries_the_family_cannot_run_are_refused_by_name(table_dir, config, wh
     write(table_dir, {"layer_norm.fwd": {"bfloat16/768/all": {"config": config}}})
     default = ln_default(768)
     with pytest.warns(UserWarning, match=why) as caught:
-        picked = sys.modules["kernels.layer_norm"]._config("fwd", torch.bfloat16, 768, SM90)
+        picked = sys.modules["bertfuse.kernels.layer_norm"]._config("fwd", torch.bfloat16, 768, SM90)
     assert picked == default
     assert "sm_90.json, bfloat16/768/all" in str(caught[0].message)
 

@@ -1,7 +1,7 @@
 """bert.common.workers: an ordered parallel map that never reads its input far ahead; the default worker count."""
 import os
 
-from bert.common.workers import available_cpus, default_num_workers, ordered_map
+from bertfuse.bert.common.workers import available_cpus, default_num_workers, ordered_map
 
 
 def _square_and_pid(x):
@@ -47,7 +47,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from bert.common.workers import CLOSE_TIMEOUT, WorkerDied  # noqa: E402
+from bertfuse.bert.common.workers import CLOSE_TIMEOUT, WorkerDied  # noqa: E402
 
 
 def _big(x):
@@ -113,7 +113,7 @@ def test_an_error_in_a_worker_is_raised_in_the_consumer():
 ORPHAN_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-from bert.common.workers import ordered_map
+from bertfuse.bert.common.workers import ordered_map
 def work(x):
     time.sleep(600)
 pids = ordered_map(lambda _: os.getpid(), range(2), processes=2)

@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_PRETRAINING_MAPPING_NAMES
 
-from bert.hf import PAIR_HEADS, family
+from bertfuse.bert.hf import PAIR_HEADS, family
 from hf_tests.test_configuration_common import ConfigTester
 from hf_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor, random_attention_mask
 from hf_tests.generation.test_utils import GenerationTesterMixin

@@ -1,6 +1,6 @@
 """pytest plugin: with BERTFUSE_MODE=fused, every transformers model of the family under test is passed through
 `bert.hf.fuse` as soon as its outermost constructor returns (a task model's inner encoder model is fused with it,
-once). Loaded by bench/hf_suite.py with `-p bench.hf_testers.plugin`; does nothing in the unfused run."""
+once). Loaded by bench/hf_suite.py with `-p bertfuse.bench.hf_testers.plugin`; does nothing in the unfused run."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,7 @@ _depth = threading.local()
 def _fusing_init(init):
     @functools.wraps(init)
     def wrapped(self, *args, **kwargs):
-        from bert.hf import fuse
+        from bertfuse.bert.hf import fuse
 
         _depth.n = getattr(_depth, "n", 0) + 1
         try:
@@ -39,7 +39,7 @@ def modeling_module(family: str):
     is nomic_bert.modeling_nomic_bert)."""
     import transformers
 
-    from bert.hf import family as record
+    from bertfuse.bert.hf import family as record
 
     return importlib.import_module(getattr(transformers, record(family).prefix + "Model").__module__)
 

@@ -4,7 +4,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import (HEAD_DIMS, RelativePositionBias, attention_dropout_mask, relative_bias,
+from bertfuse.kernels.attention import (HEAD_DIMS, RelativePositionBias, attention_dropout_mask, relative_bias,
                                varlen_attention, varlen_attention_ref, window_mask)
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, randn
@@ -77,7 +77,7 @@ class _Problem(NamedTuple):
 def _problem(batch, seqlen, heads, padding, device) -> _Problem:
     import numpy as np
 
-    from bench.lengths import sample_lengths  # the benchmark's length model (only the benchmark calls this)
+    from bertfuse.bench.lengths import sample_lengths  # the benchmark's length model (only the benchmark calls this)
 
     lengths = torch.from_numpy(sample_lengths(batch, seqlen, padding, np.random.default_rng(0)))
     pad = torch.zeros(batch, 1, 1, seqlen, device=device)

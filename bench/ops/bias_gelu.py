@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from kernels.bias_gelu import bias_gelu, bias_gelu_ref
+from bertfuse.kernels.bias_gelu import bias_gelu, bias_gelu_ref
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Record, TuneShape, Tuning, memory_bound_goals, randn
 

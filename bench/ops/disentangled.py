@@ -3,7 +3,7 @@ import copy
 
 import torch
 
-from kernels.disentangled import (DisentangledPositions, disentangled_attention, disentangled_attention_ref,
+from bertfuse.kernels.disentangled import (DisentangledPositions, disentangled_attention, disentangled_attention_ref,
                                   disentangled_dropout_mask)
 
 from ..record import Bench, Case, CompileCall, Goal, Record, Tuning, optional_peer, randn

@@ -1,7 +1,7 @@
 """What the benchmark, tuner and compile checks know about kernels.glu (bench/record.py)."""
 import torch
 
-from kernels.glu import GLU_ACTIVATIONS, glu, glu_ref
+from bertfuse.kernels.glu import GLU_ACTIVATIONS, glu, glu_ref
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Record, TuneShape, Tuning, memory_bound_goals, \
     optional_peer, randn

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from kernels.layer_norm import dropout_mask, layer_norm, layer_norm_ref, rms_norm
+from bertfuse.kernels.layer_norm import dropout_mask, layer_norm, layer_norm_ref, rms_norm
 
 from ..record import (Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, memory_bound_goals,
                       optional_peer, randn)

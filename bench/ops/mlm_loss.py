@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from kernels.mlm_loss import masked_lm_loss, masked_lm_loss_ref
+from bertfuse.kernels.mlm_loss import masked_lm_loss, masked_lm_loss_ref
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, optional_peer, randn
 

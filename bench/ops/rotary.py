@@ -1,7 +1,7 @@
 """What the benchmark, tuner and compile checks know about kernels.rotary (bench/record.py)."""
 import torch
 
-from kernels.rotary import Rotary, rotary, rotary_positions, rotary_ref
+from bertfuse.kernels.rotary import Rotary, rotary, rotary_positions, rotary_ref
 
 from ..record import Bench, BenchShapes, Case, CompileCall, Goal, Record, TuneShape, Tuning, \
     memory_bound_goals, optional_peer, randn

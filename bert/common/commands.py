@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import NamedTuple
 
-from bert.common.errors import ExpectedError, Interrupted, StopRun, exit_at_once, signal_name, stopped_by
+from bertfuse.bert.common.errors import ExpectedError, Interrupted, StopRun, exit_at_once, signal_name, stopped_by
 
 DATA_EXTENSIONS = (".txt", ".tsv", ".csv", ".json", ".jsonl", ".conll", ".parquet", ".arrow", ".gz", ".bz2")
 

@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
-from bert.common.errors import ExpectedError
+from bertfuse.bert.common.errors import ExpectedError
 
 CLOSE_TIMEOUT = 5.0  # seconds a worker is given to exit on SIGTERM before it is killed
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bert.common.files import atomic_write_text
-from bert.common.workers import ordered_map
-from bert.data.text import SPLITTER_VERSION, corpus_files, iter_document_texts, text_sentences
+from bertfuse.bert.common.files import atomic_write_text
+from bertfuse.bert.common.workers import ordered_map
+from bertfuse.bert.data.text import SPLITTER_VERSION, corpus_files, iter_document_texts, text_sentences
 
 FORMAT = 2
 

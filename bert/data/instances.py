@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from bert.data.corpus import TokenisedCorpus
+from bertfuse.bert.data.corpus import TokenisedCorpus
 
 
 def token_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

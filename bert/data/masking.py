@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bert.common import seeds
-from bert.data.instances import token_index
+from bertfuse.bert.common import seeds
+from bertfuse.bert.data.instances import token_index
 
 
 @dataclass

@@ -33,9 +33,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bert.data.batch import PackedBatch
-from bert.data.instances import token_index
-from bert.data.masking import Masker
+from bertfuse.bert.data.batch import PackedBatch
+from bertfuse.bert.data.instances import token_index
+from bertfuse.bert.data.masking import Masker
 
 
 def pack(lengths, budget: int, max_seqs: int) -> np.ndarray:

@@ -36,12 +36,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bert.common import seeds
-from bert.common.workers import ordered_map, worker_init
-from bert.data.corpus import TokenisedCorpus
-from bert.data.instances import SPAN, draw_spans, gather, iter_spans, span_lengths
-from bert.data.masking import Masker
-from bert.data.packing import FlatInstances, PackedShapes, PackingCollator, bucket_rows, epoch_rows, one_per_row, pack
+from bertfuse.bert.common import seeds
+from bertfuse.bert.common.workers import ordered_map, worker_init
+from bertfuse.bert.data.corpus import TokenisedCorpus
+from bertfuse.bert.data.instances import SPAN, draw_spans, gather, iter_spans, span_lengths
+from bertfuse.bert.data.masking import Masker
+from bertfuse.bert.data.packing import FlatInstances, PackedShapes, PackingCollator, bucket_rows, epoch_rows, one_per_row, pack
 
 MIN_SHARD_TOKENS = 1 << 20
 

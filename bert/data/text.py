@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from bert.common.files import check_utf8
+from bertfuse.bert.common.files import check_utf8
 
 _HEADING = re.compile(r"^\s*=(\s*=)*\s[^=].*[^=]\s=(\s*=)*\s*$")
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import WordPiece
 
-from bert.common.files import atomic_write_text
+from bertfuse.bert.common.files import atomic_write_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -97,7 +97,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise FileNotFoundError(f"{path} has neither tokenizer.json nor vocab.txt")
     settings = {}
     if os.path.isfile(config_path):
-        from bert.common.files import read_json_object
+        from bertfuse.bert.common.files import read_json_object
 
         settings = read_json_object(config_path)
     tok = bert_wordpiece(_read_vocab(vocab_path), lowercase=settings.get("do_lower_case", True),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bert.common.files import atomic_write, atomic_write_text
+from bertfuse.bert.common.files import atomic_write, atomic_write_text
 
 logger = logging.getLogger("bert")
 
@@ -81,7 +81,7 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **config_overrides):
         """Build the model from an HF directory. Keyword arguments override config fields (e.g. backend="torch")."""
-        from bert.model.config import BertConfig
+        from bertfuse.bert.model.config import BertConfig
 
         path = os.fspath(path)
         if not os.path.isdir(path):

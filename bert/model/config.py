@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from bert.common.files import read_json_object
+from bertfuse.bert.common.files import read_json_object
 
 BACKENDS = ("auto", "torch", "triton")
 

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bert.data.batch import Packed, check_packed_labels, checks_are_free
-from bert.model import ops
-from bert.model.checkpoint import PretrainedMixin
-from bert.model.config import BertConfig
-from bert.model.padding import kept, pad, to_tokens, unpad
+from bertfuse.bert.data.batch import Packed, check_packed_labels, checks_are_free
+from bertfuse.bert.model import ops
+from bertfuse.bert.model.checkpoint import PretrainedMixin
+from bertfuse.bert.model.config import BertConfig
+from bertfuse.bert.model.padding import kept, pad, to_tokens, unpad
 
 
 # ---- outputs (HF's field names) ------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from bert.data.batch import Packed
+from bertfuse.bert.data.batch import Packed
 
 # Looked up once, without importing triton (a constant, so torch.compile traces resolve_backend away).
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -52,12 +52,10 @@ def _triton(op: str):
 
 
 def kernels_package():
-    """The `kernels` package, imported at first use (it imports triton): ours, not another distribution's
-    package of the same name."""
-    import kernels
-    from bert.common.packages import ours
+    """`bertfuse.kernels`, imported at first use (it imports triton)."""
+    from bertfuse import kernels
 
-    return ours("kernels", kernels)
+    return kernels
 
 
 def backend_for(t: torch.Tensor) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from bert.data.batch import (
+from bertfuse.bert.data.batch import (
     Origin,
     Packed,
     Tokens,

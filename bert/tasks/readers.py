@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from bert.common.files import check_utf8
+from bertfuse.bert.common.files import check_utf8
 
 PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
                 ("premise", "hypothesis")]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from bert.model.modeling import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
-from bert.tasks.metrics import accuracy_and_macro_f1, ner_scores, squad_scores
-from bert.tasks.readers import (
+from bertfuse.bert.model.modeling import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
+from bertfuse.bert.tasks.metrics import accuracy_and_macro_f1, ner_scores, squad_scores
+from bertfuse.bert.tasks.readers import (
     Features,
     classification_features,
     decode_answers,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bert.common.errors import ExpectedError, first_line
+from bertfuse.bert.common.errors import ExpectedError, first_line
 
 
 # ---- distributed -------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bert.common.errors import ExpectedError, first_line
-from bert.train.distributed import Dist
+from bertfuse.bert.common.errors import ExpectedError, first_line
+from bertfuse.bert.train.distributed import Dist
 
 
 class NonFiniteError(ExpectedError):

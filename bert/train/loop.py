@@ -34,11 +34,11 @@ import warnings
 
 import torch
 
-from bert.common.errors import ExpectedError, StopRun, StopSignals, first_line, stop_signals
-from bert.train.distributed import Dist
-from bert.train.health import HEALTH, NonFiniteError, Window, grad_norm, say, worker_deaths
-from bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
-from bert.train.rundir import (
+from bertfuse.bert.common.errors import ExpectedError, StopRun, StopSignals, first_line, stop_signals
+from bertfuse.bert.train.distributed import Dist
+from bertfuse.bert.train.health import HEALTH, NonFiniteError, Window, grad_norm, say, worker_deaths
+from bertfuse.bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
+from bertfuse.bert.train.rundir import (
     check_resumed_settings,
     checkpoint_dir,
     checkpoint_path,
@@ -46,7 +46,7 @@ from bert.train.rundir import (
     save_model,
     truncate_log,
 )
-from bert.train.settings import Settings
+from bertfuse.bert.train.settings import Settings
 
 
 # ---- what a job supplies -----------------------------------------------------------------------
@@ -145,7 +145,7 @@ class Trainer:
             if settings.compile else self.ddp
         self.graphed = None
         if graphs:
-            from bert.train.static import GraphedStep
+            from bertfuse.bert.train.static import GraphedStep
 
             self.graphed = GraphedStep(self._train_step, self.model, self.optimizer)
         self.log_path = os.path.join(settings.output_dir, "log.jsonl")
@@ -174,7 +174,7 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no checkpoint in {checkpoint_dir(s.output_dir)}")
         if not path:
             return
-        from bert.model.checkpoint import read_state_dict
+        from bertfuse.bert.model.checkpoint import read_state_dict
 
         saved = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=True)
         check_resumed_settings(json.loads(saved.get("run_settings") or "null"), s.run_settings,

@@ -12,17 +12,17 @@ import os
 import shutil
 import time
 
-from bert.common.errors import ExpectedError
-from bert.common.files import atomic_write_text
-from bert.common.workers import parent_only, release
-from bert.train.distributed import Dist
+from bertfuse.bert.common.errors import ExpectedError
+from bertfuse.bert.common.files import atomic_write_text
+from bertfuse.bert.common.workers import parent_only, release
+from bertfuse.bert.train.distributed import Dist
 
 
 def save_model(model, tokenizer, path: str) -> None:
     """A complete model directory: save_pretrained, and the tokenizer next to config.json when there is one."""
     model.save_pretrained(path)
     if tokenizer is not None:
-        from bert.data.tokenizer import save_tokenizer
+        from bertfuse.bert.data.tokenizer import save_tokenizer
 
         save_tokenizer(tokenizer, path)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from bert.common.commands import add_flags, check_flags, flag, resumed
-from bert.train.distributed import DIST_TIMEOUT_MINUTES
+from bertfuse.bert.common.commands import add_flags, check_flags, flag, resumed
+from bertfuse.bert.train.distributed import DIST_TIMEOUT_MINUTES
 
 
 def option(default, help: str, *, check: str | None = None, resumed: bool = False, flags: tuple = (), **kwargs):
