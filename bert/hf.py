@@ -95,6 +95,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bertfuse.bert.masks import FLASH_PACKING, packed_rows
 from bertfuse.bert.model import ops
 from bertfuse.bert.model.modeling import check_labels
 from bertfuse.bert.model.padding import pad, static_layout, unpad, unpad_mask
@@ -507,12 +508,14 @@ def _rotary_model_run(self, call: _ModelCall, final_norm: str | None):
     if call.both_or_neither or isinstance(call.attention_mask, dict):  # the original code raises, or reads them
         return _run_original(state, "inputs or masks given as the original code alone reads them", call.original)
     batch, seqlen = call.given.shape[:2]
-    keys = _key_mask(call.attention_mask, batch, seqlen, call.given.device)
-    if why := _original_code_reason(self, state, keys, None, call.kwargs):
+    # The model's own mask and attention read no position ids (its code builds the mask from attention_mask
+    # alone): only a flash call's cu_seq_lens split a row.
+    rows = packed_rows(self.config, call.attention_mask, call.kwargs, None, batch, seqlen, call.given.device)
+    if why := rows.why or _original_code_reason(self, state, rows.keys, None, call.kwargs):
         return _run_original(state, why, call.original)
     from transformers import modeling_outputs as outputs
 
-    p = _layout(keys)
+    keys, p = rows.keys, _layout(rows.keys, rows.segments)
     x = unpad(call.embed(), p)
     ids = torch.arange(seqlen, device=x.device) if call.position_ids is None else call.position_ids
     x = state.layers.stack.run(self, x, p, _rope_positions(self, unpad(ids.expand(batch, seqlen), p)))
@@ -834,43 +837,6 @@ def fused_class(base: type, forward: Callable) -> type:
 
 def _new_fused(base: type, forward: Callable):
     return object.__new__(fused_class(base, forward))
-
-
-def _key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
-    """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as transformers reads
-    it: None; a 2-D mask (0 = padding); a 3-D/4-D boolean mask (True = attend) or float mask, which transformers
-    *adds* to the scores, so only its values 0 (attend) and <= the dtype's minimum / 2 (never attended) are a mask.
-    None when the fused attention cannot express it: a mask that differs between queries or heads (causal), or
-    an additive mask with other values (a bias). Under torch.compile and torch.export no value can be read without
-    a sync or a graph break, so the compiled program checks this when it runs and stops with that message rather
-    than compute something else."""
-    if attention_mask is None:
-        return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
-    m = attention_mask
-    if m.dim() == 2:
-        return m != 0
-    if m.dim() == 3:
-        m = m[:, None]
-    if m.dim() != 4 or m.shape[-1] != seqlen or m.shape[0] not in (1, batch):
-        return None
-    m = m.expand(batch, -1, -1, seqlen)
-    # A view expanded along heads and queries is one key mask by construction; anything else is checked.
-    shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
-    keys = m[:, 0, 0, :]
-    checks = [] if shared else [(m == keys[:, None, None, :]).all()]
-    if m.dtype != torch.bool:
-        blocked = keys <= torch.finfo(m.dtype).min / 2
-        checks.append(((keys == 0) | blocked).all())
-        keys = ~blocked
-    if checks:
-        ok = torch.stack(checks).all()
-        if torch.compiler.is_compiling():
-            torch._assert_async(ok, "bert.hf.fuse: this attention mask differs between queries or holds additive "
-                                "values other than 0 and the minimum, which the compiled fused attention cannot "
-                                "express; compile or export the unfused model for such masks")
-        elif not bool(ok):  # one sync, for masks transformers built or a user gave
-            return None
-    return keys
 
 
 # ---- one record per layer structure and per model family ------------------------------------------
@@ -1395,8 +1361,14 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     mechanism (`_run_layer`)."""
     state: _EncoderState = self._bertfuse_encoder
     batch, seqlen, _ = hidden_states.shape
-    keys = _key_mask(attention_mask, batch, seqlen, hidden_states.device)
-    why = _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
+    kind = state.layers
+    rows = packed_rows(state.config, attention_mask, kwargs, kwargs.get("position_ids"), batch, seqlen,
+                       hidden_states.device)
+    keys = rows.keys
+    why = rows.why or _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
+    if not why and rows.segments is not None and (kind.relative or kind.rotary):
+        why = ("sequences packed in one row, whose relative or rotary positions this family's fused encoder "
+               "computes per row")
     if why:
         if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
             kwargs["encoder_hidden_states"] = encoder_hidden_states
@@ -1404,7 +1376,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
                                                                           **kwargs))
     from transformers import modeling_outputs as outputs
 
-    p, kind = _layout(keys), state.layers
+    p = _layout(keys, rows.segments)
     x = unpad(hidden_states, p)
     position = kind.relative(self) if kind.relative else \
         kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else None
@@ -1421,10 +1393,11 @@ def _run_original(state: _EncoderState, why: str, original: Callable):
     return original()
 
 
-def _layout(keys: torch.Tensor):
-    """The packed layout of a [batch, seq] key mask: padding removed; compiled or exported, a layout of static
-    shape instead (no token count read from the data)."""
-    return static_layout(keys) if torch.compiler.is_compiling() else unpad_mask(keys)
+def _layout(keys: torch.Tensor, segments: torch.Tensor | None = None):
+    """The packed layout of a [batch, seq] key mask, each row one sequence or, given `segments`, the sequences
+    packed in it (bert.masks): padding removed; compiled or exported, a layout of static shape instead (no token
+    count read from the data)."""
+    return static_layout(keys, segments) if torch.compiler.is_compiling() else unpad_mask(keys, segments=segments)
 
 
 def _padded(x: torch.Tensor, p, keys: torch.Tensor) -> torch.Tensor:
@@ -1436,7 +1409,7 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     """Why this encoder call must run the original code, or None."""
     wants = {k for k in ("output_attentions", "output_hidden_states")
              if kwargs.get(k, getattr(state.config, k, False))}
-    unread = _unread_arguments({k: v for k, v in kwargs.items() if k not in state.layers.reads}, state.config)
+    unread = _unread_arguments({k: v for k, v in kwargs.items() if k not in state.layers.reads})
     if unread:
         wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
     if keys is None:
@@ -1477,25 +1450,23 @@ def _run_layer(encoder, layer, x, p, position):
     return layer(x, packed=p, position=position)
 
 
-# Arguments the fused encoder handles itself (the flags) or that its layers' code ignores: the embeddings read the
-# position ids (only a flash implementation reads them in attention, to find packed sequences); an encoder
+# Arguments the fused encoder handles itself (the flags, and the position ids and flash packing arguments, which
+# bert.masks.packed_rows reads as the original attention would) or that its layers' code ignores: an encoder
 # without a cache gets None for one; num_items_in_batch (transformers.Trainer's token count for the loss) passes
-# through every model's forward to the attention functions, which ignore it.
-_FLAGS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache", "num_items_in_batch")
+# through every model's forward to the attention functions, which ignore it, as they ignore seq_idx (each token's
+# sequence, which DataCollatorWithFlattening adds for state-space layers).
+_FLAGS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache", "num_items_in_batch",
+          "position_ids", "seq_idx", *FLASH_PACKING)
 
 
-def _unread_arguments(kwargs: dict, config) -> list[str]:
+def _unread_arguments(kwargs: dict) -> list[str]:
     """The encoder arguments holding something the original layers would read and the fused ones would drop:
-    any value but None/False (or transformers 4's head_mask of Nones), position ids under a flash
-    implementation. Such a call runs the original code."""
-    impl = getattr(config, "_attn_implementation", None) or "eager"
+    any value but None/False (or transformers 4's head_mask of Nones). Such a call runs the original code."""
     unread = []
     for name, value in kwargs.items():
         if name in _FLAGS or value is None or value is False:
             continue
         if isinstance(value, (list, tuple)) and all(v is None for v in value):
-            continue
-        if name == "position_ids" and not impl.startswith("flash"):
             continue
         unread.append(name)
     return sorted(unread)

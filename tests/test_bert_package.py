@@ -15,7 +15,7 @@ STAGES = [
     "bert.train.optim", "bert.train.static", "bert.train.distributed", "bert.train.settings", "bert.train.rundir",
     "bert.train.health", "bert.train.loop",
     "bert.tasks.metrics", "bert.tasks.readers", "bert.tasks.task",
-    "bert.hf", "bert.pretrain", "bert.finetune", "bert",
+    "bert.masks", "bert.hf", "bert.pretrain", "bert.finetune", "bert",
 ]
 
 

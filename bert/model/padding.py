@@ -22,39 +22,50 @@ from bertfuse.bert.data.batch import (
 )
 
 
-def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None) -> Packed:
-    """The layout of the kept tokens (nonzero) of a [batch, seqlen] mask, one sequence per row; two syncs (the
-    token count, and the longest sequence unless the caller gives max_seqlen)."""
+def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None,
+               segments: torch.Tensor | None = None) -> Packed:
+    """The layout of the kept tokens (nonzero) of a [batch, seqlen] mask, one sequence per row, or, given
+    `segments` ([batch, seqlen] integers, nondecreasing along each row: several sequences packed in one row), one
+    sequence per row and segment; two syncs (the token count, and the longest sequence unless the caller gives
+    max_seqlen)."""
     batch, seqlen = attention_mask.shape
     keep = attention_mask != 0
-    seqlens = keep.sum(1, dtype=torch.int32)
     indices = keep.reshape(-1).nonzero().squeeze(1)
-    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=attention_mask.device)
+    if segments is None:
+        seqlens = keep.sum(1, dtype=torch.int32)
+    else:  # each kept token's (row, segment) as one number, in token order; a sequence is a run of one number
+        sequence = (torch.arange(batch, device=keep.device)[:, None] * seqlen + segments).reshape(-1)[indices]
+        seqlens = torch.unique_consecutive(sequence, return_counts=True)[1].to(torch.int32)
+    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=attention_mask.device)
     torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
     if max_seqlen is None:
-        max_seqlen = int(seqlens.max()) if batch else 0
+        max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
     return packed_layout(cu_seqlens, indices.numel(), max_seqlen, origin=Origin(indices, batch, seqlen))
 
 
-def static_layout(keep: torch.Tensor) -> Packed:
+def static_layout(keep: torch.Tensor, segments: torch.Tensor | None = None) -> Packed:
     """A layout of a [batch, seqlen] key mask whose shapes do not depend on its values (torch.compile at a fixed
     batch shape, torch.export): every one of the batch * seqlen tokens, each row's kept tokens in order as its
     sequence, and all the padding after the last sequence as filler, which the attention gives zeros and the
-    caller discards; max_seqlen is seqlen. Only cumulative sums and scatters (no sort, no search, no sync), so
-    it compiles into one graph and exports to ONNX. The attention skips the padding; the matmuls do not."""
+    caller discards; max_seqlen is seqlen. Given `segments` (as unpad_mask), a row holds up to seqlen sequences:
+    there are batch * seqlen sequence slots, the unused ones empty. Only cumulative sums and scatters (no sort, no
+    search, no sync), so it compiles into one graph and exports to ONNX. The attention skips the padding; the
+    matmuls do not."""
     batch, seqlen = keep.shape
     keep = (keep != 0).reshape(-1)
     n, device = batch * seqlen, keep.device
-    seqlens = keep.view(batch, seqlen).sum(1, dtype=torch.int32)
-    cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0, dtype=torch.int32)])
-    rank = keep.view(batch, seqlen).long().cumsum(1).reshape(-1) - 1           # a kept token's place in its row
-    filler = (~keep).long().cumsum(0) - 1                                       # a padded token's place after all
     row = torch.arange(batch, device=device).repeat_interleave(seqlen)
-    slot = torch.where(keep, cu_seqlens.long()[row] + rank, cu_seqlens.long()[-1] + filler)  # its packed place
+    # Each token's sequence slot; kept tokens of one slot are consecutive in token order (segments never
+    # decrease along a row), so a kept token's packed place is its rank among all kept tokens.
+    slots, sequence = (batch, row) if segments is None else (n, row * seqlen + segments.reshape(-1).long())
+    seqlens = torch.zeros(slots, dtype=torch.int32, device=device).index_add(0, sequence, keep.to(torch.int32))
+    cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0, dtype=torch.int32)])
+    filler = (~keep).long().cumsum(0) - 1                                       # a padded token's place after all
+    slot = torch.where(keep, keep.long().cumsum(0) - 1, cu_seqlens.long()[-1] + filler)  # its packed place
     at = torch.empty(n, dtype=torch.long, device=device)
     indices = at.scatter(0, slot, torch.arange(n, device=device))               # packed place -> padded place
-    seq = at.scatter(0, slot, torch.where(keep, row, batch))
-    pos = at.scatter(0, slot, torch.where(keep, rank, filler))
+    seq = at.scatter(0, slot, torch.where(keep, sequence, slots))
+    pos = at.scatter(0, slot, torch.where(keep, slot - cu_seqlens.long()[sequence], filler))
     return Packed(cu_seqlens, seqlen, seq, pos, 0, Origin(indices, batch, seqlen))
 
 

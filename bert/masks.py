@@ -1,0 +1,142 @@
+"""What the attention mask and the packing arguments of a Hugging Face call mean, read as the model's own code
+reads them, for the fused drop-in (bert.hf): which keys each row attends to, and which sequences a row holds.
+
+A row may hold several sequences packed end to end (padding-free batches: transformers' DataCollatorWithFlattening,
+sentence-transformers' flattened batches), with `position_ids` restarting at each one and, for the flash
+implementations, `cu_seq_lens_q/k` and `max_length_q/k`. Whether the original code keeps those sequences apart
+depends on the installed transformers and the attention implementation, so the fused encoder reads it from
+what the original would read:
+  * eager, sdpa, flex: the mask the model built. Where transformers built it from the position ids (5.25 on,
+    for the models that pass them), it is block-diagonal over the sequences the ids mark; `packed_rows` checks
+    it is exactly that and returns the sequences. A mask over whole rows keeps a row one sequence.
+  * flash: `cu_seq_lens_q/k` where given, else position ids that restart in a one-row batch without a mask, as
+    transformers' flash path takes them.
+The sequences are then the fused layout's sequences (bert.model.padding, `segments`): the varlen kernel's
+cu_seqlens, no unpadding of anything else.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# The flash implementations' packing arguments: read where the implementation is flash, ignored otherwise (the
+# eager and sdpa attention functions ignore them too).
+FLASH_PACKING = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class Rows(NamedTuple):
+    """What one call's rows hold: `keys` [batch, seq] (True = attend; None: a mask the fused attention cannot
+    express), `segments` [batch, seq] each token's sequence inside its row (None: one sequence per row), and why
+    the original code must run (None where it need not)."""
+    keys: torch.Tensor | None
+    segments: torch.Tensor | None = None
+    why: str | None = None
+
+
+def sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] each token's sequence within its row, by transformers' rule: a new sequence begins wherever a
+    position id is not the previous one + 1."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def _allowed(attention_mask, batch: int, seqlen: int):
+    """A 3-D/4-D mask as [batch, heads, seq, seq] bool (True = attend) and the check its values need (an additive
+    mask must hold only 0 and <= the dtype's minimum / 2), or (None, None) for a shape transformers never gives."""
+    m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+    if m.dim() != 4 or m.shape[-1] != seqlen or m.shape[0] not in (1, batch) or m.shape[2] not in (1, seqlen):
+        return None, None
+    m = m.expand(batch, -1, -1, seqlen)
+    if m.dtype == torch.bool:
+        return m, None
+    blocked = m <= torch.finfo(m.dtype).min / 2
+    return ~blocked, ((m == 0) | blocked).all()
+
+
+def _verdict(checks: list, message: str) -> bool:
+    """Whether every check holds: one sync; compiled or exported, where no value can be read, the program checks it
+    when it runs and stops with `message` rather than compute something else."""
+    if not checks:
+        return True
+    ok = torch.stack(checks).all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+        return True
+    return bool(ok)
+
+
+def key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
+    """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as transformers reads
+    it: None; a 2-D mask (0 = padding); a 3-D/4-D boolean mask (True = attend) or float mask, which transformers
+    *adds* to the scores, so only its values 0 (attend) and <= the dtype's minimum / 2 (never attended) are a mask.
+    None when the fused attention cannot express it: a mask that differs between queries or heads (causal), or
+    an additive mask with other values (a bias). Under torch.compile and torch.export the compiled program checks
+    this when it runs (`_verdict`)."""
+    if attention_mask is None:
+        return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
+    if attention_mask.dim() == 2:
+        return attention_mask != 0
+    m, values = _allowed(attention_mask, batch, seqlen)
+    if m is None:
+        return None
+    keys = m[:, 0, 0, :]
+    # A view expanded along heads and queries is one key mask by construction; anything else is checked.
+    shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
+    checks = ([] if shared else [(m == keys[:, None, None, :]).all()]) + ([] if values is None else [values])
+    ok = _verdict(checks, "bert.hf.fuse: this attention mask differs between queries or holds additive values other "
+                          "than 0 and the minimum, which the compiled fused attention cannot express; compile or "
+                          "export the unfused model for such masks")
+    return keys if ok else None
+
+
+def _block_keys(attention_mask, segments: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor | None:
+    """The key mask of a 4-D mask that is block-diagonal over `segments` (each query attends to the allowed keys
+    of its own sequence, the same keys whichever query of it asks), else None."""
+    m, values = _allowed(attention_mask, batch, seqlen)
+    if m is None:
+        return None
+    m = m.expand(batch, -1, seqlen, seqlen)
+    keys = m[:, 0].diagonal(dim1=-2, dim2=-1)    # a token's own key: allowed unless it is padding
+    same = segments[:, :, None] == segments[:, None, :]
+    checks = [(m == (same & keys[:, None, :])[:, None]).all()] + ([] if values is None else [values])
+    ok = _verdict(checks, "bert.hf.fuse: this attention mask is not the block-diagonal mask of the sequences its "
+                          "position ids mark, which the compiled fused attention computes; compile or export the "
+                          "unfused model for such masks")
+    return keys if ok else None
+
+
+def _flash_segments(kwargs: dict, batch: int, seqlen: int, device):
+    """(segments, why) from a flash call's cu_seq_lens_q/k, as transformers' flash path reads them: (None, None)
+    where there are none, (None, the reason) where they are not one split of the row's tokens."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None, None
+    if cu_q is None or cu_k is None or cu_q.shape != cu_k.shape or not torch.equal(cu_q, cu_k):
+        return None, "cu_seq_lens_q differing from cu_seq_lens_k"
+    if batch != 1:
+        return None, f"cu_seq_lens with a batch of {batch} rows (flash reads them for one row)"
+    if cu_q.dim() != 1 or cu_q.numel() < 2 or int(cu_q[0]) != 0 or int(cu_q[-1]) != seqlen or \
+            bool((cu_q.diff() < 0).any()):
+        return None, f"cu_seq_lens that do not split the row's {seqlen} tokens"
+    tokens = torch.arange(seqlen, device=device)
+    return torch.searchsorted(cu_q[1:].to(device).contiguous(), tokens.to(cu_q.dtype), right=True)[None], None
+
+
+def packed_rows(config, attention_mask, kwargs: dict, position_ids, batch: int, seqlen: int, device) -> Rows:
+    """What the rows of this call hold (`Rows`), as the model's own attention would read them (module docstring).
+    position_ids: the ids the model's attention or mask reads (None where neither does)."""
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl.startswith("flash"):
+        segments, why = _flash_segments(kwargs, batch, seqlen, device)
+        if why:
+            return Rows(None, why=why)
+        if segments is None and attention_mask is None and position_ids is not None and batch == 1:
+            segments = sequence_indices(position_ids.expand(batch, seqlen))
+        return Rows(key_mask(attention_mask, batch, seqlen, device), segments)
+    if position_ids is not None and attention_mask is not None and attention_mask.dim() in (3, 4):
+        segments = sequence_indices(position_ids.expand(batch, seqlen))
+        keys = _block_keys(attention_mask, segments, batch, seqlen)
+        if keys is not None:
+            return Rows(keys, segments)
+    return Rows(key_mask(attention_mask, batch, seqlen, device))
