@@ -1,6 +1,6 @@
-"""`kernels/` is a library of its own: copied alone into an empty directory, with `bert` and `bench` made
-unimportable, it imports and every op runs forward and backward against its plain-PyTorch reference (the CPU,
-under Triton's interpreter); and no module of it imports either package."""
+"""`kernels/` is a library of its own: copied alone into an empty `bertfuse` package, with bertfuse.bert and
+bertfuse.bench made unimportable, it imports and every op runs forward and backward against its plain-PyTorch
+reference (the CPU, under Triton's interpreter); and no module of it imports either package."""
 import ast
 import os
 import shutil
@@ -18,7 +18,8 @@ import importlib.abc, sys
 
 class NoProject(importlib.abc.MetaPathFinder):  # bert and bench are not there, even if installed
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("bert", "bench"):
+        if name.split(".")[0] in ("bert", "bench") or name.split(".")[:2] in (["bertfuse", "bert"],
+                                                                              ["bertfuse", "bench"]):
             raise ImportError(f"{name} is not available to the kernels")
 
 sys.meta_path.insert(0, NoProject())
@@ -80,14 +81,15 @@ print("ops", *sorted({s.op for s in kernels.launches.sites()}))  # every op modu
 
 @pytest.mark.slow
 def test_kernels_copied_alone_import_and_run_every_op(tmp_path):
-    shutil.copytree(ROOT / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kernels", tmp_path / "bertfuse" / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "bertfuse" / "__init__.py").write_text("")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600, env=dict(env, TRITON_INTERPRET="1", PYTHONPATH=str(tmp_path)))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")[:-1]
     assert lines[-2] == "ok modules" and all(line.startswith("ok ") for line in lines[:-1])
-    checked = {line.split()[2].removeprefix("kernels.") for line in lines[:-2]}
+    checked = {line.split()[2].removeprefix("bertfuse.kernels.") for line in lines[:-2]}
     assert checked == set(lines[-1].split()[1:]), lines  # every op of the package ran against its reference
 
 
@@ -101,3 +103,5 @@ def test_no_kernels_module_imports_the_project_or_its_tools():
             else:
                 continue
             assert not {n.split(".")[0] for n in names} & {"bert", "bench"}, (path.name, names)
+            assert not [n for n in names if n.split(".")[:2] in (["bertfuse", "bert"], ["bertfuse", "bench"])], \
+                (path.name, names)
