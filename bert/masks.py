@@ -48,10 +48,14 @@ def _allowed(attention_mask, batch: int, seqlen: int):
     if m.dim() != 4 or m.shape[-1] != seqlen or m.shape[0] not in (1, batch) or m.shape[2] not in (1, seqlen):
         return None, None
     m = m.expand(batch, -1, -1, seqlen)
-    if m.dtype == torch.bool:
-        return m, None
-    blocked = m <= torch.finfo(m.dtype).min / 2
-    return ~blocked, ((m == 0) | blocked).all()
+    # A view expanded along heads and queries holds one key mask: its values are read on that mask alone (batch x
+    # seq), and the result is expanded back, which key_mask recognises as shared.
+    shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
+    core = m[:, :1, :1] if shared else m
+    if core.dtype == torch.bool:
+        return core.expand(m.shape), None
+    blocked = core <= torch.finfo(core.dtype).min / 2
+    return (~blocked).expand(m.shape), ((core == 0) | blocked).all()
 
 
 def _verdict(checks: list, message: str) -> bool:
@@ -81,7 +85,8 @@ def key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | 
     if m is None:
         return None
     keys = m[:, 0, 0, :]
-    # A view expanded along heads and queries is one key mask by construction; anything else is checked.
+    # A view expanded along heads and queries is one key mask by construction (`_allowed` keeps it a view);
+    # anything else is checked.
     shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
     checks = ([] if shared else [(m == keys[:, None, None, :]).all()]) + ([] if values is None else [values])
     ok = _verdict(checks, "bert.hf.fuse: this attention mask differs between queries or holds additive values other "
