@@ -81,9 +81,14 @@ whose padded slots its relative positions count, or a hook on its bias; for Mode
 whose padded slots its sliding windows count), runs the original encoder code, and
 fuse_report counts it; compiled, such a mask stops the call with an error instead (its values cannot choose the
 code inside a graph).
+Beside transformers' kernelize (hub kernels' forwards bound over decorated layers: activations, RMSNorm, the
+rotary function) the fused code wins: fuse sets aside the hub forward of each module it changes and the fused
+kernels compute the functions of those inside fused blocks (ops.hookless accepts a hub forward), while a fused
+class has no kernel_layer_name, so kernelize (or train()/eval() re-kernelizing) binds nothing over it.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import inspect
@@ -814,6 +819,17 @@ MODEL_LAYERS = Stack(_model_layers, _run_model_layers)
 ALBERT_GROUPS = Stack(_albert_layers, _run_albert_groups, _albert_groups, _albert_group_forward, ("{P}LayerGroup",))
 
 
+class _NotAHubLayer:
+    """A fused class's `kernel_layer_name`, read as absent (AttributeError, so hasattr is False): transformers'
+    kernelize (kernels.kernelize, also run by `model.train()`/`eval()` on a model with kernels in use) looks for
+    that name on each module's class, and so never binds a hub kernel's forward over the fused one."""
+    def __get__(self, obj, cls=None):
+        raise AttributeError("kernel_layer_name: a fused module is not for kernelize")
+
+
+_NOT_A_HUB_LAYER = _NotAHubLayer()
+
+
 @functools.cache
 def fused_class(base: type, forward: Callable) -> type:
     """`base` (a transformers module class) with `forward` (one of this module's fused forwards) as its forward:
@@ -828,6 +844,8 @@ def fused_class(base: type, forward: Callable) -> type:
     fused_or_original.__signature__ = inspect.signature(base.forward)  # what callers introspect (inputs_embeds...)
     namespace = {"forward": fused_or_original, "__reduce_ex__": reduce, "__module__": __name__,
                  "_bertfuse_base": base, "_bertfuse_forward": forward}
+    if hasattr(base, "kernel_layer_name"):
+        namespace["kernel_layer_name"] = _NOT_A_HUB_LAYER
     if hasattr(base, "is_custom_code"):
         # A model fused whole is still transformers' code to transformers (which initialises the weights of code
         # from elsewhere differently, judging by the class's module).
@@ -1314,7 +1332,8 @@ def known_classes(names: tuple[str, ...], models: tuple[tuple[str, str], ...]) -
 def unknown_code(module: nn.Module, known: tuple[type, ...]) -> str | None:
     """Why `module` may compute something other than `known`'s code, or None where it cannot: its class is one
     of `known`, or a subclass of one adding nothing but __init__ and data (any method of its own, even a helper
-    the forward calls, could change the math), and no method is replaced on the instance."""
+    the forward calls, could change the math), and no method is replaced on the instance (a hub kernel's forward,
+    `ops.hub_kernel`, is another implementation of the class's function: fuse sets it aside)."""
     cls = getattr(type(module), "_bertfuse_base", type(module))  # a module fuse gave a fused class: its own
     base = next((c for c in cls.__mro__ if c in known), None)
     if base is None:
@@ -1324,7 +1343,9 @@ def unknown_code(module: nn.Module, known: tuple[type, ...]) -> str | None:
                      and (callable(v) or isinstance(v, (property, staticmethod, classmethod))))
         if own:
             return f"{sub.__name__} overrides {', '.join(own)} of {base.__name__}"
-    patched = sorted(n for n, v in vars(module).items() if callable(v) and inspect.isfunction(getattr(cls, n, None)))
+    hub = ops.hub_kernel(module) is not None
+    patched = sorted(n for n, v in vars(module).items()
+                     if callable(v) and inspect.isfunction(getattr(cls, n, None)) and not (hub and n == "forward"))
     return f"{cls.__name__}.{patched[0]} is replaced on this instance" if patched else None
 
 
@@ -1610,9 +1631,16 @@ class _Fuser:
     recording each change so that unfuse can undo it."""
 
     def __init__(self):
-        self.record: list = []   # (module, "__class__", its class) or (module, attribute, None): set by fuse
+        # (module, "__class__", its class), (module, attribute, None): set by fuse, or (module, attribute, value):
+        # removed by fuse (a hub kernel's forward, never None); each undone by unfuse
+        self.record: list = []
 
     def retype(self, module: nn.Module, cls: type) -> None:
+        """`module` becomes a `cls`. A hub kernel's forward kernelize bound to it goes (to come back with unfuse):
+        the fused class's own forward then runs, and kernelize leaves fused classes alone."""
+        if ops.hub_kernel(module) is not None:
+            for name in ("forward", "_kernel_repo"):
+                self.record.append((module, name, vars(module).pop(name)))
         self.record.append((module, "__class__", type(module)))
         module.__class__ = cls
 
@@ -1695,6 +1723,19 @@ class _EncoderState(NamedTuple):
 
 
 def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
+    """Fuse one encoder model; its report also names the hub kernels (bound by transformers' kernelize) whose
+    function the fused code now computes: those on modules fuse changed, or inside them."""
+    hub = {m: type(m).kernel_layer_name for m in model.modules() if ops.hub_kernel(m) is not None}
+    report = _fuse_encoder(fuser, path, model, child)
+    parents = {c: m for m in model.modules() for c in m.children()}
+    replaced = collections.Counter(name for m, name in hub.items() if _is_fused(m) or _is_fused(parents.get(m, m)))
+    if replaced:
+        report.fused.append("the function of transformers' hub kernels on or inside fused modules (where a fused "
+                            "kernel computes it): " + ", ".join(f"{n} x{k}" for n, k in sorted(replaced.items())))
+    return report
+
+
+def _fuse_encoder(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
     encoder = getattr(model, child) if child else model  # "": the model holds its layers itself
     stack, layers = encoder_stack(encoder)
     kinds = {layer_kind(layer) for layer in layers}
@@ -1992,8 +2033,10 @@ def unfuse(model: nn.Module) -> nn.Module:
     for module, name, old in reversed(saved.record):
         if name == "__class__":
             module.__class__ = old
-        else:
+        elif old is None:
             object.__delattr__(module, name)
+        else:
+            vars(module)[name] = old
     for task in saved.heads:
         original = task.forward.original
         del task.forward

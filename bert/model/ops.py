@@ -157,15 +157,28 @@ def warn_once(message: str) -> None:
     kernels_package().warn_once(message)
 
 
+def hub_kernel(module):
+    """The hub kernel whose forward transformers' `kernelize` put on `module` (the `kernels` library binds the
+    kernel layer's forward to the instance and records its repository as `_kernel_repo`), else None. Such a
+    forward is a declared implementation of the function of the module's class (its layer name, e.g. "GeLU",
+    "RMSNorm"), not code of the user's."""
+    state = vars(module)
+    forward = state.get("forward")
+    if "_kernel_repo" in state and getattr(forward, "__self__", None) is module:
+        return state["_kernel_repo"]
+    return None
+
+
 def hookless(module) -> bool:
     """Nothing runs around `module`'s own forward when it is called: no hook of its own or global (forward,
-    pre-forward, backward), and no forward replaced on the instance (as accelerate's hooks do). A fused op may
-    then compute what the call would, without making it; otherwise the module is called."""
+    pre-forward, backward), and no forward replaced on the instance (as accelerate's hooks do) other than a hub
+    kernel's (`hub_kernel`: another implementation of the same function). A fused op may then compute what the
+    call would, without making it; otherwise the module is called."""
     from torch.nn.modules import module as m
 
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return not any(getattr(module, h, None) or getattr(m, f"_global{h}", None) for h in hooks) \
-        and "forward" not in vars(module)
+        and ("forward" not in vars(module) or hub_kernel(module) is not None)
 
 
 def plain(module, *classes: type) -> bool:
