@@ -101,6 +101,16 @@ def real(logits, family):
     return logits[batch(family)[1].bool()]
 
 
+def fuse_quietly(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuse(model)
+
+
+def assert_exact(out, ref, family):
+    assert rel_err(real(out.logits, family), real(ref.logits, family)) <= TOL and rel_err(out.loss, ref.loss) <= TOL
+
+
 def run(model, family, **kwargs):
     ids, mask, labels = batch(family)
     CALLS.clear()
@@ -114,19 +124,21 @@ def run(model, family, **kwargs):
 STILL_CALLED = {"bert": {}, "modernbert": {"GeLU": 1}, "eurobert": {}}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fuse_after_kernelize_computes_each_function_itself(family):
-    plain = build(family)
-    ref = run(plain, family)
+@pytest.fixture(params=FAMILIES)
+def case(request):
+    """(family, a small random masked-LM model of it, its output on `batch`)."""
+    model = build(request.param)
+    return request.param, model, run(model, request.param)
+
+
+def test_fuse_after_kernelize_computes_each_function_itself(case):
+    family, plain, ref = case
     model = kernelize(copy.deepcopy(plain))
     bound = hub_bound(model)
     assert bound and run(model, family).loss is not None and sum(CALLS.values()) > 0  # the stand-ins run unfused
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fuse(model)
-    out = run(model, family)
+    fuse_quietly(model)
+    assert_exact(run(model, family), ref, family)
     assert CALLS == STILL_CALLED[family], CALLS  # the fused code computed every function its kernels compute
-    assert rel_err(real(out.logits, family), real(ref.logits, family)) <= TOL and rel_err(out.loss, ref.loss) <= TOL
     assert all(n not in hub_bound(model) for n in fused_modules(model))  # set aside on the modules fuse changed
     assert any("transformers' hub kernels" in part for r in fuse_report(model) for part in r.fused)
     unfuse(model)
@@ -138,9 +150,7 @@ def test_fuse_after_kernelize_computes_each_function_itself(family):
 def test_the_report_counts_the_hub_kernels_and_a_copy_unfuses_to_its_own():
     model = kernelize(build("eurobert"))
     norms = sum(type(m).__name__ == "EuroBertRMSNorm" for m in model.modules())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fuse(model)
+    fuse_quietly(model)
     text = str(fuse_report(model)[0])
     layers = model.config.num_hidden_layers
     assert f"RMSNorm x{norms}" in text and f"SiLU x{layers}" in text, text
@@ -149,18 +159,15 @@ def test_the_report_counts_the_hub_kernels_and_a_copy_unfuses_to_its_own():
     assert all(vars(m)["forward"].__self__ is m for m in twin.modules() if "_kernel_repo" in vars(m))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_kernelize_on_a_fused_model_binds_nothing_over_fused_code(family):
-    plain = build(family)
-    ref = run(plain, family)
-    model = fuse(copy.deepcopy(plain))
+def test_kernelize_on_a_fused_model_binds_nothing_over_fused_code(case):
+    family, plain, ref = case
+    model = fuse_quietly(copy.deepcopy(plain))
     fused = fused_modules(model)
     kernelize(model)
     assert fused_modules(model) == fused and not set(fused) & set(hub_bound(model))
     assert all(not hasattr(type(m), "kernel_layer_name") for n, m in model.named_modules() if n in fused)
-    out = run(model, family)
+    assert_exact(run(model, family), ref, family)
     assert CALLS == STILL_CALLED[family], CALLS
-    assert rel_err(real(out.logits, family), real(ref.logits, family)) <= TOL and rel_err(out.loss, ref.loss) <= TOL
 
 
 def test_train_and_eval_rekernelize_a_fused_model_that_stays_fused_and_exact():
