@@ -11,7 +11,8 @@ Each (family, heads) runs unfused, fused on the PyTorch path, and fused in the T
 lists every test that passes unfused and fails or skips fused ("regressions"), per run, in --out/summary.md and
 --out/summary.json (each run's pytest log and junit XML in --out/logs/). Exit status 1 when there is any
 regression, 2 when the suite cannot be set up or no test passed unfused in some group, so nothing was compared
-there (one line says why).
+there (one line says why). Results made family by family (`--families F --out DIR/F`) make one table with
+`--collect --out DIR`.
 """
 from __future__ import annotations
 
@@ -123,6 +124,23 @@ def _row(r: dict) -> str:
     return f"| {r['family']} | {r['heads']} | {r['mode']} | {counts(r['outcomes'])} | {len(bad)}: {', '.join(bad)} |"
 
 
+def collect(folder: Path) -> tuple[str, int]:
+    """One table of every run recorded under folder/<family>/summary.json (each family's own run of this
+    command), written to folder/summary.md: (the table, the number of regressions in it)."""
+    found = [json.loads(path.read_text()) for path in sorted(folder.glob("*/summary.json"))]
+    if not found:
+        raise ValueError(f"no <family>/summary.json under {folder}")
+    versions = ", ".join(sorted({f["transformers"] for f in found}))
+    runs = [r for f in found for r in f["runs"]]
+    families = {r["family"] for r in runs}
+    bad = sum(len(r["regressions"]) for r in runs)
+    lines = [f"transformers {versions}: {len(families)} families, {len(runs)} runs, {bad} tests passing unfused that "
+             "fail or skip fused", "", "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|",
+             *map(_row, runs)]
+    (folder / "summary.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines), bad
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results/hf_suite"))
@@ -132,7 +150,17 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--jobs", type=int, default=1, help="(family, heads) groups run at once, one thread each")
     ap.add_argument("-k", default=None, help="pytest -k expression (a subset of the tests)")
+    ap.add_argument("--collect", action="store_true",
+                    help="run nothing: tabulate --out/<family>/summary.json (one run per family) in --out/summary.md")
     args = ap.parse_args(argv)
+    if args.collect:
+        try:
+            table, bad = collect(args.out)
+        except ValueError as e:
+            print(f"hf_suite: {e}", file=sys.stderr)
+            return 2
+        print(table)
+        return 1 if bad else 0
     modes = args.modes.split(",")
     if "unfused" not in modes or set(modes) - set(MODES):
         ap.error(f"--modes: a comma list of {', '.join(MODES)}, including unfused (the baseline)")

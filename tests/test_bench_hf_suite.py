@@ -56,3 +56,22 @@ def test_layout_writes_the_stand_ins_and_our_testers(tmp_path):
     assert not (work / "hf_tests" / "models").exists()
     assert "class GenerationTesterMixin" in (work / "hf_tests" / "generation" / "test_utils.py").read_text()
     assert (work / "test_fused_families.py").exists()
+
+
+def test_collect_tabulates_each_familys_runs(tmp_path):
+    import json
+
+    def family(name, regressions):
+        (tmp_path / name).mkdir()
+        runs = [{"family": name, "heads": 4, "mode": m, "outcomes": {"test_a": "passed"}, "regressions": r}
+                for m, r in (("unfused", []), ("torch", regressions))]
+        (tmp_path / name / "summary.json").write_text(json.dumps({"transformers": "5.25.0", "runs": runs}))
+
+    family("bert", [])
+    family("mpnet", ["test_b"])
+    table, bad = hf_suite.collect(tmp_path)
+    assert bad == 1 and table.startswith("transformers 5.25.0: 2 families, 4 runs, 1 tests")
+    assert "| mpnet | 4 | torch | 1 passed, 0 failed, 0 skipped | 1: test_b |" in table
+    assert (tmp_path / "summary.md").read_text() == table + "\n"
+    assert hf_suite.main(["--collect", "--out", str(tmp_path)]) == 1
+    assert hf_suite.main(["--collect", "--out", str(tmp_path / "bert")]) == 2   # no family folders there
