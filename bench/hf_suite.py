@@ -124,6 +124,14 @@ def _row(r: dict) -> str:
     return f"| {r['family']} | {r['heads']} | {r['mode']} | {counts(r['outcomes'])} | {len(bad)}: {', '.join(bad)} |"
 
 
+def write_table(folder: Path, title: str, runs: list[dict]) -> str:
+    """The runs' table under `title`, written to folder/summary.md and returned."""
+    table = "\n".join([title, "", "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|",
+                        *map(_row, runs)])
+    (folder / "summary.md").write_text(table + "\n")
+    return table
+
+
 def collect(folder: Path) -> tuple[str, int]:
     """One table of every run recorded under folder/<family>/summary.json (each family's own run of this
     command), written to folder/summary.md: (the table, the number of regressions in it)."""
@@ -134,11 +142,9 @@ def collect(folder: Path) -> tuple[str, int]:
     runs = [r for f in found for r in f["runs"]]
     families = {r["family"] for r in runs}
     bad = sum(len(r["regressions"]) for r in runs)
-    lines = [f"transformers {versions}: {len(families)} families, {len(runs)} runs, {bad} tests passing unfused that "
-             "fail or skip fused", "", "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|",
-             *map(_row, runs)]
-    (folder / "summary.md").write_text("\n".join(lines) + "\n")
-    return "\n".join(lines), bad
+    title = f"transformers {versions}: {len(families)} families, {len(runs)} runs, {bad} tests passing unfused that " \
+            "fail or skip fused"
+    return write_table(folder, title, runs), bad
 
 
 def main(argv=None) -> int:
@@ -184,12 +190,10 @@ def main(argv=None) -> int:
     groups = [(fam, int(h)) for fam in args.families.split(",") for h in args.heads.split(",")]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         runs = [r for rs in pool.map(lambda g: run_group(work, args.out, *g, modes, extra), groups) for r in rs]
-    lines = [f"transformers {transformers.__version__}: tests passing unfused that fail or skip fused", "",
-             "| family | heads | mode | outcomes | regressions |", "|---|---|---|---|---|", *map(_row, runs)]
-    print("\n".join(lines))
+    print(write_table(args.out, f"transformers {transformers.__version__}: tests passing unfused that fail or skip "
+                                "fused", runs))
     (args.out / "summary.json").write_text(json.dumps({"transformers": transformers.__version__, "runs": runs},
                                                       indent=1))
-    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     if empty := empty_baselines(runs):
         print(f"hf_suite: no test passed unfused in {', '.join(empty)}, so nothing was compared; see "
               f"{args.out / 'logs'}", file=sys.stderr)
