@@ -195,6 +195,8 @@ def check(variant: Variant, t: Target) -> tuple[str | None, str]:
     """Compile one variant for family `t`: (failure reason or None, report). A dtype the family cannot run
     (bfloat16 on sm_75), or a half-precision dot kernel where Triton has no tensor-core dots (sm_75), is not
     compiled: the launchers refuse it with the error reported here."""
+    if variant.failed:
+        return variant.failed, ""
     if variant.refused:
         return None, f"refused: {variant.refused}"
     try:
@@ -228,9 +230,20 @@ def recorded(rec, call: CompileCall, t: Target, force: tuple[str, dict] | None =
 
 def launcher_variants(rec, t: Target):
     """The launches of each of the record's compile calls on `t`, with the configs the launchers pick there (the
-    family's table, else the default); the same launch from several calls comes more than once (`variant_key`)."""
+    family's table, else the default); the same launch from several calls comes more than once (`variant_key`).
+    A table entry the launcher refuses is a failed variant, not silently the default."""
     for call in rec.compiled():
-        yield from recorded(rec, call, t)
+        try:
+            with tuned.refusing():
+                got = recorded(rec, call, t)
+        except ValueError as e:
+            got = [_failed(f"{rec.name} {call.dtype} size={call.size}{_flags(call.flags)}", e)]
+        yield from got
+
+
+def _failed(name: str, error: ValueError) -> Variant:
+    """A variant that compiles nothing and fails: a table entry the launcher refuses (kernels.tuned.pick)."""
+    return Variant(name, None, {}, 0, 0, failed=f"the launcher refuses this table entry: {error}")
 
 
 def variant_key(variant: Variant) -> tuple:
@@ -276,4 +289,7 @@ def table_variants(t: Target):
     for kernel, entries in sorted(table.get("kernels", {}).items()):
         for key, entry in sorted(entries.items()):
             dtype, size, _ = key.split("/")
-            yield from variants_for(kernel, getattr(torch, dtype), int(size), entry["config"], t)
+            try:
+                yield from variants_for(kernel, getattr(torch, dtype), int(size), entry["config"], t)
+            except ValueError as e:
+                yield _failed(f"table {kernel} {key}", e)

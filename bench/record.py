@@ -112,6 +112,7 @@ class Variant(NamedTuple):
     needs: str | None = None
     refused: str | None = None  # the launchers' error, for a call the family refuses (fn is then None): a
                                 # launch they make has passed their refusals (kernels.targets.check) already
+    failed: str | None = None   # a launch-config table entry the launcher refuses (fn is then None): a failure
 
 
 class CompileCall(NamedTuple):

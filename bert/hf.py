@@ -100,7 +100,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bertfuse.bert.masks import FLASH_PACKING, packed_rows
+from bertfuse.bert.masks import ADDED, FLASH_PACKING, NONZERO, packed_rows
 from bertfuse.bert.model import ops
 from bertfuse.bert.model.modeling import check_labels
 from bertfuse.bert.model.padding import pad, static_layout, unpad, unpad_mask
@@ -114,6 +114,7 @@ class _Saved(NamedTuple):
     record: list                   # _Fuser.record: the class changes and attributes, in order
     heads: list                    # task models whose forward was patched
     mlm_logits: bool
+    padded_positions: str = "exact"
 
 
 def _warn(reason: str) -> None:
@@ -481,13 +482,14 @@ def _rope_parameters(emb) -> dict:
     return {GLOBAL: (emb.rope_type, emb.inv_freq, emb.attention_scaling)}
 
 
-def _rope_positions(model, positions) -> Rotary:
+def _rope_positions(model, positions, windowed: bool = True) -> Rotary:
     """The rotations of each layer type from the model's rotary embedding module, and the windows its config
-    sets (ModernBERT's local layers: sliding_window positions each side)."""
+    sets (ModernBERT's local layers: sliding_window positions each side; none where not `windowed`: a 4-D mask
+    given to the model is every layer's mask, the windows' masks never built)."""
     rotations, windows = {}, {}
     for kind, (_, inv_freq, scaling) in _rope_parameters(model.rotary_emb).items():
         rotations[kind] = ops.Rotation(inv_freq.float(), float(scaling))
-        local = kind == "sliding_attention"
+        local = windowed and kind == "sliding_attention"
         windows[kind] = (model.config.sliding_window,) * 2 if local else (-1, -1)
     return Rotary(positions, rotations, windows)
 
@@ -510,20 +512,24 @@ def _rotary_model_run(self, call: _ModelCall, final_norm: str | None):
     the fused layers do not compute runs the original code, counted in fuse_report."""
     state: _EncoderState = self._bertfuse_encoder
     as_tuple = call.kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
-    if call.both_or_neither or isinstance(call.attention_mask, dict):  # the original code raises, or reads them
+    mask = call.attention_mask
+    # transformers' mask functions take a 2-D mask, or a 4-D one as it is (for every layer, windows or not), and
+    # raise for other ranks: the original code runs for those, as for inputs it refuses.
+    if call.both_or_neither or isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() not in (2, 4)):
         return _run_original(state, "inputs or masks given as the original code alone reads them", call.original)
     batch, seqlen = call.given.shape[:2]
     # The model's own mask and attention read no position ids (its code builds the mask from attention_mask
     # alone): only a flash call's cu_seq_lens split a row.
-    rows = packed_rows(self.config, call.attention_mask, call.kwargs, None, batch, seqlen, call.given.device)
-    if why := rows.why or _original_code_reason(self, state, rows.keys, None, call.kwargs):
+    rows = packed_rows(self.config, mask, call.kwargs, None, batch, seqlen, call.given.device)
+    windowed = not (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+    if why := rows.why or _original_code_reason(self, state, rows.keys, None, call.kwargs, windowed):
         return _run_original(state, why, call.original)
     from transformers import modeling_outputs as outputs
 
     keys, p = rows.keys, _layout(rows.keys, rows.segments)
     x = unpad(call.embed(), p)
     ids = torch.arange(seqlen, device=x.device) if call.position_ids is None else call.position_ids
-    x = state.layers.stack.run(self, x, p, _rope_positions(self, unpad(ids.expand(batch, seqlen), p)))
+    x = state.layers.stack.run(self, x, p, _rope_positions(self, unpad(ids.expand(batch, seqlen), p), windowed))
     out = _padded(x if final_norm is None else getattr(self, final_norm)(x), p, keys)
     fields = {"last_hidden_state": out}
     if getattr(self, "pooler", None) is not None:
@@ -897,6 +903,9 @@ class Layers(NamedTuple):
     # A fused forward for the encoder model, whose own code asks the encoder for what the fused one does not
     # compute on every call (DeBERTa's: every hidden state); its class is among the roles, as "...".
     model_forward: Callable | None = None
+    # How the attention reads a 3-D/4-D mask where the family's own code reads it one way whatever the configured
+    # implementation (bert.masks.mask_reading): MPNet and RoFormer add it, DeBERTa reads mask.bool().
+    mask_reading: str | None = None
 
 
 class MLMHead(NamedTuple):
@@ -996,7 +1005,7 @@ MPNET_LAYERS = Layers("mpnet", ("attention.attn.q", "attention.attn.k", "attenti
                       (("attention.attn", ("{P}SelfAttention",)), ("attention", ("{P}Attention",)),
                        ("", ("{P}Layer",)), ("..", ("{P}Encoder",)), ("intermediate", ("{P}Intermediate",)),
                        ("output", ("{P}Output",))), _MPNET_MODELS, relative=_mpnet_position_bias,
-                      problems=_mpnet_problems, call_problems=_mpnet_call_problems)
+                      problems=_mpnet_problems, call_problems=_mpnet_call_problems, mask_reading=ADDED)
 _ALBERT_MODELS = (("albert.modeling_albert", "Albert"),)
 ALBERT_LAYERS = Layers("albert", ("attention.query", "attention.key", "attention.value", "attention.dense",
                                   "attention.LayerNorm", "ffn", "ffn_output", "full_layer_layer_norm"),
@@ -1010,20 +1019,36 @@ _EUROBERT_MODELS = (("eurobert.modeling_eurobert", "EuroBert"),)
 _ROTARY_MODELS = (*_MODERNBERT_MODELS, *_NOMICBERT_MODELS, *_EUROBERT_MODELS)
 _RMS_NORM_CLASSES = ("{P}RMSNorm",)  # weight * x / sqrt(mean(x^2) + variance_epsilon)
 # Rope types whose inv_freq and scaling are fixed at construction (a dynamic one changes them with the length).
-STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+# ("proportional": zero frequencies past the rotated share, which rotate by nothing.)
+STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
+
+
+def _rotary_width_problem(inv_freq, head_dim: int) -> list[str]:
+    """[why] where the rotation is not over the whole head in pairs (the kernels' rotation): an odd head_dim, whose
+    1-wide head transformers broadcasts against 2-wide cos and sin (and raises for wider ones), or frequencies
+    for part of the head (partial_rotary_factor < 1), where transformers' code raises."""
+    width = 2 * inv_freq.numel()
+    if width == head_dim:
+        return []
+    return [f"a rotation {width} wide for head_dim {head_dim}, which the fused kernels do not compute (they rotate "
+            "the whole head in pairs)"]
 
 
 def _rope_problems(model) -> list[str]:
     """Why a rotary model's configuration asks for what the fused layers do not compute: a layer type other than
-    global and local attention, a rope type whose frequencies change with the length, a layer count other than
-    the layers held (NomicBERT and EuroBERT run the first num_hidden_layers of them)."""
+    global and local attention, a rope type whose frequencies change with the length, a rotation not as wide as
+    the head, a layer count other than the layers held (NomicBERT and EuroBERT run the first num_hidden_layers of
+    them)."""
     cfg, params = model.config, _rope_parameters(model.rotary_emb)
     kinds = set(getattr(cfg, "layer_types", None) or [GLOBAL])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     why = [f"layer type {k!r}" for k in sorted(kinds - {GLOBAL, "sliding_attention"})]
     why += [f"rope type {t!r}, whose frequencies change with the length" for k, (t, _, _) in sorted(params.items())
             if t not in STATIC_ROPE]
     why += [f"no rotary parameters for layer type {k!r}" for k in sorted(kinds)
             if k not in params or params[k][1] is None]
+    why += _unique(w for _, inv_freq, _ in params.values() if inv_freq is not None
+                   for w in _rotary_width_problem(inv_freq, head_dim))
     if len(model.layers) != cfg.num_hidden_layers:
         why.append(f"{len(model.layers)} layers held for num_hidden_layers={cfg.num_hidden_layers}")
     return why
@@ -1104,6 +1129,14 @@ def _roformer_call_problems(encoder, keys) -> list[str]:
     return [f"a sequence longer than the sinusoid table's {rows} positions"] if too_long else []
 
 
+def _esm_problems(model) -> list[str]:
+    """ESM's rotation (position_embedding_type "rotary") must be as wide as its head."""
+    emb = getattr(model, "rotary_embeddings", None)
+    if emb is None:
+        return []
+    return _rotary_width_problem(emb.inv_freq, model.config.hidden_size // model.config.num_attention_heads)
+
+
 ESM_LAYERS = Layers("esm", ("attention.self.query", "attention.self.key", "attention.self.value",
                             "attention.output.dense", "attention.LayerNorm", "intermediate.dense", "output.dense",
                             "LayerNorm"),
@@ -1113,7 +1146,7 @@ ESM_LAYERS = Layers("esm", ("attention.self.query", "attention.self.key", "atten
                     (("attention.self", ("{P}SelfAttention",)), ("attention", ("{P}Attention",)), ("", ("{P}Layer",)),
                      ("..", ("{P}Encoder",)), ("attention.output", ("{P}SelfOutput",)),
                      ("intermediate", ("{P}Intermediate",)), ("output", ("{P}Output",))), _ESM_MODELS,
-                    rotary=_esm_rotary, reads=("position_embeddings",),
+                    rotary=_esm_rotary, reads=("position_embeddings",), problems=_esm_problems,
                     scale=lambda at: at.attention_head_size ** -0.5 * at.scaling, final_norm="emb_layer_norm_after",
                     fused="attention (varlen, padding removed once; RoPE in the kernels from the cos and sin the model "
                           "forms), each pre-norm LayerNorm a kernel, Linear + GeLU, emb_layer_norm_after on the real "
@@ -1123,7 +1156,7 @@ ROFORMER_LAYERS = BERT_LAYERS._replace(
                                ("attention.self", _roformer_self_attention_forward)),
     roles=tuple((path, {"attention.self": ("{P}SelfAttention",), "..": ("{P}Encoder",)}.get(path, names))
                 for path, names in BERT_LAYERS.roles), models=_ROFORMER_MODELS,
-    problems=_roformer_problems, call_problems=_roformer_call_problems, rotary=_roformer_rotary,
+    problems=_roformer_problems, call_problems=_roformer_call_problems, rotary=_roformer_rotary, mask_reading=ADDED,
     fused="attention (varlen, padding removed once; RoPE interleaved in the kernels, read from the model's own "
           "sinusoid table)")
 _DEBERTA_V2_MODELS = (("deberta_v2.modeling_deberta_v2", "DebertaV2"),)
@@ -1160,7 +1193,7 @@ DEBERTA_V2_LAYERS = Layers(
      ("..", ("{P}Encoder",)), ("...", ("{P}Model",)), ("attention.output", ("{P}SelfOutput",)),
      ("intermediate", ("{P}Intermediate",)), ("output", ("{P}Output",))), _DEBERTA_V2_MODELS,
     problems=_deberta_problems, call_problems=_relative_call_problems, relative=_deberta_relative,
-    model_forward=_deberta_model_forward,
+    model_forward=_deberta_model_forward, mask_reading=NONZERO,
     fused="attention (varlen, padding removed once; DeBERTa's c2p and p2c terms formed inside the disentangled "
           "kernel from each layer's projections of the relative embeddings, whose LayerNorm is a kernel)")
 _DEBERTA_MODELS = (("deberta.modeling_deberta", "Deberta"),)
@@ -1384,7 +1417,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     batch, seqlen, _ = hidden_states.shape
     kind = state.layers
     rows = packed_rows(state.config, attention_mask, kwargs, kwargs.get("position_ids"), batch, seqlen,
-                       hidden_states.device)
+                       hidden_states.device, kind.mask_reading)
     keys = rows.keys
     why = rows.why or _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
     if not why and rows.segments is not None and (kind.relative or kind.rotary):
@@ -1426,24 +1459,27 @@ def _padded(x: torch.Tensor, p, keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys[..., None], pad(x, p), 0.0) if torch.compiler.is_compiling() else pad(x, p)
 
 
-def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_states, kwargs) -> str | None:
-    """Why this encoder call must run the original code, or None."""
+def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_states, kwargs,
+                          windowed: bool = True) -> str | None:
+    """Why this encoder call must run the original code, or None (`windowed`: whether local layers keep their
+    windows in this call)."""
     wants = {k for k in ("output_attentions", "output_hidden_states")
              if kwargs.get(k, getattr(state.config, k, False))}
     unread = _unread_arguments({k: v for k, v in kwargs.items() if k not in state.layers.reads})
     if unread:
         wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
     if keys is None:
-        wants.add("an attention mask the fused attention cannot express (per query, or additive values "
-                  "other than 0 and the dtype's minimum)")
+        wants.add("an attention mask the fused attention cannot express (per query, additive values other than "
+                  "0 and the dtype's minimum, or a boolean or integer mask that eager attention adds to the scores)")
     # The kernel applies the attention dropout to the probabilities inside it: a module there that is not a
     # plain nn.Dropout (a hook on it, another class) is called only by the original code.
     kind = state.layers
     if not all(_plain_probs_dropout(kind, layer) for layer in kind.stack.layers(encoder)):
         wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
                   "its kernel")
-    if state.layers.call_problems:
+    if state.layers.call_problems and windowed:
         wants.update(state.layers.call_problems(encoder, keys))
+    wants.update(_padded_read_problems(state.reads, keys))
     # use_cache means a cache only in a decoder (ESM's encoder is handed its config's use_cache and ignores it).
     cache = kwargs.get("use_cache") and getattr(state.config, "is_decoder", False)
     if wants or encoder_hidden_states is not None or cache:
@@ -1616,9 +1652,11 @@ def _attention_problems(enc_model: nn.Module, kind: Layers, encoder: nn.Module) 
     scale = kind.scale(at) if kind.scale else getattr(at, "scaling", head_dim ** -0.5)
     if not math.isclose(scale, head_dim ** -0.5):
         reasons.append(f"an attention scale other than 1/sqrt(head_dim) ({scale})")
-    allowed = (None, "absolute", "rotary") if kind.rotary else (None, "absolute")
-    if getattr(cfg, "position_embedding_type", "absolute") not in allowed:
-        reasons.append(f"position_embedding_type={cfg.position_embedding_type!r} (relative positions)")
+    # Relative positions as the attention's code reads them (transformers 4's relative_key(_query): a
+    # distance_embedding on it); transformers 5's BERT-family code no longer reads position_embedding_type.
+    if getattr(at, "distance_embedding", None) is not None:
+        reasons.append(f"position_embedding_type={getattr(at, 'position_embedding_type', '?')!r} (relative "
+                       "positions, a distance embedding in the attention)")
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
         reasons.append("a decoder / cross-attention configuration")
     reasons += filter(None, [_attention_function_problem(cfg)])
@@ -1715,18 +1753,59 @@ def _is_fused(module: nn.Module) -> bool:
     return "_bertfuse_base" in vars(type(module))
 
 
+# Which padded positions of the encoder's output the heads over it read (the fused encoder leaves them 0): none;
+# the first (a pooler, a sequence or multiple-choice classifier: left padding pads it); every one (question
+# answering: the start and end logits and their loss span every position, padded ones included).
+NO_PADDING, FIRST_POSITION, EVERY_POSITION = "none", "first", "every"
+PADDED_POSITIONS = ("exact", "zero")
+
+
 class _EncoderState(NamedTuple):
     """What a fused encoder knows of itself, kept on it (as `_bertfuse_encoder`)."""
     layers: Layers
     config: object                 # the encoder model's config (output flags, the attention implementation)
     report: EncoderReport
+    reads: str = NO_PADDING        # which padded positions its model's heads read (`padded_reads`)
 
 
-def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
+def padded_reads(root: nn.Module, enc_model: nn.Module, padded_positions: str) -> str:
+    """What the heads over `enc_model` inside `root` read at padded positions (NO_PADDING where
+    padded_positions="zero": the caller accepted 0 there)."""
+    if padded_positions == "zero":
+        return NO_PADDING
+    readers = [enc_model, *(m for m in root.modules() if any(c is enc_model for c in m.children()))]
+    names = {c.__name__ for m in readers for c in type(m).__mro__}
+    if any(n.endswith("ForQuestionAnswering") for n in names):
+        return EVERY_POSITION
+    if getattr(enc_model, "pooler", None) is not None or \
+            any(n.endswith(("ForSequenceClassification", "ForMultipleChoice")) for n in names):
+        return FIRST_POSITION
+    return NO_PADDING
+
+
+def _padded_read_problems(reads: str, keys) -> list[str]:
+    """[why] where this call's heads read a padded position (`padded_reads`), which only the original code
+    computes. Compiled, where no value can be read: every position read, the original code always (returned as a
+    reason); the first, the program checks it when it runs and stops rather than compute something else."""
+    if reads == NO_PADDING or keys is None:
+        return []
+    where = "every position: question answering" if reads == EVERY_POSITION else "the first: a pooler or classifier"
+    why = (f"padding at a position its heads read ({where}), which the fused encoder leaves 0 "
+           "(fuse(..., padded_positions='zero') accepts that)")
+    read = keys if reads == EVERY_POSITION else keys[:, :1]
+    if torch.compiler.is_compiling():
+        if reads == EVERY_POSITION:
+            return [why]
+        torch._assert_async(read.all(), f"bert.hf.fuse: {why}")
+        return []
+    return [] if bool(read.all()) else [why]
+
+
+def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str, reads: str) -> EncoderReport:
     """Fuse one encoder model; its report also names the hub kernels (bound by transformers' kernelize) whose
     function the fused code now computes: those on modules fuse changed, or inside them."""
     hub = {m: type(m).kernel_layer_name for m in model.modules() if ops.hub_kernel(m) is not None}
-    report = _fuse_encoder(fuser, path, model, child)
+    report = _fuse_encoder(fuser, path, model, child, reads)
     parents = {c: m for m in model.modules() for c in m.children()}
     replaced = collections.Counter(name for m, name in hub.items() if _is_fused(m) or _is_fused(parents.get(m, m)))
     if replaced:
@@ -1735,7 +1814,7 @@ def _fuse_encoder_model(fuser: _Fuser, path: str, model: nn.Module, child: str) 
     return report
 
 
-def _fuse_encoder(fuser: _Fuser, path: str, model: nn.Module, child: str) -> EncoderReport:
+def _fuse_encoder(fuser: _Fuser, path: str, model: nn.Module, child: str, reads: str) -> EncoderReport:
     encoder = getattr(model, child) if child else model  # "": the model holds its layers itself
     stack, layers = encoder_stack(encoder)
     kinds = {layer_kind(layer) for layer in layers}
@@ -1761,7 +1840,7 @@ def _fuse_encoder(fuser: _Fuser, path: str, model: nn.Module, child: str) -> Enc
             fuser.fused(_get(layer, path_in_layer) if path_in_layer else layer, forward)
     for group in stack.groups(encoder):
         fuser.fused(group, stack.group_forward)
-    fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report))
+    fuser.attach(encoder, "_bertfuse_encoder", _EncoderState(kind, getattr(model, "config", None), report, reads))
     fuser.fused(encoder, kind.encoder_forward or _encoder_forward)
     if kind.model_forward:
         fuser.fused(model, kind.model_forward)
@@ -1917,6 +1996,8 @@ class FusedMLMForward:
         loss = ops.masked_lm_loss(h, decoder.weight, bias, labels[rows], backend=ops.backend_for(h)).loss
         if items is not None:  # the sum over the labelled rows, divided by the count given
             loss = loss * rows.numel() / (items.to(loss.device) if torch.is_tensor(items) else items)
+        else:  # transformers' mean over no labelled token is NaN (the kernel's 0 is our own models' convention)
+            loss = torch.where((labels != -100).any(), loss, torch.nan)
         if pair_label is not None:  # pre-training: the sentence-pair head's loss as well
             pair_logits = _get(task, self.pair.module)(out[1])
             loss = loss + F.cross_entropy(pair_logits.view(-1, 2).float(), pair_label.view(-1))
@@ -1997,29 +2078,40 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: 
 
 
 # ---- the public calls -------------------------------------------------------------------------
-def fuse(model: nn.Module, mlm_logits: bool = True) -> nn.Module:
+def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exact") -> nn.Module:
     """Fuse every encoder inside `model` in place (see the module docstring); returns `model`.
 
     mlm_logits: True (the default) keeps transformers' contract for masked-LM and pre-training models given
     labels: the full [batch, seq, vocab] logits are formed and returned with the loss. False computes the loss
     at the labelled positions only, by the masked-only kernel, and never forms the logits (memory bounded by the
     labelled tokens): `logits` / `prediction_logits` are then None, and the output refuses integer indexing and
-    to_tuple() (positions would shift). The loss itself means the same either way."""
+    to_tuple() (positions would shift). The loss itself means the same either way.
+
+    padded_positions: the fused encoder computes real tokens only and leaves padded positions of its output 0.
+    "exact" (the default): a call with padding where a head over the encoder reads it (question answering's start
+    and end logits, whose loss spans every position; a pooler or classifier reading a padded first position, as
+    left padding gives) runs the original code, so every head's answer is transformers'. "zero": such calls run
+    fused too, and those heads read 0 there (a QA loss over padded positions, a pooled padded first token, then
+    differ from transformers'), for speed."""
+    if padded_positions not in PADDED_POSITIONS:
+        raise ValueError(f"fuse: padded_positions must be one of {PADDED_POSITIONS}, got {padded_positions!r}")
     saved = getattr(model, _ORIGINALS, None)
     if saved:  # already fused
-        if saved.mlm_logits != mlm_logits:
-            raise ValueError(f"fuse: this model is already fused with mlm_logits={saved.mlm_logits}; unfuse it first")
+        if (saved.mlm_logits, saved.padded_positions) != (mlm_logits, padded_positions):
+            raise ValueError(f"fuse: this model is already fused with mlm_logits={saved.mlm_logits}, "
+                             f"padded_positions={saved.padded_positions!r}; unfuse it first")
         return model
     encoders = encoder_parts(model)
     if not encoders:
         raise ValueError(f"fuse: no encoder inside {type(model).__name__} (looked for a module with `embeddings` "
                          "and an `encoder` or `transformer` holding a `layer` list)")
     fuser = _Fuser()
-    reports = [_fuse_encoder_model(fuser, *part) for part in encoders]
+    reports = [_fuse_encoder_model(fuser, *part, padded_reads(model, part[1], padded_positions))
+               for part in encoders]
     heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
     for report in reports:
         report.warn()
-    object.__setattr__(model, _ORIGINALS, _Saved(fuser.record, heads, mlm_logits))
+    object.__setattr__(model, _ORIGINALS, _Saved(fuser.record, heads, mlm_logits, padded_positions))
     object.__setattr__(model, _REPORT, reports)
     return model
 

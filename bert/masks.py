@@ -13,6 +13,13 @@ what the original would read:
     transformers' flash path takes them.
 The sequences are then the fused layout's sequences (bert.model.padding, `segments`): the varlen kernel's
 cu_seqlens, no unpadding of anything else.
+
+A 3-D or 4-D mask means what the attention that reads it makes of it (`mask_reading`): transformers hands such a
+mask to the attention as it is, and the eager functions (and MPNet's and RoFormer's own code, and flex given a
+tensor) *add* it to the scores, so a boolean one adds 1 to kept keys and masks nothing; sdpa reads a boolean mask
+as True = attend and adds a float one; DeBERTa's code reads any mask as `mask.bool()`; the flash functions read a
+2-D padding mask only, and flex's BlockMask holds a function. Where the fused attention cannot compute that
+meaning, `Rows.keys` is None and the original code runs.
 """
 from __future__ import annotations
 
@@ -41,19 +48,41 @@ def sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
-def _allowed(attention_mask, batch: int, seqlen: int):
-    """A 3-D/4-D mask as [batch, heads, seq, seq] bool (True = attend) and the check its values need (an additive
-    mask must hold only 0 and <= the dtype's minimum / 2), or (None, None) for a shape transformers never gives."""
+ADDED, KEPT, NONZERO, UNREAD = "added", "kept", "nonzero", "unread"
+
+
+def mask_reading(config, own: str | None = None) -> str:
+    """How the attention of a model reads a 3-D/4-D mask (module docstring): `own`, where the family's code reads
+    it one way whatever the configured implementation (MPNet, RoFormer: ADDED; DeBERTa: NONZERO), else by the
+    implementation: sdpa KEPT (boolean True = attend, a float mask added), eager and flex ADDED, flash UNREAD."""
+    if own:
+        return own
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    return KEPT if impl == "sdpa" else UNREAD if impl.startswith("flash") else ADDED
+
+
+def _allowed(attention_mask, batch: int, seqlen: int, reading: str = KEPT):
+    """A 3-D/4-D mask as [batch, heads, seq, seq] bool (True = attend) and the check its values need, as `reading`
+    reads it, or (None, None) for a shape transformers never gives or a mask the fused attention cannot read.
+    Added to the scores, a float mask must hold only 0 and <= the dtype's minimum / 2, and a boolean or integer
+    one the same value along each query's row (a constant added to every score of a row changes nothing)."""
     m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
-    if m.dim() != 4 or m.shape[-1] != seqlen or m.shape[0] not in (1, batch) or m.shape[2] not in (1, seqlen):
+    if reading == UNREAD or m.dim() != 4 or m.shape[-1] != seqlen or m.shape[0] not in (1, batch) or \
+            m.shape[2] not in (1, seqlen):
         return None, None
     m = m.expand(batch, -1, -1, seqlen)
     # A view expanded along heads and queries holds one key mask: its values are read on that mask alone (batch x
     # seq), and the result is expanded back, which key_mask recognises as shared.
     shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
     core = m[:, :1, :1] if shared else m
-    if core.dtype == torch.bool:
-        return core.expand(m.shape), None
+    if reading == NONZERO:
+        return (core != 0).expand(m.shape), None
+    if not core.dtype.is_floating_point:
+        if reading == KEPT and core.dtype == torch.bool:
+            return core.expand(m.shape), None
+        if reading == KEPT:  # sdpa takes a boolean or a float mask only: the original code raises
+            return None, None
+        return torch.ones_like(core, dtype=torch.bool).expand(m.shape), (core == core[..., :1]).all()
     blocked = core <= torch.finfo(core.dtype).min / 2
     return (~blocked).expand(m.shape), ((core == 0) | blocked).all()
 
@@ -70,18 +99,19 @@ def _verdict(checks: list, message: str) -> bool:
     return bool(ok)
 
 
-def key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | None:
-    """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as transformers reads
-    it: None; a 2-D mask (0 = padding); a 3-D/4-D boolean mask (True = attend) or float mask, which transformers
-    *adds* to the scores, so only its values 0 (attend) and <= the dtype's minimum / 2 (never attended) are a mask.
-    None when the fused attention cannot express it: a mask that differs between queries or heads (causal), or
-    an additive mask with other values (a bias). Under torch.compile and torch.export the compiled program checks
-    this when it runs (`_verdict`)."""
+def key_mask(attention_mask, batch: int, seqlen: int, device, reading: str = KEPT) -> torch.Tensor | None:
+    """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as its attention
+    reads it (`reading`, `_allowed`): None; a 2-D mask (0 = padding); a 3-D/4-D mask. None when the fused attention
+    cannot express it: a mask that differs between queries or heads (causal), an additive mask with other values
+    (a bias), a mask the implementation does not read as a tensor (flex's BlockMask, flash's 4-D). Under
+    torch.compile and torch.export the compiled program checks this when it runs (`_verdict`)."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
+    if not isinstance(attention_mask, torch.Tensor):
+        return None
     if attention_mask.dim() == 2:
         return attention_mask != 0
-    m, values = _allowed(attention_mask, batch, seqlen)
+    m, values = _allowed(attention_mask, batch, seqlen, reading)
     if m is None:
         return None
     keys = m[:, 0, 0, :]
@@ -95,10 +125,11 @@ def key_mask(attention_mask, batch: int, seqlen: int, device) -> torch.Tensor | 
     return keys if ok else None
 
 
-def _block_keys(attention_mask, segments: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor | None:
+def _block_keys(attention_mask, segments: torch.Tensor, batch: int, seqlen: int,
+                reading: str) -> torch.Tensor | None:
     """The key mask of a 4-D mask that is block-diagonal over `segments` (each query attends to the allowed keys
     of its own sequence, the same keys whichever query of it asks), else None."""
-    m, values = _allowed(attention_mask, batch, seqlen)
+    m, values = _allowed(attention_mask, batch, seqlen, reading)
     if m is None:
         return None
     m = m.expand(batch, -1, seqlen, seqlen)
@@ -128,9 +159,15 @@ def _flash_segments(kwargs: dict, batch: int, seqlen: int, device):
     return torch.searchsorted(cu_q[1:].to(device).contiguous(), tokens.to(cu_q.dtype), right=True)[None], None
 
 
-def packed_rows(config, attention_mask, kwargs: dict, position_ids, batch: int, seqlen: int, device) -> Rows:
+def packed_rows(config, attention_mask, kwargs: dict, position_ids, batch: int, seqlen: int, device,
+                reading: str | None = None) -> Rows:
     """What the rows of this call hold (`Rows`), as the model's own attention would read them (module docstring).
-    position_ids: the ids the model's attention or mask reads (None where neither does)."""
+    position_ids: the ids the model's attention or mask reads (None where neither does); reading: how it reads a
+    3-D/4-D mask where the family's code has one way (`mask_reading`), None: by the configured implementation."""
+    reading = mask_reading(config, reading)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return Rows(None, why=f"a {type(attention_mask).__name__} attention mask (flex attention's), which the fused "
+                              "attention does not read")
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl.startswith("flash"):
         segments, why = _flash_segments(kwargs, batch, seqlen, device)
@@ -138,10 +175,10 @@ def packed_rows(config, attention_mask, kwargs: dict, position_ids, batch: int, 
             return Rows(None, why=why)
         if segments is None and attention_mask is None and position_ids is not None and batch == 1:
             segments = sequence_indices(position_ids.expand(batch, seqlen))
-        return Rows(key_mask(attention_mask, batch, seqlen, device), segments)
+        return Rows(key_mask(attention_mask, batch, seqlen, device, reading), segments)
     if position_ids is not None and attention_mask is not None and attention_mask.dim() in (3, 4):
         segments = sequence_indices(position_ids.expand(batch, seqlen))
-        keys = _block_keys(attention_mask, segments, batch, seqlen)
+        keys = _block_keys(attention_mask, segments, batch, seqlen, reading)
         if keys is not None:
             return Rows(keys, segments)
-    return Rows(key_mask(attention_mask, batch, seqlen, device))
+    return Rows(key_mask(attention_mask, batch, seqlen, device, reading))

@@ -51,16 +51,20 @@ def device_refusal(device: torch.device) -> str | None:
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """For a drop-in module, which holds no config: "triton" where the kernels run on t's device (a CUDA or ROCm
-    GPU the kernels support; the CPU under TRITON_INTERPRET=1), else "torch" (the module computes its op's
-    plain-PyTorch reference instead), so a model moved to a device the kernels cannot use still runs, with one
-    warning. In an ONNX export: "torch"."""
+    """For a drop-in module, which holds no config: "triton" where the kernels run t's dtype on t's device (a CUDA
+    or ROCm GPU the kernels support; the CPU under TRITON_INTERPRET=1), else "torch" (the module computes its op's
+    plain-PyTorch reference instead), so a model moved to a device or dtype the kernels cannot use (float64,
+    bfloat16 on a GPU without bfloat16 dots) still runs, with one warning. In an ONNX export: "torch"."""
     if exporting_onnx():
         return "torch"
     why = device_refusal(t.device)
+    if why is None and t.dtype not in FLOAT_DTYPES:
+        why = f"the kernels take float32, float16 and bfloat16, not {t.dtype}"
+    if why is None and t.is_cuda:
+        why = targets.dtype_refusal("fused layers", t.dtype, targets.of(t.device))
     if why is None:
         return "triton"
-    warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path: {why}")
+    warn_once(f"fused layers on {t.device.type} {t.dtype} tensors run their PyTorch path: {why}")
     return "torch"
 
 

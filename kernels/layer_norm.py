@@ -373,6 +373,8 @@ class LayerNorm(nn.LayerNorm):
         if backend_for(x) == "triton":
             return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=p,
                               return_sum=return_sum)
+        if residual is None and not p and not return_sum:  # nn.LayerNorm's own code (its static shape: ONNX)
+            return super().forward(x)
         return layer_norm_ref(x, self.weight, self.bias, self.eps, residual=residual, dropout_p=p,
                               return_sum=return_sum)
 
@@ -396,6 +398,8 @@ class RMSNorm(nn.RMSNorm):
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         if backend_for(x) == "triton":
             return rms_norm(x, self.weight, eps, residual=residual, dropout_p=p, return_sum=return_sum)
+        if residual is None and not p and not return_sum:  # nn.RMSNorm's own code (its static shape: ONNX)
+            return super().forward(x)
         return rms_norm_ref(x, self.weight, eps, residual=residual, dropout_p=p, return_sum=return_sum)
 
 

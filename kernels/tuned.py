@@ -36,6 +36,7 @@ from .targets import Target
 FORMAT = 1
 _forced: dict[str, dict] = {}
 _strict: set[str] = set()  # forced kernels whose config must be taken as it is (ValueError otherwise)
+_refusing: list[bool] = [False]  # inside `refusing()`: a table entry the launcher cannot take raises too
 
 
 def config_dir() -> str:
@@ -208,10 +209,11 @@ def pick(kernel: str, default: NamedTuple, target: Target | None, dtype: torch.d
     if config is None:
         return default
     why = _problem(config, default, tunable, target, need)
-    if why and kernel in _strict and key is None:
-        raise ValueError(f"{kernel}: the launcher refuses the config {json.dumps(config, sort_keys=True)}: {why}")
+    where = "forced" if key is None else f"{os.path.join(config_dir(), target.name + '.json')}, {key}"
+    if why and ((kernel in _strict and key is None) or _refusing[0]):
+        raise ValueError(f"{kernel}: the launcher refuses the config {json.dumps(config, sort_keys=True)} "
+                         f"({where}): {why}")
     if why:
-        where = "forced" if key is None else f"{os.path.join(config_dir(), target.name + '.json')}, {key}"
         warn_ignored(kernel, where, json.dumps(config, sort_keys=True, default=str), why)
         return default
     return default._replace(**config)
@@ -233,6 +235,17 @@ def forced(kernel: str, config: dict, strict: bool = False):
             _forced.pop(kernel, None)
         else:
             _forced[kernel] = previous
+
+
+@contextlib.contextmanager
+def refusing():
+    """Inside the block, a table entry the launcher cannot take raises a ValueError (naming the table and the key)
+    instead of being warned about and replaced by the default: the compile check of a table."""
+    was, _refusing[0] = _refusing[0], True
+    try:
+        yield
+    finally:
+        _refusing[0] = was
 
 
 def clear_cache() -> None:

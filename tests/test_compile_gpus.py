@@ -3,6 +3,7 @@ MI300), down to machine code, without a GPU; the full matrix is `python tests/co
 
 The interpreter accepts things the compiler rejects (a plain float global read inside a kernel, say); this
 catches them on CPU-only machines. The compile runs in subprocesses without TRITON_INTERPRET."""
+import json
 import os
 import subprocess
 import sys
@@ -65,3 +66,26 @@ def test_a_launch_config_table_compiles_entry_by_entry(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # Once per flag combination the launcher may use (tanh or not), with the table's config.
     assert out.stdout.count("ok   sm_90 bias_gelu fwd torch.bfloat16") == 2 and "0 failed" in out.stdout
+
+
+def test_a_table_entry_the_launcher_refuses_is_reported_as_a_failure(tmp_path):
+    """A tuned table whose attention tile needs more shared memory than the family has: the launcher would warn
+    and run its default, so the check reports the entry as a failure (rc 1) rather than compile the default."""
+    need_backend("nvidia")
+    entry = {"config": {"BLOCK_M": 256, "BLOCK_N": 256, "num_stages": 4, "num_warps": 8}}
+    (tmp_path / "sm_80.json").write_text(json.dumps({"arch": "sm_80", "format": 1, "kernels": {
+        "attention.fwd": {"bfloat16/64/all": entry}}}))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["BERTFUSE_CONFIG_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_80", "table"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    failed = [line for line in out.stdout.splitlines() if line.startswith("FAIL ")]
+    assert len(failed) == 1 and "refuses" in failed[0] and "shared memory" in failed[0], out.stdout
+    assert "1 failed" in out.stdout and "Traceback" not in out.stderr
+    # The launchers' own group: the calls reading that entry are failures too, not the default compiled instead.
+    code = ("from bertfuse.bench import compile_check as c; from bertfuse.kernels.targets import named; "
+            "t = named('sm_80'); print([v.name for v in c.launcher_variants(c.record('attention'), t) if v.failed])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "attention torch.bfloat16 size=64" in out.stdout and "size=128" not in out.stdout, out.stdout

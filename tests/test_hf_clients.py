@@ -278,6 +278,61 @@ def test_onnx_export_of_a_fused_model_runs_in_onnxruntime(family, dynamo, tmp_pa
     assert fuse_report(fused)[0].calls == {}  # an export is not a fallback
 
 
+class _LastHidden(nn.Module):
+    """What a user exports around a bare encoder (transformers' BertModel takes no positional mask in the
+    TorchScript exporter): the last hidden state, in eval mode (an exporter leaves the whole tree in the
+    exported module's mode)."""
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def _export(module, x, path, dynamo: bool, dynamic: bool):
+    names = dict(input_names=["input_ids", "attention_mask"], output_names=["out"])
+    if dynamic and dynamo:
+        dim = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("seq", min=2, max=40)}
+        names["dynamic_shapes"] = (dim, dim)
+    elif dynamic:
+        names["dynamic_axes"] = {k: {0: "batch", 1: "seq"} for k in ("input_ids", "attention_mask", "out")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporters' own warnings
+        torch.onnx.export(module, (x["input_ids"], x["attention_mask"]), str(path), dynamo=dynamo, **names)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("family", ["bert", pytest.param("modernbert", marks=pytest.mark.slow),
+                                    pytest.param("deberta-v2", marks=pytest.mark.slow)])
+def test_an_onnx_export_leaves_the_fused_model_bit_identical(family, dynamo, dynamic, tmp_path):
+    """Both exporters, with and without dynamic axes: the fused model afterwards is what it was (its classes,
+    state_dict, mode and outputs, bit for bit), and the exported graph computes the unfused model."""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is a test extra: pip install -e '.[test]'")
+    pytest.importorskip("onnxscript" if dynamo else "onnx", reason="the exporter's package is a test extra")
+    ref = build(family, "Model")
+    fused = quiet(fuse, copy.deepcopy(ref))
+    x = inputs(family)
+    classes = [type(m) for m in fused.modules()]
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
+    with torch.no_grad():
+        before = fused(**x).last_hidden_state
+    _export(_LastHidden(fused).eval(), x, tmp_path / "m.onnx", dynamo, dynamic)
+    with torch.no_grad():
+        after = fused(**x).last_hidden_state
+    assert torch.equal(after, before) and not fused.training
+    assert [type(m) for m in fused.modules()] == classes and fuse_report(fused)[0].calls == {}
+    assert all(torch.equal(v, state[k]) for k, v in fused.state_dict().items())
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    y = inputs(family, seed=4) if not dynamic else {k: v[:2, :9] for k, v in inputs(family, seed=4).items()}
+    out = torch.from_numpy(session.run(["out"], {k: v.numpy() for k, v in y.items()})[0])
+    with torch.no_grad():
+        want = ref(**y).last_hidden_state
+    real = y["attention_mask"].bool()
+    assert rel_err(out[real], want[real]) <= 1e-5
+
+
 # ---- torch.compile: one graph at a fixed batch shape, whatever the padding -----------------------------------------
 @pytest.mark.compile
 @pytest.mark.parametrize("family", [*FAMILIES, "mpnet", "albert", "modernbert", "nomicbert", "eurobert", "esm",

@@ -367,6 +367,8 @@ def masked_lm_loss(hidden, weight, bias, labels, backend="torch") -> MLMLoss:
     # NaN mean over nothing, without a sync.
     used = (labels >= 0) & (labels < weight.shape[0])
     labels = labels.masked_fill(~used, -100)
-    loss = F.cross_entropy(logits.float(), labels, reduction="sum") / used.sum().clamp_min(1)
+    # float32 at least (float64 stays float64: a float64 model's loss is computed in its precision)
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(wide, labels, reduction="sum") / used.sum().clamp_min(1)
     correct = ((logits.argmax(-1) == labels) & used).sum()
     return MLMLoss(loss, correct, logits)

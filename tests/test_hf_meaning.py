@@ -1,0 +1,262 @@
+"""bert.hf.fuse never changes meaning, for configurations and inputs a user can build that sit at the edges: a mask
+means what the chosen attention implementation makes of it (eager adds a boolean 4-D mask, sdpa keeps it, flex
+hands a BlockMask); a 4-D mask is every layer's mask, ModernBERT's sliding layers included; rotations that are not
+the whole head; heads that read padded positions; float64 models on the Triton path; the masked-only loss with
+no labelled token; configurations transformers 5 no longer reads. Each case: fused against unfused on small
+random models, float32, in Triton's interpreter on CPU (the real kernels), and where the fused code cannot
+compute it exactly, the original code with the reason in fuse_report."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_utils import TOL, rel_err
+
+transformers = pytest.importorskip("transformers")
+from bertfuse.bench.hf_parity import batch, build  # noqa: E402
+from bertfuse.bert import hf  # noqa: E402
+from bertfuse.bert.hf import fuse, fuse_report  # noqa: E402
+
+LENGTHS = (6, 3)
+
+
+def pair(family, head="Model", impl=None, fuse_args=None, **changes):
+    """(unfused, fused) copies of one small random model, its attention implementation set to `impl`."""
+    ref = build(family, head, **changes)
+    if impl:
+        ref.set_attn_implementation(impl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ref, fuse(copy.deepcopy(ref), **(fuse_args or {}))
+
+
+def ids_keys(lengths=LENGTHS, seqlen=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]
+    return torch.randint(5, 99, (len(lengths), seqlen), generator=g), keys
+
+
+def calls(model) -> dict:
+    return dict(fuse_report(model)[0].calls)
+
+
+def same_at_real(ref, fused, ids, keys, **kwargs):
+    a, b = ref(ids, **kwargs)[0], fused(ids, **kwargs)[0]
+    assert rel_err(b[keys], a[keys]) <= TOL
+
+
+# ---- a 3-D/4-D mask means what the implementation reading it makes of it -------------------------------------
+MASK_FAMILIES = ["bert", "distilbert", "albert", "mpnet", "modernbert", "eurobert"]
+
+
+@pytest.mark.parametrize("family", MASK_FAMILIES)
+def test_eager_attention_adds_a_boolean_4d_mask_to_the_scores(family):
+    """Eager attention adds a 4-D mask as it is: a boolean one adds 1 to kept keys and masks nothing, which the
+    fused attention cannot express (keys of a row differ) and so the original code computes."""
+    ref, fused = pair(family, impl="eager")
+    ids, keys = ids_keys()
+    mask = keys[:, None, None, :].expand(2, 1, 6, 6)
+    same_at_real(ref, fused, ids, keys, attention_mask=mask)
+    assert any("cannot express" in why for why in calls(fused))
+
+
+@pytest.mark.parametrize("family", [f for f in MASK_FAMILIES if f != "mpnet"])  # MPNet's own code adds any mask
+def test_sdpa_reads_a_boolean_4d_mask_as_kept_keys_and_runs_fused(family):
+    ref, fused = pair(family, impl="sdpa")
+    ids, keys = ids_keys()
+    same_at_real(ref, fused, ids, keys, attention_mask=keys[:, None, None, :].expand(2, 1, 6, 6))
+    assert calls(fused) == {}
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_a_boolean_4d_mask_alike_along_each_row_adds_a_constant_and_runs_fused(family):
+    """Every key of a row kept (True everywhere): eager adds 1 to every score of the row, which the softmax
+    cancels: the padding-free answer, fused."""
+    ref, fused = pair(family, impl="eager")
+    ids, keys = ids_keys(lengths=(6, 6))
+    same_at_real(ref, fused, ids, keys, attention_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool))
+    assert calls(fused) == {}
+
+
+def test_a_3d_mask_to_a_model_fused_whole_raises_as_transformers_does():
+    ref, fused = pair("modernbert")
+    ids, keys = ids_keys()
+    mask = keys[:, None, :].expand(2, 6, 6)
+    for model in (ref, fused):
+        with pytest.raises(Exception):
+            model(ids, attention_mask=mask)
+
+
+def test_deberta_reads_any_mask_as_nonzero_kept():
+    """DeBERTa's code reads a mask as mask.bool(): an integer 4-D mask of 0 and 1 is a key mask there."""
+    ref, fused = pair("deberta-v2", impl="eager")
+    ids, keys = ids_keys()
+    same_at_real(ref, fused, ids, keys, attention_mask=keys.long()[:, None, None, :])
+    assert calls(fused) == {}
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_4d_mask_is_every_layers_mask_in_modernbert_local_layers_too(impl):
+    """Given a 4-D mask, transformers builds no sliding-window mask: local layers see the whole sequence, and
+    the fused layers then run without windows."""
+    ref, fused = pair("modernbert", impl=impl, local_attention=4)
+    ids, keys = ids_keys(lengths=(12, 7), seqlen=12)
+    blocked = torch.finfo(torch.float32).min
+    mask = torch.where(keys, 0.0, blocked)[:, None, None, :]
+    same_at_real(ref, fused, ids, keys, attention_mask=mask)
+    assert calls(fused) == {}
+    same_at_real(ref, fused, ids, keys, attention_mask=keys.long())  # a 2-D mask: the windows apply
+    assert calls(fused) == {}
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "albert", "esm"])
+def test_flex_attention_block_masks_run_the_original_code(family):
+    """flex's BlockMask holds a function, not a tensor the fused attention can read: the original code runs."""
+    ref, fused = pair(family, impl="flex_attention")
+    ids, keys = ids_keys()
+    with torch.no_grad():  # flex attention has no backward on CPU
+        same_at_real(ref, fused, ids, keys, attention_mask=keys.long())
+    assert any("BlockMask" in why for why in calls(fused))
+
+
+# ---- rotations that are not the whole head ----------------------------------------------------------------
+ROTARY = ["modernbert", "nomicbert", "eurobert", "esm"]
+
+
+def _heads(family, hidden, heads):
+    return dict(hidden_size=hidden, num_attention_heads=heads, intermediate_size=24,
+                **({"num_key_value_heads": heads} if family == "eurobert" else {}))
+
+
+@pytest.mark.parametrize("family", ROTARY)
+def test_rotary_head_dim_one_keeps_transformers_broadcast(family):
+    """A 1-wide head against 2-wide cos and sin: transformers broadcasts and runs; the kernels rotate pairs, so
+    the attention keeps its code, with the reason."""
+    ref, fused = pair(family, **_heads(family, 8, 8))
+    ids, keys = ids_keys()
+    same_at_real(ref, fused, ids, keys, attention_mask=keys.long())
+    assert any("rotation 2 wide for head_dim 1" in why for _, why in fuse_report(fused)[0].kept)
+
+
+@pytest.mark.parametrize("family", ROTARY)
+def test_rotary_with_an_odd_head_dim_raises_as_transformers_does(family):
+    ref, fused = pair(family, **_heads(family, 12, 4))
+    ids, keys = ids_keys()
+    for model in (ref, fused):
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            model(ids, attention_mask=keys.long())
+    assert any("rotation 4 wide for head_dim 3" in why for _, why in fuse_report(fused)[0].kept)
+
+
+@pytest.mark.parametrize("family", ["eurobert", "nomicbert"])
+def test_a_partial_rotation_raises_as_transformers_does(family):
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}
+    ref, fused = pair(family, rope_parameters=rope)
+    ids, keys = ids_keys()
+    for model in (ref, fused):
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            model(ids, attention_mask=keys.long())
+
+
+def test_proportional_rope_is_fixed_at_construction_and_runs_fused():
+    rope = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    ref, fused = pair("eurobert", rope_parameters=rope)
+    ids, keys = ids_keys()
+    same_at_real(ref, fused, ids, keys, attention_mask=keys.long())
+    assert fuse_report(fused)[0].kept == [] and calls(fused) == {}
+
+
+def test_relative_position_type_that_transformers_5_no_longer_reads_runs_fused():
+    ref, fused = pair("bert", position_embedding_type="relative_key")
+    if getattr(ref.encoder.layer[0].attention.self, "distance_embedding", None) is not None:
+        pytest.skip("this transformers computes relative_key positions (a distance embedding)")
+    ids, keys = ids_keys()
+    same_at_real(ref, fused, ids, keys, attention_mask=keys.long())
+    assert not any(what == "attention" for what, _ in fuse_report(fused)[0].kept)
+
+
+# ---- heads that read padded positions ----------------------------------------------------------------------
+QA = dict(start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 2]))
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "modernbert"])
+def test_question_answering_over_padded_positions_gets_transformers_loss(family):
+    """The start and end logits, and their loss, span every position, padded ones too: such calls run the
+    original code; padded_positions="zero" runs them fused, with 0 there (another loss)."""
+    ids, keys = ids_keys()
+    ref, fused = pair(family, "ForQuestionAnswering")
+    a, b = ref(ids, attention_mask=keys.long(), **QA), fused(ids, attention_mask=keys.long(), **QA)
+    assert rel_err(b.loss, a.loss) <= TOL and rel_err(b.start_logits, a.start_logits) <= TOL
+    assert any("every position" in why for why in calls(fused))
+    _, fast = pair(family, "ForQuestionAnswering", fuse_args={"padded_positions": "zero"})
+    fast.load_state_dict(ref.state_dict())
+    c = fast(ids, attention_mask=keys.long(), **QA)
+    assert calls(fast) == {} and rel_err(c.loss, a.loss) > 1e-4
+    full = torch.ones_like(keys)  # no padding: fused
+    assert rel_err(fused(ids, attention_mask=full.long(), **QA).loss, ref(ids, attention_mask=full.long(),
+                                                                            **QA).loss) <= TOL
+    assert sum(calls(fused).values()) == 1
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert", "esm"])
+def test_a_classifier_reading_a_left_padded_first_position_gets_transformers_answer(family):
+    ids, keys = ids_keys()
+    left = keys.flip(-1).long()
+    ref, fused = pair(family, "ForSequenceClassification")
+    labels = torch.tensor([0, 1])
+    a, b = ref(ids, attention_mask=left, labels=labels), fused(ids, attention_mask=left, labels=labels)
+    assert rel_err(b.logits, a.logits) <= TOL and rel_err(b.loss, a.loss) <= TOL
+    assert any("the first" in why for why in calls(fused))
+    right = fused(ids, attention_mask=keys.long(), labels=labels)  # right padding: fused
+    assert rel_err(right.logits, ref(ids, attention_mask=keys.long(), labels=labels).logits) <= TOL
+    assert sum(calls(fused).values()) == 1
+
+
+def test_a_bare_models_pooler_reads_the_first_position():
+    ids, keys = ids_keys()
+    ref, fused = pair("bert")
+    left = keys.flip(-1).long()
+    assert rel_err(fused(ids, attention_mask=left).pooler_output, ref(ids, attention_mask=left).pooler_output) <= TOL
+
+
+def test_padded_positions_takes_exact_or_zero():
+    with pytest.raises(ValueError, match="padded_positions"):
+        fuse(build("bert", "Model"), padded_positions="fast")
+    model = fuse(build("bert", "Model"), padded_positions="zero")
+    with pytest.raises(ValueError, match="already fused"):
+        fuse(model)
+
+
+# ---- dtypes and losses -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["bert", "deberta-v2"])
+def test_a_float64_model_runs_the_pytorch_path_in_float64(family):
+    """The kernels take float32 and half precision: a float64 model runs the fused modules' PyTorch path (the
+    backend is chosen by dtype as well as device), its loss in float64 too."""
+    ref = build(family, hidden_size=32, num_attention_heads=4, intermediate_size=40).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, labels = batch(family)
+    a, b = ref(ids, attention_mask=mask, labels=labels).loss, fused(ids, attention_mask=mask, labels=labels).loss
+    assert b.dtype == torch.float64 and rel_err(b, a) <= 1e-12
+
+
+def test_the_masked_only_loss_without_a_labelled_token_is_nan_as_in_transformers():
+    ref = build("bert")
+    fused = fuse(copy.deepcopy(ref), mlm_logits=False)
+    ids, mask, _ = batch("bert")
+    none = torch.full_like(ids, -100)
+    assert torch.isnan(ref(ids, attention_mask=mask, labels=none).loss)
+    assert torch.isnan(fused(ids, attention_mask=mask, labels=none).loss)
+    counted = dict(attention_mask=mask, labels=none, num_items_in_batch=4)  # transformers' sum / count, where read
+    assert torch.isnan(fused(ids, **counted).loss) == torch.isnan(ref(ids, **counted).loss)
+
+
+def test_backend_for_picks_the_pytorch_path_for_float64_tensors():
+    from bertfuse.kernels import backend_for
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert backend_for(torch.zeros(2, dtype=torch.float64)) == "torch"
+        assert backend_for(torch.zeros(2)) == "triton"  # the interpreter, on CPU
