@@ -393,7 +393,14 @@ def _rotary_attention(self, x, q, k, v, packed, position):
     q, k = (ops.rotary(t, position.positions, position.rotations[kind], backend) for t in (q, k))
     context = ops.varlen_attention(q, k, v, packed, self.attention_dropout if self.training else 0.0,
                                    backend, window_size=position.windows[kind])
-    return context.reshape(x.shape[0], -1)
+    return context.flatten(1)
+
+
+def _split_heads(t: torch.Tensor, head_dim: int, parts: int = 1) -> torch.Tensor:
+    """[tokens, parts * heads * head_dim] -> [tokens, (parts,) heads, head_dim], by sizes (no -1: a call may pack
+    no token at all)."""
+    heads = t.shape[-1] // (parts * head_dim)
+    return t.view(t.shape[0], parts, heads, head_dim) if parts > 1 else t.view(t.shape[0], heads, head_dim)
 
 
 def _modernbert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
@@ -402,7 +409,7 @@ def _modernbert_attention_forward(self, hidden_states, *args, packed=None, posit
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
     x = hidden_states
-    q, k, v = self.Wqkv(x).view(x.shape[0], 3, -1, self.head_dim).unbind(1)
+    q, k, v = _split_heads(self.Wqkv(x), self.head_dim, 3).unbind(1)
     return self.out_drop(self.Wo(_rotary_attention(self, x, q, k, v, packed, position))), None
 
 
@@ -413,7 +420,7 @@ def _projected_attention_forward(self, hidden_states, *args, packed=None, positi
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
     x, d = hidden_states, self.head_dim
-    q, k, v = (proj(x).view(x.shape[0], -1, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q, k, v = (_split_heads(proj(x), d) for proj in (self.q_proj, self.k_proj, self.v_proj))
     return self.o_proj(_rotary_attention(self, x, q, k, v, packed, position)), None
 
 
@@ -1414,12 +1421,14 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     own code runs instead, counted in fuse_report. Gradient checkpointing goes through transformers' own
     mechanism (`_run_layer`)."""
     state: _EncoderState = self._bertfuse_encoder
-    batch, seqlen, _ = hidden_states.shape
     kind = state.layers
-    rows = packed_rows(state.config, attention_mask, kwargs, kwargs.get("position_ids"), batch, seqlen,
-                       hidden_states.device, kind.mask_reading)
-    keys = rows.keys
-    why = rows.why or _original_code_reason(self, state, keys, encoder_hidden_states, kwargs)
+    if hidden_states.dim() != 3:  # what a mask of another rank broadcast into (ESM's embeddings scale by it)
+        rows, why = None, f"{hidden_states.dim()}-D hidden states"
+    else:
+        batch, seqlen, _ = hidden_states.shape
+        rows = packed_rows(state.config, attention_mask, kwargs, kwargs.get("position_ids"), batch, seqlen,
+                           hidden_states.device, kind.mask_reading)
+        why = rows.why or _original_code_reason(self, state, rows.keys, encoder_hidden_states, kwargs)
     if not why and rows.segments is not None and (kind.relative or kind.rotary):
         why = ("sequences packed in one row, whose relative or rotary positions this family's fused encoder "
                "computes per row")
@@ -1430,6 +1439,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
                                                                           **kwargs))
     from transformers import modeling_outputs as outputs
 
+    keys = rows.keys
     p = _layout(keys, rows.segments)
     x = unpad(hidden_states, p)
     position = kind.relative(self) if kind.relative else \
