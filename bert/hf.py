@@ -69,18 +69,22 @@ What is fused:
     next-sentence, ALBERT's sentence-order: `PairHead`). By default (mlm_logits=True) the head returns
     transformers' full logits.
 The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs transformers' own model tests on
-fused models). What cannot be fused keeps the original module with one warning naming the reason, and
-`fuse_report` lists it: attention the kernel cannot express (DeBERTa v1's, DeBERTa-v2's convolution, a
-relative-position rule other than MPNet's, a rope type whose frequencies change with the length, a head_dim over
-128, decoders and
-their causal-LM heads), an activation without a kernel, layers of an unknown structure. A call asking for
-output_attentions, output_hidden_states, cross-attention or
-a cache, with a mask the kernel cannot express (one that differs between queries, or additive values other than
-0 and the minimum), or whose attention dropout holds a hook or was replaced (or, for MPNet, a mask with holes,
-whose padded slots its relative positions count, or a hook on its bias; for ModernBERT, a mask with holes,
-whose padded slots its sliding windows count), runs the original encoder code, and
-fuse_report counts it; compiled, such a mask stops the call with an error instead (its values cannot choose the
-code inside a graph).
+fused models; bench/hf_fuzz.py draws random configurations and calls). What cannot be fused keeps the original
+module with one warning naming the reason, and `fuse_report` lists it: attention the kernel cannot express
+(DeBERTa v1's talking heads, DeBERTa-v2's convolution, a relative-position rule other than MPNet's, a distance
+embedding, a rope type whose frequencies change with the length, a rotation that is not the whole head, a head_dim
+over 128, decoders and their causal-LM heads), an activation without a kernel, layers of an unknown structure. A
+call asking for output_attentions, output_hidden_states, cross-attention or a cache, with a mask the kernel
+cannot express as its attention implementation reads it (bert.masks.mask_reading: eager adds a 4-D mask to the
+scores, sdpa keeps a boolean one, DeBERTa reads mask.bool(), flex hands a BlockMask: a mask that differs between
+queries, additive values other than 0 and the minimum, a boolean mask eager adds), with padding where a head
+reads it (`padded_reads`: question answering, a pooler or classifier over a padded first position; unless
+fuse(..., padded_positions="zero")), or whose attention dropout holds a hook or was replaced (or, for MPNet, a
+mask with holes, whose padded slots its relative positions count, or a hook on its bias; for ModernBERT, a 2-D
+mask with holes, whose padded slots its sliding windows count: a 4-D mask is every layer's, windows none), runs
+the original encoder code, and fuse_report counts it; compiled, such a mask stops the call with an error instead
+(its values cannot choose the code inside a graph). The fused modules pick the kernels by device and dtype
+(float64 runs their PyTorch path).
 Beside transformers' kernelize (hub kernels' forwards bound over decorated layers: activations, RMSNorm, the
 rotary function) the fused code wins: fuse sets aside the hub forward of each module it changes and the fused
 kernels compute the functions of those inside fused blocks (ops.hookless accepts a hub forward), while a fused
