@@ -78,7 +78,8 @@ call asking for output_attentions, output_hidden_states, cross-attention or a ca
 cannot express as its attention implementation reads it (bert.masks.mask_reading: eager adds a 4-D mask to the
 scores, sdpa keeps a boolean one, DeBERTa reads mask.bool(), flex hands a BlockMask: a mask that differs between
 queries, additive values other than 0 and the minimum, a boolean mask eager adds), with padding where a head
-reads it (`padded_reads`: question answering, a pooler or classifier over a padded first position; unless
+reads it (`padded_reads`: question answering, a pooler or classifier over a padded first position; a
+token-level label on a padded position, which a forward pre-hook on the task model sees; unless
 fuse(..., padded_positions="zero")), or whose attention dropout holds a hook or was replaced (or, for MPNet, a
 mask with holes, whose padded slots its relative positions count, or a hook on its bias; for ModernBERT, a 2-D
 mask with holes, whose padded slots its sliding windows count: a 4-D mask is every layer's, windows none), runs
@@ -93,6 +94,7 @@ class has no kernel_layer_name, so kernelize (or train()/eval() re-kernelizing) 
 from __future__ import annotations
 
 import collections
+import contextvars
 import functools
 import importlib
 import inspect
@@ -119,6 +121,7 @@ class _Saved(NamedTuple):
     heads: list                    # task models whose forward was patched
     mlm_logits: bool
     padded_positions: str = "exact"
+    labelled: tuple = ()           # token-level task models whose calls check their labels (`_labels_pre_hook`)
 
 
 def _warn(reason: str) -> None:
@@ -1494,6 +1497,8 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     if state.layers.call_problems and windowed:
         wants.update(state.layers.call_problems(encoder, keys))
     wants.update(_padded_read_problems(state.reads, keys))
+    if not torch.compiler.is_compiling() and _PADDED_LABELS.get():
+        wants.add("labels at padded positions, which the fused encoder leaves 0")
     # use_cache means a cache only in a decoder (ESM's encoder is handed its config's use_cache and ignores it).
     cache = kwargs.get("use_cache") and getattr(state.config, "is_decoder", False)
     if wants or encoder_hidden_states is not None or cache:
@@ -2063,6 +2068,52 @@ def _is_masked_lm(task: nn.Module) -> bool:
         c.__name__.endswith(("ForMaskedLM", "ForPreTraining")) for c in type(task).__mro__)
 
 
+# ---- token-level labels on padded positions: that call runs the original encoder code --------------------------
+# Set by a token-level task model's forward pre-hook for the length of its call: a label sits where its 2-D mask
+# is 0, so its loss reads a position the fused encoder leaves 0 (collators label padding -100: rare).
+_PADDED_LABELS = contextvars.ContextVar("bertfuse_padded_labels", default=False)
+_TOKEN_LABELS = ("ForMaskedLM", "ForPreTraining", "ForTokenClassification")
+
+
+def _reads_token_labels(task: nn.Module) -> bool:
+    return any(c.__name__.endswith(_TOKEN_LABELS) for c in type(task).__mro__)
+
+
+def _labels_pre_hook(module, args, kwargs):
+    """Whether this call labels a padded position (one sync; not checked inside a compiled graph)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        named = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:  # the call itself is wrong: its forward raises
+        return None
+    named = {**named.pop("kwargs", {}), **named}
+    labels, mask = named.get("labels"), named.get("attention_mask")
+    padded = torch.is_tensor(labels) and torch.is_tensor(mask) and mask.dim() == 2 and \
+        labels.shape == mask.shape and bool(((labels != -100) & (mask == 0)).any())
+    _PADDED_LABELS.set(padded)
+    return None
+
+
+def _labels_post_hook(module, args, output):
+    if not torch.compiler.is_compiling():
+        _PADDED_LABELS.set(False)
+
+
+def _hook_labels(task: nn.Module) -> None:
+    task.register_forward_pre_hook(_labels_pre_hook, with_kwargs=True)
+    task.register_forward_hook(_labels_post_hook, always_call=True)
+
+
+def _unhook_labels(task: nn.Module) -> None:
+    """Remove the two hooks by their functions (a deep copy's hooks are the copy's own)."""
+    for hooks, fn in ((task._forward_pre_hooks, _labels_pre_hook), (task._forward_hooks, _labels_post_hook)):
+        for key in [k for k, f in hooks.items() if f is fn]:
+            del hooks[key]
+            task._forward_pre_hooks_with_kwargs.pop(key, None)
+            task._forward_hooks_always_called.pop(key, None)
+
+
 def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: bool) -> list:
     """The task models around each encoder model: their GeLUs and LayerNorms, and (mlm_logits=False) the
     masked-only MLM loss."""
@@ -2104,9 +2155,10 @@ def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exa
     padded_positions: the fused encoder computes real tokens only and leaves padded positions of its output 0.
     "exact" (the default): a call with padding where a head over the encoder reads it (question answering's start
     and end logits, whose loss spans every position; a pooler or classifier reading a padded first position, as
-    left padding gives) runs the original code, so every head's answer is transformers'. "zero": such calls run
-    fused too, and those heads read 0 there (a QA loss over padded positions, a pooled padded first token, then
-    differ from transformers'), for speed."""
+    left padding gives; a masked-LM or token-classification label on a padded position of a 2-D mask, seen by a
+    forward pre-hook on the task model that unfuse removes) runs the original code, so every head's answer is
+    transformers'. "zero": such calls run fused too, and those heads read 0 there (a QA loss over padded
+    positions, a pooled padded first token, then differ from transformers'), for speed."""
     if padded_positions not in PADDED_POSITIONS:
         raise ValueError(f"fuse: padded_positions must be one of {PADDED_POSITIONS}, got {padded_positions!r}")
     saved = getattr(model, _ORIGINALS, None)
@@ -2123,9 +2175,12 @@ def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exa
     reports = [_fuse_encoder_model(fuser, *part, padded_reads(model, part[1], padded_positions))
                for part in encoders]
     heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
+    labelled = () if padded_positions == "zero" else tuple(m for m in model.modules() if _reads_token_labels(m))
+    for task in labelled:
+        _hook_labels(task)
     for report in reports:
         report.warn()
-    object.__setattr__(model, _ORIGINALS, _Saved(fuser.record, heads, mlm_logits, padded_positions))
+    object.__setattr__(model, _ORIGINALS, _Saved(fuser.record, heads, mlm_logits, padded_positions, labelled))
     object.__setattr__(model, _REPORT, reports)
     return model
 
@@ -2143,6 +2198,8 @@ def unfuse(model: nn.Module) -> nn.Module:
             object.__delattr__(module, name)
         else:
             vars(module)[name] = old
+    for task in saved.labelled:
+        _unhook_labels(task)
     for task in saved.heads:
         original = task.forward.original
         del task.forward

@@ -220,6 +220,24 @@ def test_a_bare_models_pooler_reads_the_first_position():
     assert rel_err(fused(ids, attention_mask=left).pooler_output, ref(ids, attention_mask=left).pooler_output) <= TOL
 
 
+@pytest.mark.parametrize("head", ["ForTokenClassification", "ForMaskedLM"])
+@pytest.mark.parametrize("mlm_logits", [True, False])
+def test_labels_on_padded_positions_get_transformers_loss(head, mlm_logits):
+    """A token-level label where the mask is 0 reads a padded position: that call runs the original encoder code
+    (the task model's pre-hook sees it); labels on real tokens only stay fused. unfuse removes the hooks."""
+    ids, keys = ids_keys()
+    ref, fused = pair("bert", head, fuse_args={"mlm_logits": mlm_logits})
+    labels = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(1))
+    a, b = ref(ids, attention_mask=keys.long(), labels=labels), fused(ids, attention_mask=keys.long(), labels=labels)
+    assert rel_err(b.loss, a.loss) <= TOL and any("labels at padded" in why for why in calls(fused))
+    real = labels.masked_fill(~keys, -100)
+    assert rel_err(fused(ids, attention_mask=keys.long(), labels=real).loss,
+                   ref(ids, attention_mask=keys.long(), labels=real).loss) <= TOL
+    assert sum(calls(fused).values()) == 1
+    hf.unfuse(fused)
+    assert not fused._forward_pre_hooks and not fused._forward_hooks
+
+
 def test_padded_positions_takes_exact_or_zero():
     with pytest.raises(ValueError, match="padded_positions"):
         fuse(build("bert", "Model"), padded_positions="fast")
