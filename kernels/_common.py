@@ -58,13 +58,14 @@ def backend_for(t: torch.Tensor) -> str:
     if exporting_onnx():
         return "torch"
     why = device_refusal(t.device)
-    if why is None and t.dtype not in FLOAT_DTYPES:
-        why = f"the kernels take float32, float16 and bfloat16, not {t.dtype}"
-    if why is None and t.is_cuda:
-        why = targets.dtype_refusal("fused layers", t.dtype, targets.of(t.device))
+    if why is not None:
+        warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path: {why}")
+        return "torch"
+    why = f"the kernels take float32, float16 and bfloat16, not {t.dtype}" if t.dtype not in FLOAT_DTYPES else \
+        targets.dtype_refusal("fused layers", t.dtype, targets.of(t.device)) if t.is_cuda else None
     if why is None:
         return "triton"
-    warn_once(f"fused layers on {t.device.type} {t.dtype} tensors run their PyTorch path: {why}")
+    warn_once(f"fused layers on {t.dtype} tensors run their PyTorch path: {why}")
     return "torch"
 
 

@@ -62,15 +62,15 @@ def test_a_rerun_line_with_a_broken_case_is_one_clear_line():
 
 @pytest.mark.slow
 def test_a_bounded_hypothesis_run_with_the_real_kernels_finds_nothing():
-    result = hf_fuzz.fuzz(400, 11, minutes=8)
-    assert result["cases"] >= 100 and result[hf_fuzz.SAME] > result["cases"] // 2, result
+    result = hf_fuzz.fuzz(200, 11, minutes=4)
+    assert result["cases"] >= 50 and result[hf_fuzz.SAME] > result["cases"] // 2, result
 
 
 @pytest.mark.slow
 def test_a_larger_run_on_the_pytorch_path_finds_nothing():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "bertfuse.bench.hf_fuzz", "--cases", "1500", "--seed", "12",
-                          "--minutes", "8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "bertfuse.bench.hf_fuzz", "--cases", "1000", "--seed", "12",
+                          "--minutes", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["cases"] >= 300 and result[hf_fuzz.SAME] > result["cases"] // 2, result
+    assert result["cases"] >= 200 and result[hf_fuzz.SAME] > result["cases"] // 2, result
