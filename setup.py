@@ -49,6 +49,7 @@ setup(
             "onnx>=1.16",  # ONNX export of a fused model, checked with onnxruntime
             "onnxruntime>=1.17",
             "onnxscript>=0.1",  # the dynamo ONNX exporter needs it
+            "hypothesis>=6",  # the drop-in's configuration fuzzer (bench/hf_fuzz.py)
         ],
         "hf": [TRANSFORMERS],
         "bench": [TRANSFORMERS, "matplotlib>=3.7"],
