@@ -1,6 +1,10 @@
 """Helpers for comparing our models with transformers' on the same weights."""
 from __future__ import annotations
 
+import collections
+import inspect
+import sys
+
 import torch
 
 TOL = 1e-5  # float32 relative error allowed against transformers
@@ -72,3 +76,36 @@ def assert_grads_no_worse(ours: torch.nn.Module, own: torch.nn.Module, truth: to
     mine, theirs = grad_errors(ours, truth), grad_errors(own, truth)
     too_far = {n: (round(e, 6), round(theirs[n], 6)) for n, e in mine.items() if e > max(2 * theirs[n], floor)}
     assert not too_far, too_far
+
+
+class Calls:
+    """Records the kernel calls the fused model makes (a silent fallback to PyTorch would make none): each
+    call's entry point and its arguments by name. fixed_seeds: a call that takes a seed gets 1000 + its index,
+    so that a test can rebuild the dropout mask the kernel drew."""
+
+    def __init__(self, monkeypatch, fixed_seeds=False):
+        from bertfuse import kernels
+        from bertfuse.bert.model import ops
+
+        self.calls = []
+        for module, name in ops.TRITON.items():  # each op's entry point of kernels (the model's table)
+            original = getattr(kernels, name)
+
+            def recorded(*a, _name=name, _original=original, _signature=inspect.signature(original), **k):
+                bound = _signature.bind(*a, **k)
+                bound.apply_defaults()
+                if fixed_seeds and "seed" in bound.arguments:
+                    bound.arguments["seed"] = 1000 + len(self.calls)
+                self.calls.append((_name, dict(bound.arguments)))
+                return _original(*bound.args, **bound.kwargs)
+            # the package's name (bert.model.ops calls it) and the op module's own (its drop-in module calls that)
+            monkeypatch.setattr(kernels, name, recorded)
+            monkeypatch.setattr(sys.modules[f"bertfuse.kernels.{module}"], name, recorded)
+
+    @property
+    def counts(self) -> collections.Counter:
+        return collections.Counter(name for name, _ in self.calls)
+
+    def of(self, name: str) -> list[dict]:
+        """The arguments of every call of entry point `name`, in order."""
+        return [arguments for n, arguments in self.calls if n == name]

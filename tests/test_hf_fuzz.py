@@ -29,7 +29,7 @@ def test_every_family_and_head_is_drawn():
     seen = set()
 
     @with_seed(5)
-    @settings(max_examples=400, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=800, database=None, suppress_health_check=list(HealthCheck))
     @given(hf_fuzz.cases())
     def draw(case):
         seen.add((case.family, case.head))
@@ -42,7 +42,7 @@ def test_every_family_and_head_is_drawn():
 def test_the_fuzzer_finds_a_planted_error_and_prints_its_rerun_line(monkeypatch):
     """With the rule that sends question answering over padding to the original code switched off, the
     fuzzer finds a case whose answers differ, shrunk by hypothesis, and names the line that reruns it."""
-    monkeypatch.setattr(hf, "_padded_read_problems", lambda reads, keys: [])
+    monkeypatch.setattr(hf.encoder, "_padded_read_problems", lambda reads, keys: [])
     with pytest.raises(AssertionError) as e:
         hf_fuzz.fuzz(300, 0, families=["bert"])
     message = str(e.value).splitlines()[0]

@@ -259,8 +259,8 @@ def test_sentence_transformers_flattened_encoding_runs_fused_on_the_packed_layou
     module._flatten_position_offset = module._infer_flatten_position_offset()
     module.can_flatten_inputs = True
     seen = []
-    rows = hf.packed_rows
-    monkeypatch.setattr(hf, "packed_rows", lambda *a: seen.append(rows(*a)) or seen[-1])
+    rows = hf.encoder.packed_rows
+    monkeypatch.setattr(hf.encoder, "packed_rows", lambda *a: seen.append(rows(*a)) or seen[-1])
     out = model.encode(sentences, convert_to_tensor=True)
     # one row, split into the sentences (sorted by length, in one batch)
     assert [r.segments.shape[0] for r in seen] == [1] and int(seen[0].segments.max()) == len(sentences) - 1

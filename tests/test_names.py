@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_from_the_repository_root_a_bare_import_finds_what_is_installed_or_nothi
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "test_probe.py").write_text(f"def test_probe():\n    exec({PROBE!r})\n")
     args = {"-c": ["-c", PROBE], "-m": ["-m", "probe"],
-            "pytest": ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")]}[how]
+            "pytest": ["-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")]}[how]
     found = _answers(_python(args, ROOT, [tmp_path, site]))
     assert found == {name: str(site / name / "__init__.py") for name in BARE}
     alone = _answers(_python(args, ROOT, [tmp_path]))
@@ -181,3 +182,43 @@ def test_a_fused_model_pickled_under_the_old_names_loads_with_the_legacy_unpickl
     assert type(loaded.encoder.layer[0].attention.self) is type(model.encoder.layer[0].attention.self)
     ids = torch.randint(0, 50, (2, 5))
     torch.testing.assert_close(loaded(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+class _FlatHf(pickle._Pickler):
+    """Pickles a fused model as when bertfuse.bert.hf was one module: every class and function of its modules as
+    bertfuse.bert.hf.<name> (`seen`: the modules they are in)."""
+    dispatch = {**pickle._Pickler.dispatch, types.FunctionType: lambda self, obj: self.save_global(obj)}
+    seen: set = set()
+
+    def save_global(self, obj, name=None):
+        module = getattr(obj, "__module__", "")
+        if not module.startswith("bertfuse.bert.hf."):
+            return super().save_global(obj, name)
+        _FlatHf.seen.add(module)
+        self.save("bertfuse.bert.hf")
+        self.save(name or obj.__qualname__)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+
+def test_a_fused_model_pickled_with_the_drop_in_as_one_module_loads(tmp_path):
+    """Names of the drop-in's modules (forwards, records, hooks, outputs without logits) resolve as
+    bertfuse.bert.hf.<name> too."""
+    import torch
+    import transformers
+
+    from bertfuse import fuse
+
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)
+    model = fuse(transformers.BertForMaskedLM(config).eval(), mlm_logits=False)
+    path = tmp_path / "flat.pt"
+    torch.save(model, path, pickle_module=types.SimpleNamespace(Pickler=_FlatHf, __name__="pickle"))
+    # the flat names stood in for these modules' names: the fused class's maker, forwards, records, head
+    assert {"bertfuse.bert.hf.known", "bertfuse.bert.hf.bert", "bertfuse.bert.hf.records",
+            "bertfuse.bert.hf.heads"} <= _FlatHf.seen
+    loaded = torch.load(path, weights_only=False)
+    assert type(loaded.bert.encoder.layer[0].attention.self) is type(model.bert.encoder.layer[0].attention.self)
+    ids, labels = torch.randint(0, 50, (2, 5)), torch.full((2, 5), -100)
+    labels[0, 1] = 7
+    torch.testing.assert_close(loaded(ids, labels=labels).loss, model(ids, labels=labels).loss)
