@@ -5,20 +5,74 @@ is first imported; this file is loaded before any test module, so it does that h
 """
 import os
 import random
+import sys
 import zlib
 
 import pytest
 import torch
 
+# pytest-xdist runs one process a core (pytest.ini): each keeps torch to one thread, so the processes do not
+# oversubscribe the cores between them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 RUN_SLOW = os.environ.get("RUN_SLOW") == "1"
+
+
+def _patch_the_language_once_a_launch():
+    """Triton's interpreter patches the triton.language modules a kernel's module holds for each launch (its
+    GridExecutor), and again at every call of a @triton.jit helper inside the kernel: modules mostly patched
+    already, rescanned member by member each time. Here a helper's call patches only where its module holds a
+    language module this launch has not patched yet; the launch restores the language as before. Where the
+    interpreter is not built so, it is left as it is."""
+    import inspect
+
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    names = ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")
+    if not all(hasattr(interpreter, n) for n in names):
+        return
+    patch_lang, run, launches = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    def launch(self, *args, **kwargs):
+        launches.append(set())  # the language modules this launch has patched
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def patch_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if launches and langs and langs <= launches[-1]:
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        if launches:
+            launches[-1] |= langs
+        return scope
+
+    interpreter.GridExecutor.__call__ = launch
+    interpreter._patch_lang = patch_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_a_launch()
 SLOW_TIERS = ("slow", "compile")
 
 
 def _in_slow_tier(item) -> bool:
     return any(item.get_closest_marker(m) for m in SLOW_TIERS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one process a core, except for pytest-benchmark's timed runs (`pytest bench
+    --benchmark-only`), which run in this process alone: timings taken beside other processes mean little."""
+    if config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False):
+        return 0
+    return None
 
 
 def pytest_report_header(config):
@@ -39,6 +93,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_warning_given_yet():
+    """Each test starts as if no once-per-process warning had been given (kernels._common.warn_once), so what it
+    expects to be warned of does not depend on which tests its process ran before it (pytest-xdist spreads them
+    over processes in no fixed order)."""
+    common = sys.modules.get("bertfuse.kernels._common")
+    if common is not None:
+        common._warned.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",  # a fault-injection test that would hang fails by its own timeout instead
+            "pytest-xdist>=3.2",  # the suite runs on every core (pytest.ini), tests handed out by work stealing
             "pytest-benchmark>=4",
             TRANSFORMERS,
             "accelerate>=0.26",  # transformers.Trainer needs it (the fused model's Trainer test)

@@ -105,12 +105,12 @@ pack() {   # summary.md and all.tar.gz from what the stages wrote so far
 }
 
 gpu_tests() {   # one pytest per file with GPU-marked tests, in parallel, each cut at the stage's limit
-  if ! python3 -c "import pytest" 2>/dev/null; then
-    echo "pytest is not installed: GPU tests not run (see --help)"; return 1
+  if ! python3 -c "import pytest, pytest_timeout, xdist" 2>/dev/null; then   # pytest.ini requires both plugins
+    echo "pytest, pytest-timeout or pytest-xdist is not installed: GPU tests not run (see --help)"; return 1
   fi
   local limit=$1 rc=0 pids=() f
   for f in $(grep -l "mark.gpu" tests/test_*.py); do
-    timeout --kill-after=5 "$limit" python3 -m pytest "$f" -m gpu -q -p no:cacheprovider \
+    timeout --kill-after=5 "$limit" python3 -m pytest "$f" -m gpu -n 0 -q -p no:cacheprovider \
       > "$raw/tests/$(basename "$f" .py).log" 2>&1 &
     pids+=($!)
   done

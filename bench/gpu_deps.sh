@@ -8,12 +8,12 @@ usage: bash bench/gpu_deps.sh [--check-only]
 
 Run on a machine with PyPI access (this CPU machine), before sending the checkout to a GPU machine that has no
 network. Installs into .gpu_deps/, without dependencies (the GPU image brings its own torch and triton):
-  pytest, pytest-timeout, pluggy, iniconfig,      the GPU-marked tests (bench/gpu_check.sh, stage "tests";
-  packaging, pygments                             pytest.ini requires pytest-timeout)
+  pytest, pytest-timeout, pytest-xdist, execnet,  the GPU-marked tests (bench/gpu_check.sh, stage "tests";
+  pluggy, iniconfig, packaging, pygments          pytest.ini requires pytest-timeout and pytest-xdist)
   liger-kernel, cut-cross-entropy,                 the kernel suite's peers (stage "kernels"); einops is
   disentangled-flash, flashdeberta, einops         flashdeberta's one dependency the GPU image may lack
 then checks that `PYTHONPATH=.gpu_deps python -c "import liger_kernel, cut_cross_entropy, disentangled_flash,
-flashdeberta, pytest, pytest_timeout"`
+flashdeberta, pytest, pytest_timeout, xdist"`
 works here
 and prints the folder's size, which must stay well under the 64 MB a GPU run may carry.
 flash-attn is not among them: it is a CUDA build, not pure Python; its rows say "not installed" unless the GPU
@@ -25,7 +25,8 @@ EOF
 }
 
 # Pinned: the peers' numbers are comparable from one GPU run to the next.
-PACKAGES=(pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0
+PACKAGES=(pytest==9.2.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 execnet==2.1.2 pluggy==1.7.0 iniconfig==2.3.1
+          packaging==26.3 pygments==2.21.0
           liger-kernel==0.8.5 cut-cross-entropy==25.1.1 disentangled-flash==1.1.1 flashdeberta==0.0.8 einops==0.8.2)
 LIMIT_MB=32
 
@@ -52,7 +53,7 @@ if [ "$check_only" = 0 ]; then
   trap - EXIT
 fi
 [ -d "$deps" ] || { echo "gpu_deps.sh: no $deps/ folder (run without --check-only first)" >&2; exit 1; }
-imports="import liger_kernel, cut_cross_entropy, disentangled_flash, flashdeberta, pytest, pytest_timeout"
+imports="import liger_kernel, cut_cross_entropy, disentangled_flash, flashdeberta, pytest, pytest_timeout, xdist"
 if ! PYTHONPATH="$deps" python3 -c "$imports"; then
   echo "gpu_deps.sh: the packages in $deps/ do not import here" >&2
   exit 1

@@ -1,5 +1,5 @@
 """pytest-benchmark micro-benchmarks of every kernel record's problems against its peers (`pytest bench
---benchmark-only`).
+--benchmark-only --import-mode=importlib`).
 
 Sized for the CPU (Triton interpreter, each record's tiny shapes) when there is no GPU, where the numbers say
 nothing about kernel speed, only that the benchmarks run; on a GPU each record's first quick shape in bfloat16.

@@ -1,4 +1,5 @@
-"""pytest-benchmark of one pre-training step, this project against transformers (`pytest bench --benchmark-only`).
+"""pytest-benchmark of one pre-training step, this project against transformers (`pytest bench --benchmark-only
+--import-mode=importlib`).
 
 CPU: BERT-tiny, float32, backend torch. GPU: BERT-base, bfloat16, both backends.
 """
