@@ -44,8 +44,12 @@ def _patch_the_language_once_a_launch():
         finally:
             launches.pop()
 
+    langs_of = {}  # a jit function -> the ids of the language modules its module holds (imported once, at the top)
+
     def patch_once(fn):
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         if launches and langs and langs <= launches[-1]:
             return interpreter._LangPatchScope()
         scope = patch_lang(fn)
@@ -59,6 +63,7 @@ def _patch_the_language_once_a_launch():
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_a_launch()
+
 SLOW_TIERS = ("slow", "compile")
 
 
@@ -73,6 +78,15 @@ def pytest_xdist_auto_num_workers(config):
     if config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False):
         return 0
     return None
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, pytest-benchmark's timed runs are off (pytest_xdist_auto_num_workers runs them in one
+    process): said here, so that pytest-benchmark does not warn of it at every run."""
+    distributed = config.getoption("dist", "no") != "no" or os.environ.get("PYTEST_XDIST_WORKER")
+    timed = config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False)
+    if distributed and not timed and hasattr(config.option, "benchmark_disable"):
+        config.option.benchmark_disable = True
 
 
 def pytest_report_header(config):

@@ -388,13 +388,13 @@ def bench(args, argv) -> int:
         run_suites(args, plan, peaks, device, results, save)
     except KeyboardInterrupt:
         save()
-        written |= set(plot(results["e2e"], out_dir))
+        written |= set(plot(results["e2e"], out_dir, meta))
         remove_stale(out_dir, written)
         done = sum(len(results[k]) for k in TABLES)
         print(f"\nInterrupted: wrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)} with the {done} "
               "row(s) that finished", file=sys.stderr)
         return 130
-    written |= set(plot(results["e2e"], out_dir))
+    written |= set(plot(results["e2e"], out_dir, meta))
     remove_stale(out_dir, written)
     print(f"\nWrote {', '.join(sorted(written))} to {os.path.abspath(out_dir)}")
     return 0

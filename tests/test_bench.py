@@ -157,6 +157,36 @@ def test_cli_defaults_outside_the_source_tree_and_says_only_what_it_wrote(tmp_pa
     assert "Roughly" in text and "--full adds" in text
 
 
+def test_the_speedup_plot_labels_each_bar_and_names_the_machine_and_date(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bertfuse.bench.report import measured_on, speedup_figure
+
+    meta = {"device": "cpu-some-xeon", "date": "2026-12-05T10:00:00+00:00"}
+    rows = [{"variant": v, "config": "mini", "seq_len": 128, "padding": "wiki", "status": "ok",
+             "speedup_vs_hf-eager": s} for v, s in (("hf-eager", 1.0), ("ours-torch", 3.294))]
+    fig = speedup_figure(rows, measured_on(meta))
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.texts] == ["1.00x", "3.29x"]
+    assert ax.get_title().endswith("\ncpu-some-xeon, 2026-12-05")
+    assert measured_on(None) == "" and "\n" not in speedup_figure(rows, "").axes[0].get_title()
+
+
+def test_the_plots_are_drawn_again_from_a_results_file(tmp_path, capsys):
+    from bertfuse.bench.report import main as replot
+
+    rows = [{"variant": v, "config": "mini", "seq_len": 128, "padding": str(p), "status": "ok",
+             "tokens_per_s": 1000.0 * (1 + p), "speedup_vs_hf-eager": 1.0 + p}
+            for v in ("hf-eager", "ours-torch") for p in (0.0, 0.5)]
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {"device": "cpu", "date": "2026-12-05"}, "e2e": rows}))
+    assert replot([str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["padding.png", "speedup.png"]
+    assert replot([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench.report: cannot read") and "\n" not in err
+
+
 def test_padding_plot_needs_two_levels(tmp_path):
     rows = [{"variant": "ours-torch", "config": "mini", "seq_len": 128, "padding": "0.25", "status": "ok",
              "tokens_per_s": 1000.0}]

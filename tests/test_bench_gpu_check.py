@@ -1,5 +1,6 @@
 """bench/gpu_check.sh, bench.summary and bench.targets on the CPU: the staged check runs its smoke stage in the
 interpreter and leaves a summary and one archive; targets read benchmark rows as met, not met or not measured."""
+import json
 import os
 import subprocess
 import tarfile
@@ -22,6 +23,8 @@ def run(*args, timeout=300):
 
 @pytest.mark.slow
 def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
+    """The smoke stage runs bench.smoke's full set in the interpreter (this is bench.smoke's end-to-end test too):
+    every check passes in both dtypes within its tolerance, and the stage leaves a summary and one archive."""
     out = tmp_path / "out"
     done = run(str(out), "--budget", "300", "--stages", "smoke", timeout=600)  # ~90 s on a 2-core CPU
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -32,8 +35,15 @@ def test_smoke_stage_on_the_cpu_leaves_a_summary_and_one_archive(tmp_path):
     assert "not measured" in summary and "## GPU tests" in summary
     with tarfile.open(out / "all.tar.gz") as tar:
         names = {os.path.normpath(n) for n in tar.getnames()}
+        smoke_json = next(m for m in tar.getmembers() if os.path.normpath(m.name) == "smoke.json")
+        results = json.load(tar.extractfile(smoke_json))
     assert {"smoke.json", "smoke.log", "stages.tsv", "environment.json", "summary.md"} <= names
     assert "PASS attention dropout0.1 float16" in done.stdout
+    assert len(results) == 2 * len(checks()) and all(r["passed"] for r in results)
+    assert {r["dtype"] for r in results} == {"float32", "float16"}
+    assert done.stdout.count("PASS ") == len(results) and "0 failed" in done.stdout
+    for r in results:
+        assert 0 <= r["error"] <= r["tolerance"]
 
 
 def test_arguments_are_checked(tmp_path):
