@@ -81,10 +81,14 @@ def _layer_list(encoder) -> list[nn.Module]:
     return _module_list(encoder, "layer")
 
 
-def _run_layer_list(encoder, x, p, position):
-    for layer in encoder.layer:
+def _run_layers(encoder, layers, x, p, position):
+    for layer in layers:
         x = _run_layer(encoder, layer, x, p, position)
     return x
+
+
+def _run_layer_list(encoder, x, p, position):
+    return _run_layers(encoder, encoder.layer, x, p, position)
 
 
 def _model_layers(encoder) -> list[nn.Module]:
@@ -92,9 +96,7 @@ def _model_layers(encoder) -> list[nn.Module]:
 
 
 def _run_model_layers(encoder, x, p, position):
-    for layer in encoder.layers:
-        x = _run_layer(encoder, layer, x, p, position)
-    return x
+    return _run_layers(encoder, encoder.layers, x, p, position)
 
 
 LAYER_LIST = Stack(_layer_list, _run_layer_list)
