@@ -49,7 +49,8 @@ def _patch_the_language_once_a_launch():
     def patch_once(fn):
         langs = langs_of.get(fn)
         if langs is None:
-            langs = langs_of[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+            modules = (v for v in fn.__globals__.values() if inspect.ismodule(v))
+            langs = langs_of[fn] = {id(v) for v in modules if v in (tl, tl.core)}
         if launches and langs and langs <= launches[-1]:
             return interpreter._LangPatchScope()
         scope = patch_lang(fn)
@@ -71,21 +72,23 @@ def _in_slow_tier(item) -> bool:
     return any(item.get_closest_marker(m) for m in SLOW_TIERS)
 
 
+def _timed_benchmarks(config) -> bool:
+    """Whether pytest-benchmark is asked to time its tests (`pytest bench --benchmark-only`)."""
+    return bool(config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pytest.ini): one process a core, except for pytest-benchmark's timed runs (`pytest bench
-    --benchmark-only`), which run in this process alone: timings taken beside other processes mean little."""
-    if config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False):
-        return 0
-    return None
+    """`-n auto` (pytest.ini): one process a core, except for pytest-benchmark's timed runs, which run in this
+    process alone: timings taken beside other processes mean little."""
+    return 0 if _timed_benchmarks(config) else None
 
 
 def pytest_configure(config):
     """Under pytest-xdist, pytest-benchmark's timed runs are off (pytest_xdist_auto_num_workers runs them in one
     process): said here, so that pytest-benchmark does not warn of it at every run."""
     distributed = config.getoption("dist", "no") != "no" or os.environ.get("PYTEST_XDIST_WORKER")
-    timed = config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False)
-    if distributed and not timed and hasattr(config.option, "benchmark_disable"):
+    if distributed and not _timed_benchmarks(config) and hasattr(config.option, "benchmark_disable"):
         config.option.benchmark_disable = True
 
 

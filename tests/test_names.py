@@ -86,7 +86,8 @@ def test_from_the_repository_root_a_bare_import_finds_what_is_installed_or_nothi
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "test_probe.py").write_text(f"def test_probe():\n    exec({PROBE!r})\n")
     args = {"-c": ["-c", PROBE], "-m": ["-m", "probe"],
-            "pytest": ["-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")]}[how]
+            "pytest": ["-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider",
+                       str(tmp_path / "test_probe.py")]}[how]
     found = _answers(_python(args, ROOT, [tmp_path, site]))
     assert found == {name: str(site / name / "__init__.py") for name in BARE}
     alone = _answers(_python(args, ROOT, [tmp_path]))

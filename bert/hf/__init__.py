@@ -63,18 +63,14 @@ __all__ = ["fuse", "unfuse", "fuse_report", "family", "FAMILIES", "GROUPS", "LAY
            "gelu_kind", "glu_kind", "EncoderReport", "Family", "GeluBlock", "Group", "Layers", "MLMHead",
            "PairHead", "Stack"]
 
-# Where a name inside the package is looked up by bertfuse.bert.hf.<name> (`__getattr__`).
-_MODULES = ("fuser", "heads", "recognise", "families", "encoder", "known", "records", "compute", "bert", "mpnet",
-            "albert", "rotary", "esm_roformer", "deberta")
-
 
 def __getattr__(name: str):
     """Any name of the package's modules, as bertfuse.bert.hf.<name>: a whole-object pickle of a fused model that
     names its forwards, records or output classes so (bertfuse.legacy_pickle reads older ones) loads."""
     if not name.startswith("__"):
-        for module in _MODULES:
-            found = sys.modules.get(f"{__name__}.{module}")
-            if found is not None and name in vars(found):
+        modules = [m for key, m in list(sys.modules.items()) if key.startswith(f"{__name__}.")]  # all imported here
+        for found in modules:
+            if name in vars(found):
                 return vars(found)[name]
         heads = sys.modules.get(f"{__name__}.heads")
         if heads is not None and name in heads._NARROWED:  # the output classes without logits, made on first use

@@ -194,6 +194,7 @@ GROUP = Group(
                segments=False)),
     gelu_blocks=(GeluBlock("Legacy{P}PredictionHeadTransform", ("dense", "transform_act_fn", "LayerNorm"),
                            _head_transform_forward),
-                 GeluBlock("{P}LMPredictionHead", ("dense", "transform_act_fn", "LayerNorm"), _deberta_lm_head_forward)),
+                 GeluBlock("{P}LMPredictionHead", ("dense", "transform_act_fn", "LayerNorm"),
+                           _deberta_lm_head_forward)),
     # DebertaLayerNorm: a LayerNorm, its epsilon inside the root.
     norms=(FamilyNorm(("{P}LayerNorm",), _DEBERTA_MODELS, _family_layer_norm_forward),))
