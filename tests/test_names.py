@@ -186,7 +186,7 @@ def test_a_fused_model_pickled_under_the_old_names_loads_with_the_legacy_unpickl
 
 
 class _FlatHf(pickle._Pickler):
-    """Pickles a fused model as when bertfuse.bert.hf was one module: every class and function of its modules as
+    """Pickles a fused model with every class and function of the drop-in's modules under its flat name,
     bertfuse.bert.hf.<name> (`seen`: the modules they are in)."""
     dispatch = {**pickle._Pickler.dispatch, types.FunctionType: lambda self, obj: self.save_global(obj)}
     seen: set = set()
