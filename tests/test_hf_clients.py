@@ -344,11 +344,8 @@ def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, mon
     for m in (ref, fused):  # transformers sets it at the first labelled call, which would recompile the second
         m.config.problem_type = "single_label_classification"
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(fused)(**inputs(family))
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")  # a graph break raises, with its reason
     labels = torch.tensor([0, 1, 1])
     for seed in (3, 4, 5, 6):
         x = inputs(family, seed=seed)
@@ -377,13 +374,9 @@ def test_compile_of_the_masked_only_loss_makes_one_graph_for_every_labelling(fam
     fused = quiet(fuse, copy.deepcopy(ref), mlm_logits=False)
     pair = pair_head(ref)
     nsp = {pair.label: torch.tensor([0, 1, 0])} if pair else {}  # pre-training's sentence-pair label
-    ids, mask, labels = batch(family)
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(fused)(input_ids=ids, attention_mask=mask, labels=labels, **nsp)
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")  # a graph break raises, with its reason
     counts = set()
     for seed in (3, 5, 6):  # other labelled counts (10, 11, 7), the same shapes
         ids, mask, labels = batch(family, seed=seed)
