@@ -137,8 +137,11 @@ def test_from_another_directory_bertfuse_fuses_and_the_bare_names_are_the_instal
 def test_a_source_checkout_runs_uninstalled_from_its_root(tmp_path):
     """What bench/gpu_check.sh does on a bare machine: PYTHONPATH=. in the checkout, nothing installed."""
     program = "import bertfuse.bench.cli as cli, bertfuse.kernels.tuned as t; print(cli.__file__, t.__file__)"
-    site_packages = sysconfig.get_paths()["purelib"]  # added without its .pth files: no editable install's finder
-    out = _python(["-S", "-c", f"import sys; sys.path.append({site_packages!r}); " + program], ROOT, [ROOT])
+    # This interpreter's site-packages (a virtual environment's, and the system's it sees), added without their
+    # .pth files: no editable install's finder.
+    site_packages = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    assert sysconfig.get_paths()["purelib"] in site_packages
+    out = _python(["-S", "-c", f"import sys; sys.path += {site_packages!r}; " + program], ROOT, [ROOT])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(ROOT / "bench" / "cli.py"), str(ROOT / "kernels" / "tuned.py")]
 
