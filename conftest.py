@@ -21,116 +21,18 @@ if not HAS_CUDA:
 RUN_SLOW = os.environ.get("RUN_SLOW") == "1"
 
 
-def _patch_the_language_once_a_launch():
-    """Triton's interpreter patches the triton.language modules a kernel's module holds for each launch (its
-    GridExecutor), and again at every call of a @triton.jit helper inside the kernel: modules mostly patched
-    already, rescanned member by member each time. Here a helper's call patches only where its module holds a
-    language module this launch has not patched yet; the launch restores the language as before. Where the
-    interpreter is not built so, it is left as it is."""
-    import inspect
+def _interpreter_site():
+    """tests/interpreter_site/sitecustomize.py, loaded under a name of its own: the interpreter's speed-ups."""
+    import importlib.util
 
-    from triton import language as tl
-    from triton.runtime import interpreter
-
-    names = ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")
-    if not all(hasattr(interpreter, n) for n in names):
-        return
-    patch_lang, run, launches = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
-
-    def launch(self, *args, **kwargs):
-        launches.append(set())  # the language modules this launch has patched
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            launches.pop()
-
-    langs_of = {}  # a jit function -> the ids of the language modules its module holds (imported once, at the top)
-
-    def patch_once(fn):
-        langs = langs_of.get(fn)
-        if langs is None:
-            modules = (v for v in fn.__globals__.values() if inspect.ismodule(v))
-            langs = langs_of[fn] = {id(v) for v in modules if v in (tl, tl.core)}
-        if launches and langs and langs <= launches[-1]:
-            return interpreter._LangPatchScope()
-        scope = patch_lang(fn)
-        if launches:
-            launches[-1] |= langs
-        return scope
-
-    interpreter.GridExecutor.__call__ = launch
-    interpreter._patch_lang = patch_once
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "interpreter_site", "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("interpreter_speed_ups", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _skip_overflow_checks_nothing_asserts():
-    """The interpreter's integer add, sub and mul compute an overflow check (both operands cast to int64, the
-    operation again, two comparisons) and hand it to device_assert, which does nothing unless the interpreter's
-    options ask for debugging (they do not: its options are fixed, debug off). That unused check was a third of
-    an attention step's time; it is skipped while debug is off, and runs as before when it is on."""
-    from triton.runtime import interpreter
-
-    semantic = getattr(interpreter, "interpreter_semantic", None)
-    check = getattr(type(semantic), "binary_op_sanitize_overflow_impl", None)
-    if check is None or not hasattr(getattr(semantic.builder, "options", None), "debug"):
-        return
-
-    def only_when_asserted(lhs, rhs, binary_op):
-        if semantic.builder.options.debug:
-            return check(semantic, lhs, rhs, binary_op)
-        return None
-
-    semantic.binary_op_sanitize_overflow_impl = only_when_asserted
-
-
-def _derive_each_type_once():
-    """Every operation the interpreter runs builds its result's block type again (the shape unwrapped and
-    checked, the name formatted) and looks up its numpy dtype in a table it builds at each call. Both depend
-    only on the element type and the shape: here each is derived once, by Triton's own code, and remembered. A
-    shape Triton refuses is refused every time (it raises before anything is remembered); what cannot be hashed
-    (a pointer type) is derived every time. Where the block type holds other fields than these, or the lookup
-    is not there, nothing is changed."""
-    from triton.language import core
-    from triton.runtime import interpreter
-
-    np_dtype, init = getattr(interpreter, "_get_np_dtype", None), core.block_type.__init__
-    if np_dtype is None or set(vars(core.block_type(core.float32, [2]))) != {"element_ty", "shape", "numel", "name"}:
-        return
-    dtypes, blocks = {}, {}
-
-    def key_of(*parts):
-        try:
-            hash(parts)
-            return parts
-        except TypeError:
-            return None
-
-    def remembered_np_dtype(tt_dtype):
-        scalar = tt_dtype.element_ty if isinstance(tt_dtype, core.block_type) else tt_dtype  # a block's: its element's
-        key = key_of(scalar)
-        if key not in dtypes:
-            if key is None:
-                return np_dtype(tt_dtype)
-            dtypes[key] = np_dtype(tt_dtype)
-        return dtypes[key]
-
-    def remembered_block_type(self, element_ty, shape):
-        key = key_of(element_ty, *((type(s), s) for s in shape)) if isinstance(shape, (list, tuple)) else None
-        if key is None or key not in blocks:
-            init(self, element_ty, shape)
-            if key is not None:
-                blocks[key] = (self.shape, self.numel, self.name)
-            return
-        self.element_ty = element_ty
-        self.shape, self.numel, self.name = blocks[key]
-
-    interpreter._get_np_dtype = remembered_np_dtype
-    core.block_type.__init__ = remembered_block_type
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_the_language_once_a_launch()
-    _skip_overflow_checks_nothing_asserts()
-    _derive_each_type_once()
+_interpreter_site().speed_up()  # under TRITON_INTERPRET=1: what the interpreter computes, at a third of its time
 
 SLOW_TIERS = ("slow", "compile")
 

@@ -1,7 +1,7 @@
 """bench.smoke on the CPU: a wrong kernel or a crashing check is reported as a FAIL line (never an exception),
 with exit status 1. Every check passing in the interpreter at small shapes, in both dtypes within its tolerance,
 is tested end to end through the GPU check's smoke stage (tests/test_bench_gpu_check.py), which runs the full
-set."""
+set (TRITON_INTERPRET=1 set, as on a CPU machine that sets it; below, one check without it)."""
 import pytest
 import torch
 
@@ -27,3 +27,19 @@ def test_a_crashing_check_is_a_fail_line(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "FAIL broken float32: RuntimeError: out of resources: shared memory" in out
     assert "1 failed" in out
+
+
+@pytest.mark.slow
+def test_on_a_bare_cpu_machine_it_switches_the_interpreter_on_itself(tmp_path):
+    """Started without TRITON_INTERPRET (the GPU check's smoke stage test sets it, for speed), bench.smoke sets it
+    before triton loads and runs its checks there."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "bertfuse.bench.smoke", "--checks", "bias_gelu", "--dtypes",
+                           "float32"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "cpu (Triton interpreter)" in done.stdout and "PASS bias_gelu float32" in done.stdout
+    assert "1 passed, 0 failed" in done.stdout

@@ -1,6 +1,7 @@
-"""conftest.py makes Triton's interpreter cheaper to run without changing what it computes: the kernels give
-the same bits with its changes as in a plain interpreter (a fresh process that never loads conftest.py), and the
-overflow check it skips while the interpreter's debugging is off still runs when debugging is on."""
+"""conftest.py makes Triton's interpreter cheaper to run without changing what it computes (the speed-ups live in
+tests/interpreter_site/sitecustomize.py): the kernels give the same bits with them as in a plain interpreter (a
+fresh process that never loads them), the overflow check skipped while the interpreter's debugging is off still
+runs when debugging is on, and a subprocess started with the interpreter site gets the same speed-ups."""
 import dataclasses
 import os
 import subprocess
@@ -53,8 +54,10 @@ def test_the_kernels_give_the_same_bits_as_in_a_plain_interpreter(tmp_path):
     assert "remembered" in triton.language.core.block_type.__init__.__qualname__
     # ... and not in a process that never loads conftest.py.
     program = (f"import sys, torch; sys.path.insert(0, {str(HERE)!r}); from test_conftest import compute; "
-               f"torch.save(compute(), {str(tmp_path / 'plain.pt')!r})")
+               "from triton.runtime import interpreter; assert 'remembered' not in interpreter._get_np_dtype."
+               f"__qualname__; torch.save(compute(), {str(tmp_path / 'plain.pt')!r})")
     env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)  # no interpreter site, if this process was started with one
     done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -62,6 +65,20 @@ def test_the_kernels_give_the_same_bits_as_in_a_plain_interpreter(tmp_path):
     assert plain.keys() == ours.keys()
     assert all(torch.equal(ours[name], plain[name]) for name in plain), \
         [name for name in plain if not torch.equal(ours[name], plain[name])]
+
+
+def test_a_process_started_with_the_interpreter_site_speeds_up_its_interpreter(tmp_path):
+    """What conftest.py does here, a subprocess gets through tests/interpreter_site (sitecustomize.py), when
+    TRITON_INTERPRET=1 is set at its start; without it, its interpreter is left alone."""
+    from interpreter_site.sitecustomize import subprocess_env
+
+    program = "from triton.runtime import interpreter; print(interpreter._get_np_dtype.__qualname__)"
+    for interpret, speed_up in (("1", True), ("0", False)):
+        env = subprocess_env(dict(os.environ, TRITON_INTERPRET=interpret))
+        done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("remembered" in done.stdout) == speed_up, done.stdout
 
 
 @triton.jit

@@ -88,7 +88,7 @@ def _compiled():
 def _call(dtype, h, strategy="fused", bias=True):
     """Forward and backward of 37 labelled rows over BERT's vocabulary (30,522), the bias in float32. Recorded,
     not run: the launches depend on the shapes and the labels, not on the values, so the [30522, h] weight is
-    zeros (drawing it at random was most of the compile check's time before any compile)."""
+    zeros (drawing it at random would take most of the compile check's time)."""
     hid = torch.zeros(37, h, dtype=dtype, requires_grad=True)
     w = torch.zeros(30522, h, dtype=dtype, requires_grad=True)
     b = torch.zeros(30522, requires_grad=True) if bias else None
