@@ -55,8 +55,8 @@ def _patch_the_language_once_a_launch():
 def _skip_overflow_checks_nothing_asserts():
     """The interpreter's integer add, sub and mul compute an overflow check (both operands cast to int64, the
     operation again, two comparisons) and hand it to device_assert, which does nothing unless the interpreter's
-    options ask for debugging (they do not: its options are fixed, debug off). That unused check was a third of
-    an attention step's time; it is skipped while debug is off, and runs as before when it is on."""
+    options ask for debugging (they do not: its options are fixed, debug off). That unused check is a third of an
+    attention step's time in the plain interpreter; it is skipped while debug is off, and runs when it is on."""
     from triton.runtime import interpreter
 
     semantic = getattr(interpreter, "interpreter_semantic", None)
@@ -118,11 +118,18 @@ def _derive_each_type_once():
 
 
 def speed_up():
-    """Every change below, under TRITON_INTERPRET=1 (else triton compiles, and nothing is changed)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_the_language_once_a_launch()
-        _skip_overflow_checks_nothing_asserts()
-        _derive_each_type_once()
+    """Every change above, once a process (conftest.py and a sitecustomize may both ask), under TRITON_INTERPRET=1
+    (else triton compiles, and nothing is changed)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_sped_up_for_tests", False):
+        return
+    interpreter._sped_up_for_tests = True
+    _patch_the_language_once_a_launch()
+    _skip_overflow_checks_nothing_asserts()
+    _derive_each_type_once()
 
 
 def subprocess_env(env: dict) -> dict:
