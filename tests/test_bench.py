@@ -157,7 +157,7 @@ def test_cli_defaults_outside_the_source_tree_and_says_only_what_it_wrote(tmp_pa
     assert "Roughly" in text and "--full adds" in text
 
 
-def test_the_speedup_plot_labels_each_bar_and_names_the_machine_and_date(tmp_path):
+def test_the_speedup_plot_labels_each_bar_and_names_the_machine_and_date():
     import matplotlib
 
     matplotlib.use("Agg")

@@ -68,7 +68,8 @@ def __getattr__(name: str):
     """Any name of the package's modules, as bertfuse.bert.hf.<name>: a whole-object pickle of a fused model that
     names its forwards, records or output classes so (bertfuse.legacy_pickle reads older ones) loads."""
     if not name.startswith("__"):
-        modules = [m for key, m in list(sys.modules.items()) if key.startswith(f"{__name__}.")]  # all imported here
+        modules = [m for key, m in list(sys.modules.items())  # all imported here (None: an import blocked)
+                   if key.startswith(f"{__name__}.") and m is not None]
         for found in modules:
             if name in vars(found):
                 return vars(found)[name]
