@@ -15,6 +15,8 @@ say little about the real kernels.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -68,11 +70,19 @@ def _ptxas(arch: int):
 
 def ptx_report(ptx: str, arch: int) -> Report:
     """ptxas -v on the kernel's PTX, for the architecture its `.target` line names (the "a" variants Triton
-    emits for sm_90 and newer, which plain sm_90 would refuse)."""
+    emits for sm_90 and newer, which plain sm_90 would refuse).
+
+    The report is a function of the PTX, the GPU name and the ptxas binary alone, so it is kept in Triton's
+    cache (beside the compiled kernels, under the same TRITON_CACHE_DIR) keyed by a hash of all three: a
+    second check of the same kernel reads it back instead of running ptxas again."""
     ptxas = _ptxas(arch)
     named = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
     if ptxas is None or named is None:
         return Report(None, None)
+    cache = _report_cache(ptxas, named.group(1), ptx)
+    cached = _read_report(cache)
+    if cached is not None:
+        return cached
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
@@ -84,7 +94,39 @@ def ptx_report(ptx: str, arch: int) -> Report:
     spills = re.search(r"(\d+) bytes spill stores", text)
     if log.returncode or not regs or not spills:
         return Report(None, None)
-    return Report(int(regs.group(1)), int(spills.group(1)))
+    report = Report(int(regs.group(1)), int(spills.group(1)))
+    if cache is not None:
+        cache.put(json.dumps(report._asdict()), REPORT_FILE, binary=False)
+    return report
+
+
+REPORT_FILE = "bertfuse-ptxas-report.json"  # rename it if the ptxas command or the Report fields change
+
+
+def _report_cache(ptxas: str, gpu_name: str, ptx: str):
+    """Triton's cache manager for this (ptxas binary, GPU name, PTX), or None where it cannot be made. The
+    binary enters the key by path, size and modification time, so a replaced ptxas is a new key."""
+    try:
+        from triton.runtime.cache import get_cache_manager
+        stat = os.stat(ptxas)
+        key = hashlib.sha256(f"{ptxas}\0{stat.st_size}\0{stat.st_mtime_ns}\0{gpu_name}\0{ptx}".encode())
+        return get_cache_manager(key.hexdigest())
+    except Exception:  # an internal API, or an unwritable cache folder: run ptxas every time instead
+        return None
+
+
+def _read_report(cache) -> Report | None:
+    """The cached report, or None where there is none or it cannot be read (then ptxas runs again)."""
+    path = None if cache is None else cache.get_file(REPORT_FILE)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+        report = Report(**fields)
+    except (OSError, ValueError, TypeError):
+        return None
+    return report if all(isinstance(v, int) for v in report) else None
 
 
 def amdgcn_report(asm: str) -> Report:

@@ -14,7 +14,7 @@ dtype the family cannot run (bfloat16 on sm_75) is not compiled: its line shows 
 Groups: each kernel record's name (its launch sites, with the config the launcher picks on that family: the
 family's table, kernels/configs/<A>.json, else the default), and "table" (every entry of that table; entries
 that are the launchers' picks already are compiled once). `--shard I/N` compiles every N-th variant from the
-I-th (0-based), so that N processes share the work; tests/test_compile_gpus.py runs it that way.
+I-th (0-based), so that N processes share the work.
 """
 from __future__ import annotations
 
