@@ -103,3 +103,31 @@ def test_the_overflow_check_runs_when_the_interpreter_debugs():
             _times_a_billion[(1,)](x, y)
     finally:
         builder.options = options
+
+
+def test_a_repeated_launch_derives_no_block_type_again(monkeypatch):
+    """The block types are remembered as the interpreter passes them (Triton's own tuple, constexpr dimensions,
+    pointer elements): a second launch at the same shapes never runs Triton's derivation (its shape check)."""
+    from triton.language import core
+
+    derived = []
+    check = core.validate_block_shape  # by Triton's own block_type.__init__, and by tl.full's or tl.reshape's check
+
+    def counted(shape):
+        if sys._getframe(1).f_code is init_code:
+            derived.append(shape)
+        return check(shape)
+
+    init_code = core.block_type.__init__.derive.__code__  # Triton's own, which the speed-up calls on a miss
+
+    monkeypatch.setattr(core, "validate_block_shape", counted)
+    blocks = core.block_type.__init__.blocks
+    remembered = dict(blocks)  # by the tests before this one in this process
+    blocks.clear()
+    try:
+        compute()
+        first = len(derived)
+        compute()
+    finally:
+        blocks.update(remembered)
+    assert first > 0 and len(derived) == first, (first, len(derived) - first)

@@ -75,9 +75,10 @@ def _skip_overflow_checks_nothing_asserts():
 def _derive_each_type_once():
     """Every operation the interpreter runs builds its result's block type again (the shape unwrapped and
     checked, the name formatted) and looks up its numpy dtype in a table it builds at each call. Both depend
-    only on the element type and the shape: here each is derived once, by Triton's own code, and remembered. A
-    shape Triton refuses is refused every time (it raises before anything is remembered); what cannot be hashed
-    (a pointer type) is derived every time. Where the block type holds other fields than these, or the lookup
+    only on the element type and the shape: here each is derived once, by Triton's own code, and remembered,
+    keyed by the element type's name and the shape's values (a constexpr's value, not the object; Triton's own
+    tuple, which the interpreter mostly passes, as well as a list). A shape Triton refuses is refused every time
+    (it raises before anything is remembered). Where the block type holds other fields than these, or the lookup
     is not there, nothing is changed."""
     from triton.language import core
     from triton.runtime import interpreter
@@ -103,8 +104,17 @@ def _derive_each_type_once():
             dtypes[key] = np_dtype(tt_dtype)
         return dtypes[key]
 
+    def dim(s):  # a constexpr hashes by identity: its value is the key (Triton unwraps it to that value)
+        v = s.value if isinstance(s, core.constexpr) else s
+        return type(v), v
+
     def remembered_block_type(self, element_ty, shape):
-        key = key_of(element_ty, *((type(s), s) for s in shape)) if isinstance(shape, (list, tuple)) else None
+        # What is remembered depends on the element type through its name alone (a pointer type has no hash);
+        # the shape's own type is in the key, so one Triton refuses (it asserts on it) is refused every time.
+        try:
+            key = key_of(type(shape), type(element_ty), str(element_ty), *map(dim, shape))
+        except TypeError:  # not iterable: Triton's own check says what is wrong
+            key = None
         if key is None or key not in blocks:
             init(self, element_ty, shape)
             if key is not None:
@@ -113,6 +123,8 @@ def _derive_each_type_once():
         self.element_ty = element_ty
         self.shape, self.numel, self.name = blocks[key]
 
+    # For the tests: Triton's own derivation (to tell it apart) and what is remembered.
+    remembered_block_type.derive, remembered_block_type.blocks = init, blocks
     interpreter._get_np_dtype = remembered_np_dtype
     core.block_type.__init__ = remembered_block_type
 
