@@ -1,7 +1,8 @@
 """conftest.py makes Triton's interpreter cheaper to run without changing what it computes (the speed-ups live in
 tests/interpreter_site/sitecustomize.py): the kernels give the same bits with them as in a plain interpreter (a
 fresh process that never loads them), the overflow check skipped while the interpreter's debugging is off still
-runs when debugging is on, and a subprocess started with the interpreter site gets the same speed-ups."""
+runs when debugging is on, a repeated launch derives no block type again, and a subprocess started with the
+interpreter site gets the same speed-ups."""
 import dataclasses
 import os
 import subprocess
