@@ -18,6 +18,11 @@ pytestmark = pytest.mark.compile  # the compile-check tier (RUN_SLOW=1)
 SCRIPT = os.path.join(os.path.dirname(__file__), "compile_gpus.py")
 
 
+def compiler_env(**extra) -> dict:
+    """This process's environment without TRITON_INTERPRET (so triton compiles), plus `extra`."""
+    return dict({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **extra)
+
+
 def need_backend(name: str):
     try:
         from triton.backends import backends
@@ -30,8 +35,7 @@ def need_backend(name: str):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx942"])
 def test_every_kernel_compiles_clean_for(arch):
     need_backend("amd" if arch.startswith("gfx") else "nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, SCRIPT, "--arch", arch], env=env, stdout=subprocess.PIPE,
+    out = subprocess.run([sys.executable, SCRIPT, "--arch", arch], env=compiler_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-4000:]
     assert "0 failed" in out.stdout
@@ -41,9 +45,8 @@ def test_every_kernel_compiles_clean_for(arch):
 
 def test_sm75_refuses_bfloat16_and_half_precision_dots_instead_of_compiling_them():
     need_backend("nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_75", "--shard", "0/40", "attention", "bias_gelu"],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=compiler_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     refused = [line for line in out.stdout.splitlines() if "refused:" in line]
     assert any("bfloat16 needs" in line for line in refused) and all(line.startswith("ok ") for line in refused)
@@ -57,9 +60,9 @@ def test_a_launch_config_table_compiles_entry_by_entry(tmp_path):
     need_backend("nvidia")
     write_table(str(tmp_path), "sm_90", {"bias_gelu.fwd": {"bfloat16/3072/all": {
         "config": candidates("bias_gelu.fwd")[0], "ms": 0.1}}}, "timed", {"gpu": "test"})
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_90", "table"],
-                         env=dict(env, BERTFUSE_CONFIG_DIR=str(tmp_path)), capture_output=True, text=True, timeout=600)
+                         env=compiler_env(BERTFUSE_CONFIG_DIR=str(tmp_path)), capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # Once per flag combination the launcher may use (tanh or not), with the table's config.
     assert out.stdout.count("ok   sm_90 bias_gelu fwd torch.bfloat16") == 2 and "0 failed" in out.stdout
@@ -72,8 +75,7 @@ def test_a_table_entry_the_launcher_refuses_is_reported_as_a_failure(tmp_path):
     entry = {"config": {"BLOCK_M": 256, "BLOCK_N": 256, "num_stages": 4, "num_warps": 8}}
     (tmp_path / "sm_80.json").write_text(json.dumps({"arch": "sm_80", "format": 1, "kernels": {
         "attention.fwd": {"bfloat16/64/all": entry}}}))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["BERTFUSE_CONFIG_DIR"] = str(tmp_path)
+    env = compiler_env(BERTFUSE_CONFIG_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_80", "table"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
@@ -110,8 +112,7 @@ c.subprocess.run = run
 remade = c.check(variant, t)
 print(json.dumps({{"reports": [fresh, cached, remade], "entries": len(entries)}}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=dict(env, TRITON_CACHE_DIR=str(tmp_path)),
+    out = subprocess.run([sys.executable, "-c", code], env=compiler_env(TRITON_CACHE_DIR=str(tmp_path)),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])

@@ -113,13 +113,12 @@ def test_a_repeated_launch_derives_no_block_type_again(monkeypatch):
 
     derived = []
     check = core.validate_block_shape  # by Triton's own block_type.__init__, and by tl.full's or tl.reshape's check
+    init_code = core.block_type.__init__.derive.__code__  # Triton's own, which the speed-up calls on a miss
 
     def counted(shape):
         if sys._getframe(1).f_code is init_code:
             derived.append(shape)
         return check(shape)
-
-    init_code = core.block_type.__init__.derive.__code__  # Triton's own, which the speed-up calls on a miss
 
     monkeypatch.setattr(core, "validate_block_shape", counted)
     blocks = core.block_type.__init__.blocks
