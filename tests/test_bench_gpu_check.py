@@ -11,7 +11,7 @@ from bertfuse.bench import precompile
 from bertfuse.bench.smoke import checks
 from bertfuse.bench.summary import render
 from bertfuse.bench.targets import evaluate, targets
-from interpreter_site.sitecustomize import subprocess_env
+from interpreter_site.sitecustomize import subprocess_env, without_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
@@ -21,7 +21,7 @@ def run(*args, timeout=300, interpret=False):
     """The script as on a bare machine, where it decides on the interpreter itself; with `interpret`, as on a CPU
     machine with TRITON_INTERPRET=1 set, whose processes then run the interpreter at the tests' speed (its
     sitecustomize, tests/interpreter_site, acts on TRITON_INTERPRET=1 set at a process's start)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = without_interpreter()
     if interpret:
         env = subprocess_env(dict(env, TRITON_INTERPRET="1"))
     return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)

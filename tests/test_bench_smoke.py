@@ -2,12 +2,13 @@
 with exit status 1. Every check passing in the interpreter at small shapes, in both dtypes within its tolerance,
 is tested end to end through the GPU check's smoke stage (tests/test_bench_gpu_check.py), which runs the full
 set (TRITON_INTERPRET=1 set, as on a CPU machine that sets it; below, one check without it)."""
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from interpreter_site.sitecustomize import without_interpreter
 
 pytest.importorskip("triton")
 from bertfuse.bench import smoke  # noqa: E402
@@ -37,7 +38,7 @@ def test_a_crashing_check_is_a_fail_line(monkeypatch, capsys):
 def test_on_a_bare_cpu_machine_it_switches_the_interpreter_on_itself(tmp_path):
     """Started without TRITON_INTERPRET (the GPU check's smoke stage test sets it, for speed), bench.smoke sets it
     before triton loads and runs its checks there."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = without_interpreter()
     done = subprocess.run([sys.executable, "-m", "bertfuse.bench.smoke", "--checks", "bias_gelu", "--dtypes",
                            "float32"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -10,17 +10,14 @@ import sys
 
 import pytest
 
+from interpreter_site.sitecustomize import without_interpreter
+
 triton = pytest.importorskip("triton")
 
 
 pytestmark = pytest.mark.compile  # the compile-check tier (RUN_SLOW=1)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "compile_gpus.py")
-
-
-def compiler_env(**extra) -> dict:
-    """This process's environment without TRITON_INTERPRET (so triton compiles), plus `extra`."""
-    return dict({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **extra)
 
 
 def need_backend(name: str):
@@ -35,7 +32,7 @@ def need_backend(name: str):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx942"])
 def test_every_kernel_compiles_clean_for(arch):
     need_backend("amd" if arch.startswith("gfx") else "nvidia")
-    out = subprocess.run([sys.executable, SCRIPT, "--arch", arch], env=compiler_env(), stdout=subprocess.PIPE,
+    out = subprocess.run([sys.executable, SCRIPT, "--arch", arch], env=without_interpreter(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-4000:]
     assert "0 failed" in out.stdout
@@ -46,7 +43,7 @@ def test_every_kernel_compiles_clean_for(arch):
 def test_sm75_refuses_bfloat16_and_half_precision_dots_instead_of_compiling_them():
     need_backend("nvidia")
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_75", "--shard", "0/40", "attention", "bias_gelu"],
-                         env=compiler_env(), capture_output=True, text=True, timeout=600)
+                         env=without_interpreter(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     refused = [line for line in out.stdout.splitlines() if "refused:" in line]
     assert any("bfloat16 needs" in line for line in refused) and all(line.startswith("ok ") for line in refused)
@@ -61,7 +58,7 @@ def test_a_launch_config_table_compiles_entry_by_entry(tmp_path):
     write_table(str(tmp_path), "sm_90", {"bias_gelu.fwd": {"bfloat16/3072/all": {
         "config": candidates("bias_gelu.fwd")[0], "ms": 0.1}}}, "timed", {"gpu": "test"})
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_90", "table"],
-                         env=compiler_env(BERTFUSE_CONFIG_DIR=str(tmp_path)), capture_output=True, text=True,
+                         env=without_interpreter(BERTFUSE_CONFIG_DIR=str(tmp_path)), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # Once per flag combination the launcher may use (tanh or not), with the table's config.
@@ -75,7 +72,7 @@ def test_a_table_entry_the_launcher_refuses_is_reported_as_a_failure(tmp_path):
     entry = {"config": {"BLOCK_M": 256, "BLOCK_N": 256, "num_stages": 4, "num_warps": 8}}
     (tmp_path / "sm_80.json").write_text(json.dumps({"arch": "sm_80", "format": 1, "kernels": {
         "attention.fwd": {"bfloat16/64/all": entry}}}))
-    env = compiler_env(BERTFUSE_CONFIG_DIR=str(tmp_path))
+    env = without_interpreter(BERTFUSE_CONFIG_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, SCRIPT, "--arch", "sm_80", "table"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
@@ -112,7 +109,7 @@ c.subprocess.run = run
 remade = c.check(variant, t)
 print(json.dumps({{"reports": [fresh, cached, remade], "entries": len(entries)}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], env=compiler_env(TRITON_CACHE_DIR=str(tmp_path)),
+    out = subprocess.run([sys.executable, "-c", code], env=without_interpreter(TRITON_CACHE_DIR=str(tmp_path)),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_utils import TOL, assert_grads_no_worse, grad_errors, mlm_labels, random_batch, rel_err
+from interpreter_site.sitecustomize import without_interpreter
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
@@ -299,7 +300,7 @@ expected = ref(input_ids=ids, attention_mask=mask, labels=labels)
 messages = [str(w.message) for w in caught if "PyTorch path" in str(w.message)]
 print(len(messages), rel_err(out.loss, expected.loss))
 """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = without_interpreter()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     warned, err = done.stdout.split()

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from interpreter_site.sitecustomize import without_interpreter
+
 pytest.importorskip("transformers")
 pytest.importorskip("hypothesis", reason="hypothesis is a test extra: pip install -e '.[test]'")
 from bertfuse.bench import hf_fuzz  # noqa: E402
@@ -68,7 +70,7 @@ def test_a_bounded_hypothesis_run_with_the_real_kernels_finds_nothing():
 
 @pytest.mark.slow
 def test_a_larger_run_on_the_pytorch_path_finds_nothing():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = without_interpreter()
     out = subprocess.run([sys.executable, "-m", "bertfuse.bench.hf_fuzz", "--cases", "1000", "--seed", "12",
                           "--minutes", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -149,5 +149,12 @@ def subprocess_env(env: dict) -> dict:
     return dict(env, PYTHONPATH=os.pathsep.join([HERE, *filter(None, [env.get("PYTHONPATH")])]))
 
 
+def without_interpreter(**extra) -> dict:
+    """This process's environment without TRITON_INTERPRET, plus `extra`: a process started with it decides on
+    the interpreter itself (triton compiles; where it cannot, our code takes its PyTorch path or, as bench.smoke
+    and gpu_check.sh do, switches the interpreter on)."""
+    return dict({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **extra)
+
+
 if __name__ == "sitecustomize":
     speed_up()
