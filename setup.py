@@ -1,8 +1,9 @@
 from setuptools import find_packages, setup
 
-# The oldest transformers the compatibility tier checks (.ci/run installs exactly this version); the newest is
-# whatever pip picks, and the whole suite runs on it.
-TRANSFORMERS = "transformers>=5.24.0"
+# The oldest transformers checked (bench/results/hf_versions/, bertfuse.bert.hf.code.OLDEST): the compatibility
+# tier runs on exactly this version (.ci/run reads it here); the newest is whatever pip picks, and the whole suite
+# runs on it.
+TRANSFORMERS = "transformers>=4.57.6"
 
 # The repository's folders are the parts of one import package, `bertfuse`: kernels/ is bertfuse.kernels, bert/ is
 # bertfuse.bert, bench/ is bertfuse.bench. Nothing installs a top-level `kernels`, `bert` or `bench`, names that
@@ -18,7 +19,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=PACKAGES,
     package_dir={"bertfuse": "bertfuse", **{f"bertfuse.{part}": part for part in PARTS}},
-    package_data={"bertfuse.kernels": ["configs/*.json"]},  # the launch configs per GPU family (bench/tune.py)
+    # the launch configs per GPU family (bench/tune.py); the transformers code checked per release (bert.hf.code)
+    package_data={"bertfuse.kernels": ["configs/*.json"], "bertfuse.bert.hf": ["checked.json"]},
     entry_points={"console_scripts": [
         "bert-bench = bertfuse.bench.cli:main",
         "bert-pretrain = bertfuse.bert.pretrain:cli",

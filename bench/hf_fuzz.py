@@ -7,14 +7,17 @@ position types, rope types and scaling, windows and layer types, key/value heads
 ALBERT's groups, MPNet's buckets, the attention implementation: eager or sdpa), a task head with labels, and
 inputs (padding on the right, on the left or in the
 middle, empty and length-1 rows, no mask, 2-D and 4-D boolean and float masks, explicit position ids,
-inputs_embeds, token types, token-level labels on padded positions). The fused model must give the unfused
-model's answer: both raise, or every output the fused drop-in promises (real positions of token-level outputs,
+inputs_embeds, token types, token-level labels on padded positions, a head mask where the release's forward
+takes one, output_hidden_states). Besides the families, the model types fused as BERT's code under their own
+names (ERNIE, LayoutLM, MarkupLM, RoCBert, Splinter, TAPAS, VisualBERT, Data2VecText, BertGeneration) are drawn.
+The fused model must give the unfused model's answer, and, unfused again, the unfused answer to the bit: both
+raise, or every output the fused drop-in promises (real positions of token-level outputs,
 all of pooled ones and of question answering's logits, the loss) within `OUT_TOL`, and every parameter gradient
 within `GRAD_TOL`, scaled as bench.hf_parity.worst_grad (where float32 rounding puts them further apart, each
 within twice the unfused model's own distance from its float64 copy). A failing case prints one line that reruns
 it.
 
-    python -m bertfuse.bench.hf_fuzz --cases 10000 [--seed 0] [--families bert,esm] [--interpret]
+    python -m bertfuse.bench.hf_fuzz --cases 10000 [--seed 0] [--families bert,esm] [--interpret] [--unchecked]
     python -m bertfuse.bench.hf_fuzz --case '<the JSON a failure printed>'
 
 flex attention is not drawn: on the CPU (torch 2.13) it is no reference, giving NaN on some calls and not others
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -35,7 +39,11 @@ import time
 import warnings
 from typing import NamedTuple
 
-from bertfuse.bench.hf_parity import FAMILIES  # every family the drop-in knows (DistilBERT sinusoidal too)
+from bertfuse.bench.hf_parity import COPIES
+from bertfuse.bench.hf_parity import FAMILIES as OWN_FAMILIES  # the drop-in's families, DistilBERT sinusoidal too
+
+# ... and the model types fused as BERT's code under their own names (ERNIE, LayoutLM, TAPAS...).
+FAMILIES = [*OWN_FAMILIES, *COPIES]
 
 OUT_TOL = 1e-5     # relative error of outputs and losses (max |fused - unfused| / max |unfused|)
 GRAD_TOL = 1e-4    # worst parameter gradient, scaled per parameter (bench.hf_parity.worst_grad)
@@ -62,6 +70,8 @@ class Case:
     labels: bool = True
     padded_labels: bool = False    # token-level labels on padded positions too (with a 2-D mask)
     mlm_logits: bool = True
+    head_mask: bool = False        # a head mask of 0s and 1s, where the model's forward takes one
+    hidden_states: bool = False    # output_hidden_states=True
     seed: int = 0
 
     def line(self) -> str:
@@ -73,9 +83,10 @@ class Case:
 def _family_config(draw, st, family: str, hidden: int, heads: int) -> dict:
     """What a configuration of `family` may set besides the sizes, drawn."""
     c: dict = {}
-    if family in ("bert", "roberta", "xlm-roberta", "camembert", "electra", "roformer", "nomicbert"):
+    bert_like = ("bert", "roberta", "xlm-roberta", "camembert", "electra", *COPIES)
+    if family in (*bert_like, "roformer", "nomicbert"):
         c["hidden_act"] = draw(st.sampled_from(["gelu", "gelu_new", "relu", "gelu_pytorch_tanh", "silu"]))
-    if family in ("bert", "roberta", "xlm-roberta", "camembert", "electra"):
+    if family in bert_like:
         c["position_embedding_type"] = draw(st.sampled_from(["absolute", "relative_key", "relative_key_query"]))
     if family == "electra":
         c["embedding_size"] = draw(st.sampled_from([16, hidden]))
@@ -149,7 +160,8 @@ def cases(families=None):
                     position_ids=draw(st.booleans()), embeds=draw(st.integers(0, 4)) == 0,
                     segments=draw(st.booleans()), labels=draw(st.integers(0, 3)) > 0,
                     padded_labels=mask in ("long", "bool", "float") and draw(st.integers(0, 3)) == 0,
-                    mlm_logits=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                    mlm_logits=draw(st.booleans()), head_mask=draw(st.integers(0, 5)) == 0,
+                    hidden_states=draw(st.integers(0, 7)) == 0, seed=draw(st.integers(0, 2**16)))
 
     return draw_case()
 
@@ -158,12 +170,11 @@ def cases(families=None):
 def _model(case: Case):
     """The unfused model of `case` (eval mode, no dropout), or None where transformers has no such head."""
     import torch
-    import transformers
 
-    from bertfuse.bench.hf_parity import _record, build
+    from bertfuse.bench.hf_parity import _record, build, model_class
 
     record = _record(case.family)
-    if getattr(transformers, record.prefix + case.head, None) is None:
+    if model_class(case.family, case.head) is None:
         return None
     names = dict(record.config_names)
     changes = {names.get(k, k): v for k, v in case.config.items()}
@@ -235,6 +246,10 @@ def inputs(case: Case, model) -> dict:
         x["token_type_ids"] = torch.randint(0, 2, (b, s), generator=g)
     if case.labels:
         x.update(_labels(case, keys, vocab, g))
+    if case.head_mask and "head_mask" in inspect.signature(model.forward).parameters:  # what this release takes
+        x["head_mask"] = torch.randint(0, 2, (cfg.num_hidden_layers, cfg.num_attention_heads), generator=g).float()
+    if case.hidden_states:
+        x["output_hidden_states"] = True
     return x
 
 
@@ -357,11 +372,12 @@ SAME, BOTH_RAISE, NOT_BUILT, NOT_FINITE = "same answer", "both raise", "not buil
 OUTCOMES = (SAME, BOTH_RAISE, NOT_BUILT, NOT_FINITE)
 
 
-def run(case: Case) -> str:
+def run(case: Case, unchecked: bool = False) -> str:
     """SAME where the fused model gives the unfused model's answer to `case` (BOTH_RAISE where both refuse the
     call; NOT_BUILT where transformers builds no such model; NOT_FINITE where the unfused answer holds inf or NaN
-    and the fused one does too: arithmetic on inf, in another order, need not agree further), else what
-    differs."""
+    and the fused one does too: arithmetic on inf, in another order, need not agree further), and unfused again
+    gives it to the bit, else what differs. `unchecked`: fuse code not recorded as checked too
+    (fuse(..., unchecked_code=True)), to check a new release."""
     import torch
 
     from bertfuse.bert.hf import fuse
@@ -375,9 +391,14 @@ def run(case: Case) -> str:
             return NOT_BUILT
         if ref is None:
             return NOT_BUILT
-        fused = fuse(copy.deepcopy(ref), mlm_logits=case.mlm_logits)
+        try:
+            fused = fuse(copy.deepcopy(ref), mlm_logits=case.mlm_logits, unchecked_code=unchecked)
+        except Exception as e:  # fuse itself must never fail on a model transformers builds
+            return f"fuse raises {type(e).__name__}: {e}"
         x, keys = inputs(case, ref), _padding(case)
         theirs, ours = _answer(case, ref, x, keys), _answer(case, fused, x, keys)
+        if why := _unfused_again(case, fused, x, keys, theirs):
+            return why
         if isinstance(theirs, str) or isinstance(ours, str):
             both = isinstance(theirs, str) and isinstance(ours, str)
             return BOTH_RAISE if both else f"unfused {_raised(theirs)}, fused {_raised(ours)}"
@@ -399,6 +420,22 @@ def run(case: Case) -> str:
     return why or SAME
 
 
+def _unfused_again(case: Case, fused, x: dict, keys, theirs) -> str | None:
+    """What differs, to the bit, between the unfused model's answer and that of the fused one unfused (None:
+    nothing)."""
+    from bertfuse.bert.hf import unfuse
+
+    fused.zero_grad(set_to_none=True)
+    back = _answer(case, unfuse(fused), x, keys)
+    if isinstance(theirs, str) or isinstance(back, str):
+        return None if back == theirs else f"unfused {_raised(theirs)}, fused then unfused {_raised(back)}"
+    if theirs.outputs.keys() != back.outputs.keys() or theirs.grads.keys() != back.grads.keys() or \
+            any(_differs(v, back.outputs[k]) for k, v in theirs.outputs.items()) or \
+            _grad_error(back.grads, theirs.grads):
+        return "fused then unfused, the answer differs from the unfused model's"
+    return None
+
+
 def _raised(answer) -> str:
     return answer if isinstance(answer, str) else "runs"
 
@@ -410,7 +447,7 @@ def transformers_logging():
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
-def fuzz(n: int, seed: int, families=None, minutes: float | None = None) -> dict:
+def fuzz(n: int, seed: int, families=None, minutes: float | None = None, unchecked: bool = False) -> dict:
     """Run hypothesis over `n` cases (stopping early after `minutes`); raises AssertionError (hypothesis' shrunk
     case, with the line that reruns it) at the first case whose answers differ. Returns the counts of each
     outcome (`run`) and the time."""
@@ -426,8 +463,8 @@ def fuzz(n: int, seed: int, families=None, minutes: float | None = None) -> dict
     def check(case):
         if minutes is not None and time.monotonic() - start > 60 * minutes:
             return
-        why = run(case)
-        assert why in counts, f"{why}: {case.line()}"
+        why = run(case, unchecked)
+        assert why in counts, f"{why}: {case.line()}" + (" --unchecked" if unchecked else "")
         counts[why] += 1
 
     check()
@@ -443,6 +480,8 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=None, help="stop drawing new cases after this long")
     p.add_argument("--interpret", action="store_true", help="the real kernels in Triton's interpreter")
     p.add_argument("--case", default=None, help="rerun one case: the JSON a failure printed")
+    p.add_argument("--unchecked", action="store_true",
+                   help="fuse transformers code not recorded as checked too (fuse(..., unchecked_code=True))")
     args = p.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by bert.hf's kernels)
@@ -452,12 +491,12 @@ def main(argv=None) -> int:
         except (ValueError, TypeError) as e:
             print(f"hf_fuzz: --case is not a case: {e}", file=sys.stderr)
             return 2
-        why = run(case)
+        why = run(case, args.unchecked)
         print(why)
         return int(why not in OUTCOMES)
     families = args.families.split(",") if args.families else None
     try:
-        result = fuzz(args.cases, args.seed, families, args.minutes)
+        result = fuzz(args.cases, args.seed, families, args.minutes, args.unchecked)
     except AssertionError as e:
         print(f"hf_fuzz: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -22,9 +22,30 @@ SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_h
 # Every family the drop-in knows (bert.hf.FAMILIES), and DistilBERT once more with sinusoidal positions.
 FAMILIES = [*(f.name for f in hf.FAMILIES), "distilbert-sinusoidal"]
 
+# The model types the drop-in fuses as BERT's code under their own class names (the modeling modules
+# bert.hf.bert lists beside BERT's): BERT's (or RoBERTa's, padding with 1) record under their own prefix, for the
+# fuzz (bench.hf_fuzz) and the release table (bench.hf_versions). BertGeneration's bare model is its Encoder.
+COPIES = {"ernie": ("Ernie", "bert"), "layoutlm": ("LayoutLM", "bert"), "markuplm": ("MarkupLM", "bert"),
+          "roc_bert": ("RoCBert", "bert"), "splinter": ("Splinter", "bert"), "tapas": ("Tapas", "bert"),
+          "visual_bert": ("VisualBert", "bert"), "data2vec-text": ("Data2VecText", "roberta"),
+          "bert-generation": ("BertGeneration", "bert")}
+_HEAD_CLASSES = {("BertGeneration", "Model"): "BertGenerationEncoder"}
+
 
 def _record(name: str):
+    if name in COPIES:
+        prefix, like = COPIES[name]
+        return hf.family(like)._replace(name=name, prefix=prefix)
     return hf.family(name.removesuffix("-sinusoidal"))
+
+
+def model_class(family: str, head: str):
+    """The transformers class of `family` with the task head `head` ("Model": the bare one), or None where
+    transformers has none."""
+    import transformers
+
+    prefix = _record(family).prefix
+    return getattr(transformers, _HEAD_CLASSES.get((prefix, head), prefix + head), None)
 
 
 def build(family: str, head: str = "ForMaskedLM", **changes):
@@ -40,7 +61,7 @@ def build(family: str, head: str = "ForMaskedLM", **changes):
     extra = dict(record.test_config, **({"sinusoidal_pos_embds": True} if family.endswith("-sinusoidal") else {}))
     sizes.update(extra, **changes)
     cfg = getattr(transformers, record.prefix + "Config")(**sizes, pad_token_id=record.pad_token_id)
-    return getattr(transformers, record.prefix + head)(cfg).eval()
+    return model_class(family, head)(cfg).eval()
 
 
 def batch(family: str, seed: int = 3, device="cpu"):

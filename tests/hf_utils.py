@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
+import json
 import sys
 
 import torch
@@ -48,8 +50,9 @@ def grad_errors(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, flo
     errs = {}
     for name, p in ours.named_parameters():
         g, r = p.grad, ref[name].grad
-        if g is None and r is None and (not p.requires_grad or ".contact_head." in name):
-            continue  # frozen (RoFormer's sinusoid table), or ESM's contact head, which only predict_contacts runs
+        if g is None and r is None:
+            continue  # frozen (RoFormer's sinusoid table), ESM's contact head (only predict_contacts runs it), or
+            # a parameter neither model's loss reaches (transformers 5.0's CamemBERT lm_head.bias, untied)
         assert g is not None and r is not None, f"no gradient for {name}"
         scale = max(r.abs().max().item(), floor)
         errs[name] = ((g.double() - r.double()).abs().max() / scale).item()
@@ -109,3 +112,42 @@ class Calls:
     def of(self, name: str) -> list[dict]:
         """The arguments of every call of entry point `name`, in order."""
         return [arguments for n, arguments in self.calls if n == name]
+
+
+def refused_here() -> dict[str, str]:
+    """The model types whose attention fuse does not fuse on the installed transformers (code not checked there,
+    bertfuse.bert.hf.code; a subclass of transformers' own; a mask made so that a plain call runs the original
+    code), or that this release does not have: model type -> why. Read from the committed release table where it has the
+    installed release (bench/results/hf_versions/results.json), else found by fusing a small model of each."""
+    import transformers
+
+    return dict(_refused(transformers.__version__))
+
+
+@functools.cache
+def _refused(version: str) -> tuple[tuple[str, str], ...]:
+    from bertfuse.bench import hf_fuzz, hf_versions
+
+    rows = json.loads((hf_versions.RESULTS / "results.json").read_text())
+    if version in rows:
+        cells = {f: c.get("cell", "") for f, c in rows[version]["families"].items()}
+    else:
+        cells = {f: hf_versions._probe(f) if hf_versions._head(f) else "absent" for f in hf_fuzz.FAMILIES}
+    cells = {f: "not in this release" if why == "absent" else why for f, why in cells.items()}
+    return tuple((f, why) for f, why in cells.items() if why != "fused")
+
+
+def names_model_type(test_name: str, family: str) -> bool:
+    """Whether a test's name names the model type (`test_nomicbert_post_norm...`), as a whole word."""
+    return f"_{family.replace('-', '_')}_" in f"_{test_name.split('[')[0]}_"
+
+
+def needs_transformers(version: str, what: str) -> None:
+    """Skip the calling test on a transformers older than `version`, which does not have `what` (the compatibility
+    tier runs the drop-in tests on older releases: a call the unfused model cannot make there tests nothing)."""
+    import pytest
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(version):
+        pytest.skip(f"transformers {transformers.__version__} has no {what} (from {version})")

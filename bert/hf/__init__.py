@@ -27,7 +27,10 @@ The rule is that fusing changes speed, never meaning (bench/hf_suite.py runs tra
 fused models; bench/hf_fuzz.py draws random configurations and calls). What cannot be fused keeps the original
 module with one warning naming the reason, and `fuse_report` lists it: attention the kernel cannot express (each
 family module names its own refusals), a head_dim over 128, decoders and their causal-LM heads, an activation
-without a kernel, layers of an unknown structure or of a class whose code is not known (bertfuse.bert.hf.known).
+without a kernel, layers of an unknown structure or of a class whose code is not known (bertfuse.bert.hf.known),
+and code of a known class that differs from every variant checked (another transformers release, or a class or
+function patched at run time: bertfuse.bert.hf.code; `fuse(model, unchecked_code=True)` fuses it anyway, for
+testing a release). A transformers older than the oldest checked release stops fuse with an error.
 A call the fused layers do not compute exactly runs the original encoder code, counted in fuse_report
 (bertfuse.bert.hf.encoder). The fused modules pick the kernels by device and dtype (float64 runs their PyTorch
 path). Beside transformers' kernelize (hub kernels' forwards bound over decorated layers: activations, RMSNorm,
@@ -38,7 +41,10 @@ fused class has no kernel_layer_name, so kernelize (or train()/eval() re-kerneli
 The package, in the order of its data flow:
   compute.py       the fused computations (Linear + GeLU, add + norm, gating, attention) and shared forwards
   records.py       the records a family fills in: Stack, Layers, Family, MLMHead, PairHead, GeluBlock, Group
-  known.py         whose code is known (`unknown_code`), and the fused classes (`fused_class`)
+  code.py          the digest of a class's installed code, the digests checked per release (checked.json), the
+                   transformers floor
+  known.py         whose code is known (`unknown_code`: a known class, its installed code a checked variant),
+                   and the fused classes (`fused_class`)
   encoder.py       the fused encoder, and when a call runs the original code
   bert.py ... deberta.py   one module per family group: its forwards, records and refusal rules, and a GROUP
   families.py      the registry: one line per family module

@@ -167,9 +167,11 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
 # bert.masks.packed_rows reads as the original attention would) or that its layers' code ignores: an encoder
 # without a cache gets None for one; num_items_in_batch (transformers.Trainer's token count for the loss) passes
 # through every model's forward to the attention functions, which ignore it, as they ignore seq_idx (each token's
-# sequence, which DataCollatorWithFlattening adds for state-space layers).
+# sequence, which DataCollatorWithFlattening adds for state-space layers). cache_position (which transformers 4.57
+# to 5.x's BERT-family models hand their encoder on every call) indexes a cache only: with past_key_values (which
+# the fused encoder does not read, so such a call runs the original code), and never in an encoder without one.
 _FLAGS = ("output_attentions", "output_hidden_states", "return_dict", "use_cache", "num_items_in_batch",
-          "position_ids", "seq_idx", *FLASH_PACKING)
+          "cache_position", "position_ids", "seq_idx", *FLASH_PACKING)
 
 
 def _unread_arguments(kwargs: dict) -> list[str]:

@@ -12,12 +12,13 @@ from typing import Callable, NamedTuple
 
 from torch import nn
 
+from bertfuse.bert.hf.code import checking, version_problem
 from bertfuse.bert.hf.compute import _get, _output_block_forward, gelu_kind
 from bertfuse.bert.hf.encoder import PADDED_POSITIONS, _EncoderState, _encoder_forward, padded_reads
 from bertfuse.bert.hf.families import BLOCK_MODELS, FAMILY_NORMS, GELU_BLOCKS
 from bertfuse.bert.hf.heads import (FusedMLMForward, _hook_labels, _is_masked_lm, _mlm_code_problem, _mlm_head,
                                     _reads_token_labels, _unhook_labels)
-from bertfuse.bert.hf.known import _is_fused, fused_class, known_classes, unknown_code
+from bertfuse.bert.hf.known import _is_fused, fused_class, known_classes, self_bound_forward, unknown_code
 from bertfuse.bert.hf.recognise import _attention_problems, _is_output_block, encoder_parts, encoder_stack, layer_kind
 from bertfuse.bert.hf.records import EncoderReport
 from bertfuse.bert.model import ops
@@ -48,10 +49,14 @@ class _Fuser:
 
     def retype(self, module: nn.Module, cls: type) -> None:
         """`module` becomes a `cls`. A hub kernel's forward kernelize bound to it goes (to come back with unfuse):
-        the fused class's own forward then runs, and kernelize leaves fused classes alone."""
+        the fused class's own forward then runs, and kernelize leaves fused classes alone. So does its own class's
+        forward bound on the instance (what transformers 5.0's output capturing leaves there), which would
+        shadow the fused class's."""
         if ops.hub_kernel(module) is not None:
             for name in ("forward", "_kernel_repo"):
                 self.record.append((module, name, vars(module).pop(name)))
+        elif self_bound_forward(module):
+            self.record.append((module, "forward", vars(module).pop("forward")))
         self.record.append((module, "__class__", type(module)))
         module.__class__ = cls
 
@@ -211,7 +216,8 @@ def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: 
     return patched
 
 
-def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exact") -> nn.Module:
+def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exact",
+         unchecked_code: bool = False) -> nn.Module:
     """Fuse every encoder inside `model` in place (see the module docstring); returns `model`.
 
     mlm_logits: True (the default) keeps transformers' contract for masked-LM and pre-training models given
@@ -226,9 +232,17 @@ def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exa
     left padding gives; a masked-LM or token-classification label on a padded position of a 2-D mask, seen by a
     forward pre-hook on the task model that unfuse removes) runs the original code, so every head's answer is
     transformers'. "zero": such calls run fused too, and those heads read 0 there (a QA loss over padded
-    positions, a pooled padded first token, then differ from transformers'), for speed."""
+    positions, a pooled padded first token, then differ from transformers'), for speed.
+
+    unchecked_code: False (the default) fuses a module only where its transformers code, as installed, is a
+    variant checked to give the same answer fused (bertfuse.bert.hf.code); any other keeps its code, with a warning
+    naming the class and the installed transformers, listed by fuse_report. True fuses unchecked code too: for
+    testing a release not yet checked (python -m bertfuse.bench.hf_fuzz --unchecked), never for results.
+    A transformers older than the oldest checked release stops with an error naming both."""
     if padded_positions not in PADDED_POSITIONS:
         raise ValueError(f"fuse: padded_positions must be one of {PADDED_POSITIONS}, got {padded_positions!r}")
+    if why := version_problem():
+        raise RuntimeError(f"fuse: {why}")
     saved = getattr(model, _ORIGINALS, None)
     if saved:  # already fused
         if (saved.mlm_logits, saved.padded_positions) != (mlm_logits, padded_positions):
@@ -240,9 +254,10 @@ def fuse(model: nn.Module, mlm_logits: bool = True, padded_positions: str = "exa
         raise ValueError(f"fuse: no encoder inside {type(model).__name__} (looked for a module with `embeddings` "
                          "and an `encoder` or `transformer` holding a `layer` list)")
     fuser = _Fuser()
-    reports = [_fuse_encoder_model(fuser, *part, padded_reads(model, part[1], padded_positions))
-               for part in encoders]
-    heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
+    with checking(not unchecked_code):
+        reports = [_fuse_encoder_model(fuser, *part, padded_reads(model, part[1], padded_positions))
+                   for part in encoders]
+        heads = _fuse_heads(fuser, model, encoders, reports, mlm_logits)
     labelled = () if padded_positions == "zero" else tuple(m for m in model.modules() if _reads_token_labels(m))
     for task in labelled:
         _hook_labels(task)
@@ -261,6 +276,8 @@ def unfuse(model: nn.Module) -> nn.Module:
         return model
     for module, name, old in reversed(saved.record):
         if name == "__class__":
+            if self_bound_forward(module):  # the fused forward, bound there while fused: it must not outlive it
+                del vars(module)["forward"]
             module.__class__ = old
         elif old is None:
             object.__delattr__(module, name)

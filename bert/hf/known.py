@@ -1,7 +1,9 @@
 """Whose code is known, and the fused classes given to it.
 
 A module is fused only where its class is known to compute the fused op's math: a class a family module names
-for its model types (`known_classes`), or a subclass adding nothing but __init__ (`unknown_code`). Look-alikes
+for its model types (`known_classes`), or a subclass adding nothing but __init__ (`unknown_code`), and only where
+that class's code, as installed and live now, is a variant recorded as checked (bertfuse.bert.hf.code: a release
+not checked, or a class patched at run time, keeps its code). Look-alikes
 with BERT's submodule names around other attention (MRA, Nystromformer, YOSO) keep their code, with the reason in
 fuse_report. A fused module keeps its object and gets `fused_class(its class, a fused forward)`, a subclass that
 pickles as "this class, fused", and that transformers' kernelize leaves alone.
@@ -15,6 +17,7 @@ from typing import Callable
 
 from torch import nn
 
+from bertfuse.bert.hf.code import code_problem
 from bertfuse.bert.model import ops
 
 
@@ -82,8 +85,9 @@ def known_classes(names: tuple[str, ...], models: tuple[tuple[str, str], ...]) -
 def unknown_code(module: nn.Module, known: tuple[type, ...]) -> str | None:
     """Why `module` may compute something other than `known`'s code, or None where it cannot: its class is one
     of `known`, or a subclass of one adding nothing but __init__ and data (any method of its own, even a helper
-    the forward calls, could change the math), and no method is replaced on the instance (a hub kernel's forward,
-    `ops.hub_kernel`, is another implementation of the class's function: fuse sets it aside)."""
+    the forward calls, could change the math), no method is replaced on the instance (a hub kernel's forward,
+    `ops.hub_kernel`, is another implementation of the class's function: fuse sets it aside), and the known
+    class's installed code is a checked variant (`code.code_problem`)."""
     cls = getattr(type(module), "_bertfuse_base", type(module))  # a module fuse gave a fused class: its own
     base = next((c for c in cls.__mro__ if c in known), None)
     if base is None:
@@ -95,8 +99,18 @@ def unknown_code(module: nn.Module, known: tuple[type, ...]) -> str | None:
             return f"{sub.__name__} overrides {', '.join(own)} of {base.__name__}"
     hub = ops.hub_kernel(module) is not None
     patched = sorted(n for n, v in vars(module).items()
-                     if callable(v) and inspect.isfunction(getattr(cls, n, None)) and not (hub and n == "forward"))
-    return f"{cls.__name__}.{patched[0]} is replaced on this instance" if patched else None
+                     if callable(v) and inspect.isfunction(getattr(cls, n, None)) and not (hub and n == "forward")
+                     and not (n == "forward" and self_bound_forward(module)))
+    if patched:
+        return f"{cls.__name__}.{patched[0]} is replaced on this instance"
+    return code_problem(base)
+
+
+def self_bound_forward(module: nn.Module) -> bool:
+    """The instance holds its own class's forward, bound to itself: the same code as holding none (transformers
+    5.0's output capturing puts the forward it wrapped back so, as an instance attribute)."""
+    f = vars(module).get("forward")
+    return inspect.ismethod(f) and f.__self__ is module and f.__func__ is getattr(type(module), "forward", None)
 
 
 def _checkpointing_wrapper(sub: type, name: str, value) -> bool:
@@ -122,7 +136,7 @@ def _attention_function_problem(cfg) -> str | None:
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
     if name != f"transformers.integrations.{_ATTENTION_FUNCTIONS[impl]}":
         return f"attention implementation {impl!r} is registered to {name}, not transformers' own function"
-    return None
+    return code_problem(fn)
 
 
 def _is_fused(module: nn.Module) -> bool:
