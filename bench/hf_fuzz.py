@@ -5,10 +5,10 @@ smallest case): a family (every one bert.hf knows, DistilBERT with sinusoidal po
 over the fields that change the math (head counts and widths, head_dim 1 and odd ones included, activations,
 position types, rope types and scaling, windows and layer types, key/value heads, DeBERTa's relative settings,
 ALBERT's groups, MPNet's buckets, the attention implementation: eager or sdpa), a task head with labels, and
-inputs (padding on the right, on the left or in the
-middle, empty and length-1 rows, no mask, 2-D and 4-D boolean and float masks, explicit position ids,
-inputs_embeds, token types, token-level labels on padded positions, a head mask where the release's forward
-takes one, output_hidden_states). Besides the families, the model types fused as BERT's code under their own
+inputs (padding on the right, on the left or in the middle, empty and length-1 rows, no mask, 2-D and 4-D boolean
+and float masks, explicit position ids, position ids restarting inside rows (padding-free packing), inputs_embeds,
+token types, token-level labels on padded positions, a head mask where the release's forward takes one,
+output_hidden_states). Besides the families, the model types fused as BERT's code under their own
 names (ERNIE, LayoutLM, MarkupLM, RoCBert, Splinter, TAPAS, VisualBERT, Data2VecText, BertGeneration) are drawn.
 The fused model must give the unfused model's answer, and, unfused again, the unfused answer to the bit: both
 raise, or every output the fused drop-in promises (real positions of token-level outputs,
@@ -65,6 +65,7 @@ class Case:
     layout: str = "right"
     mask: str = "long"
     position_ids: bool = False
+    packed: bool = False           # position ids restarting inside rows: sequences packed end to end (padding-free)
     embeds: bool = False
     segments: bool = False
     labels: bool = True
@@ -157,7 +158,8 @@ def cases(families=None):
         mask = draw(st.sampled_from(MASKS))
         return Case(family, head, impl, config, lengths, seqlen,
                     layout=draw(st.sampled_from(LAYOUTS)), mask=mask,
-                    position_ids=draw(st.booleans()), embeds=draw(st.integers(0, 4)) == 0,
+                    position_ids=draw(st.booleans()), packed=draw(st.integers(0, 3)) == 0,
+                    embeds=draw(st.integers(0, 4)) == 0,
                     segments=draw(st.booleans()), labels=draw(st.integers(0, 3)) > 0,
                     padded_labels=mask in ("long", "bool", "float") and draw(st.integers(0, 3)) == 0,
                     mlm_logits=draw(st.booleans()), head_mask=draw(st.integers(0, 5)) == 0,
@@ -240,7 +242,11 @@ def inputs(case: Case, model) -> dict:
         x["inputs_embeds"] = model.get_input_embeddings()(ids).detach()
     else:
         x["input_ids"] = ids
-    if case.position_ids:
+    if case.packed:  # a new sequence at random places: position ids from 0 at each
+        token = torch.arange(s).expand(b, s)
+        starts = (torch.rand(b, s, generator=g) < 0.3) | (token == 0)
+        x["position_ids"] = token - torch.where(starts, token, 0).cummax(1).values
+    elif case.position_ids:
         x["position_ids"] = torch.arange(s)[None].expand(b, s) + torch.randint(0, 3, (b, 1), generator=g)
     if case.segments and getattr(cfg, "type_vocab_size", 0) >= 2:
         x["token_type_ids"] = torch.randint(0, 2, (b, s), generator=g)

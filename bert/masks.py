@@ -7,8 +7,10 @@ implementations, `cu_seq_lens_q/k` and `max_length_q/k`. Whether the original co
 depends on the installed transformers and the attention implementation, so the fused encoder reads it from
 what the original would read:
   * eager, sdpa, flex: the mask the model built. Where transformers built it from the position ids (5.25 on,
-    for the models that pass them), it is block-diagonal over the sequences the ids mark; `packed_rows` checks
-    it is exactly that and returns the sequences. A mask over whole rows keeps a row one sequence.
+    for the models that pass them: BERT's copies, ESM), it is block-diagonal over the sequences the ids mark;
+    `packed_rows` reads those sequences from the mask itself (`mask_segments`: where a query's keys change) and
+    checks the mask is exactly that, so a model whose encoder is not handed the position ids (ESM's) is read
+    the same way. A mask over whole rows keeps a row one sequence.
   * flash: `cu_seq_lens_q/k` where given, else position ids that restart in a one-row batch without a mask, as
     transformers' flash path takes them.
 The sequences are then the fused layout's sequences (bert.model.padding, `segments`): the varlen kernel's
@@ -125,21 +127,81 @@ def key_mask(attention_mask, batch: int, seqlen: int, device, reading: str = KEP
     return keys if ok else None
 
 
-def _block_keys(attention_mask, segments: torch.Tensor, batch: int, seqlen: int,
-                reading: str) -> torch.Tensor | None:
-    """The key mask of a 4-D mask that is block-diagonal over `segments` (each query attends to the allowed keys
-    of its own sequence, the same keys whichever query of it asks), else None."""
+def _shared(attention_mask) -> bool:
+    """A 3-D/4-D mask that is one key mask expanded along heads and queries (a view: no value to compare)."""
+    m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+    return m.dim() == 4 and all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
+
+
+def mask_segments(allowed: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] each query's sequence in its row, read from [batch, seq, seq] `allowed` (True = attend): a new
+    sequence begins at a query whose keys are not the previous query's. In a block-diagonal mask every query of a
+    sequence has its sequence's keys (padding masks keys, not queries), so that is where the blocks begin; queries
+    with no key at all in a row form one (padding, discarded)."""
+    change = (allowed[:, 1:] != allowed[:, :-1]).any(-1)
+    return torch.cat([change.new_zeros(change.shape[0], 1, dtype=torch.long), change.long().cumsum(1)], 1)
+
+
+def _block_rows(attention_mask, batch: int, seqlen: int, reading: str) -> Rows:
+    """The rows of a 3-D/4-D mask that differs between queries: block-diagonal over the sequences its own rows
+    mark (`mask_segments`: each query attends to the allowed keys of its own sequence, the same whichever query of
+    it asks: a padding-free batch's mask, however transformers built it) gives the key mask and those sequences
+    (None where a row holds one); anything else (causal, a bias) keys None."""
     m, values = _allowed(attention_mask, batch, seqlen, reading)
     if m is None:
-        return None
+        return Rows(None)
     m = m.expand(batch, -1, seqlen, seqlen)
+    segments = mask_segments(m[:, 0])
     keys = m[:, 0].diagonal(dim1=-2, dim2=-1)    # a token's own key: allowed unless it is padding
     same = segments[:, :, None] == segments[:, None, :]
     checks = [(m == (same & keys[:, None, :])[:, None]).all()] + ([] if values is None else [values])
-    ok = _verdict(checks, "bert.hf.fuse: this attention mask is not the block-diagonal mask of the sequences its "
-                          "position ids mark, which the compiled fused attention computes; compile or export the "
-                          "unfused model for such masks")
-    return keys if ok else None
+    if torch.compiler.is_compiling():
+        _verdict(checks, "bert.hf.fuse: this attention mask differs between queries but is not block-diagonal "
+                         "over the sequences of a row (padding-free), or holds additive values other than 0 and the "
+                         "minimum, which the compiled fused attention cannot express; compile or export the "
+                         "unfused model for such masks")
+        return Rows(keys, segments)
+    ok, split = torch.stack([torch.stack(checks).all(), (segments[:, -1] > 0).any()]).tolist()
+    return Rows(keys, segments if split else None) if ok else Rows(None)
+
+
+def _expand_blocks(dense: torch.Tensor, block: tuple[int, int], seqlen: int) -> torch.Tensor:
+    """[B, H, q blocks, kv blocks] bool -> [B, H, seq, seq]: each block's value at each of its elements."""
+    return dense.repeat_interleave(block[0], 2)[:, :, :seqlen].repeat_interleave(block[1], 3)[..., :seqlen]
+
+
+def block_mask_allowed(block_mask, batch: int, seqlen: int, device):
+    """(allowed [B, H, seq, seq] bool, None) of what flex attention lets each query attend under `block_mask` (a
+    BlockMask), or (None, why) where the fused attention cannot read it. flex computes every element of a full
+    block, the elements of a partial block where its mask_mod is True, nothing of the other blocks; mask_mod is
+    evaluated on every position of the row (torch's create_mask), which transformers' mask functions (padding,
+    packed sequences as the position ids mark them) allow."""
+    from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+    name = f"a {type(block_mask).__name__} attention mask (flex attention's)"
+    if not isinstance(block_mask, BlockMask):
+        return None, f"{name}, which the fused attention does not read"
+    if torch.compiler.is_compiling():
+        return None, f"{name} in a compiled call, whose mask_mod the fused attention does not evaluate there"
+    nums = block_mask.kv_num_blocks
+    if tuple(block_mask.seq_lengths) != (seqlen, seqlen) or nums.dim() != 3 or nums.shape[0] not in (1, batch):
+        return None, f"{name} of lengths {tuple(block_mask.seq_lengths)} for {batch} rows of {seqlen} tokens"
+    size = tuple(block_mask.BLOCK_SIZE)
+
+    def blocks(num, indices):
+        if num is None:
+            return None
+        part = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=size, seq_lengths=(seqlen, seqlen),
+                                        compute_q_blocks=False)
+        return _expand_blocks(part.to_dense().bool(), size, seqlen)
+
+    try:
+        elements = create_mask(block_mask.mask_mod, nums.shape[0], nums.shape[1], seqlen, seqlen, device)
+    except Exception as error:  # a mask_mod that cannot be evaluated on its own (one reading other state)
+        return None, f"{name} whose mask_mod cannot be evaluated alone ({type(error).__name__})"
+    allowed = blocks(nums, block_mask.kv_indices) & elements.bool()
+    full = blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    return (allowed if full is None else allowed | full), None
 
 
 def _flash_segments(kwargs: dict, batch: int, seqlen: int, device):
@@ -162,12 +224,14 @@ def _flash_segments(kwargs: dict, batch: int, seqlen: int, device):
 def packed_rows(config, attention_mask, kwargs: dict, position_ids, batch: int, seqlen: int, device,
                 reading: str | None = None) -> Rows:
     """What the rows of this call hold (`Rows`), as the model's own attention would read them (module docstring).
-    position_ids: the ids the model's attention or mask reads (None where neither does); reading: how it reads a
+    position_ids: the ids a flash call reads (None where the attention is handed none); reading: how it reads a
     3-D/4-D mask where the family's code has one way (`mask_reading`), None: by the configured implementation."""
     reading = mask_reading(config, reading)
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        return Rows(None, why=f"a {type(attention_mask).__name__} attention mask (flex attention's), which the fused "
-                              "attention does not read")
+        attention_mask, why = block_mask_allowed(attention_mask, batch, seqlen, device)
+        if why:
+            return Rows(None, why=why)
+        reading = KEPT
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl.startswith("flash"):
         segments, why = _flash_segments(kwargs, batch, seqlen, device)
@@ -176,9 +240,6 @@ def packed_rows(config, attention_mask, kwargs: dict, position_ids, batch: int, 
         if segments is None and attention_mask is None and position_ids is not None and batch == 1:
             segments = sequence_indices(position_ids.expand(batch, seqlen))
         return Rows(key_mask(attention_mask, batch, seqlen, device, reading), segments)
-    if position_ids is not None and attention_mask is not None and attention_mask.dim() in (3, 4):
-        segments = sequence_indices(position_ids.expand(batch, seqlen))
-        keys = _block_keys(attention_mask, segments, batch, seqlen, reading)
-        if keys is not None:
-            return Rows(keys, segments)
+    if attention_mask is not None and attention_mask.dim() in (3, 4) and seqlen > 1 and not _shared(attention_mask):
+        return _block_rows(attention_mask, batch, seqlen, reading)
     return Rows(key_mask(attention_mask, batch, seqlen, device, reading))

@@ -782,8 +782,8 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     _DQ.launch(grid,
         q, k, v, do, dq, lse, delta, cu_seqlens, seed, bias, hi, lo, sums, *strides, dq.stride(0), dq.stride(1),
         *scalars, BIAS_GRAD=bias_grad, BUCKETS=buckets, **meta)
-    if bias_grad:  # per-program sums, added in a fixed order: deterministic
-        dtable = sums.sum((1, 2))[:, :bias_table.shape[0]].t().to(bias_table.dtype)
+    if bias_grad:  # per-program sums, added in a fixed order: deterministic; laid out as the table (the fake's)
+        dtable = torch.empty_like(bias_table).copy_(sums.sum((1, 2))[:, :bias_table.shape[0]].t())
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dtable
 
 

@@ -361,6 +361,72 @@ def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, mon
     torch._dynamo.reset()
 
 
+# Inductor (torch.compile's default backend), once per family module: its C++ code generator is where a fused
+# model can fail and the unfused one not (a vectorised scatter-add it cannot generate). "native": this machine's
+# vector instructions, compiled and run against the unfused model; "avx512" (for a model fused by layer and one
+# fused whole): AVX-512 code generated and compiled (forward and backward) on a machine without it, and not run. The fused modules take their PyTorch path, as they do
+# on a CPU without Triton's interpreter (a user's): the kernels' custom ops would hide the attention from Inductor.
+INDUCTOR = ["bert", "albert", "deberta-v2", "esm", "mpnet", "modernbert"]   # bert.py, albert.py, deberta.py, ...
+
+
+def _avx512_codegen(monkeypatch):
+    """The backend that has Inductor compile a graph for AVX-512 and then runs the graph as it is (None where
+    this machine has AVX-512 itself: the native case compiles and runs it)."""
+    isa = pytest.importorskip("torch._inductor.cpu_vec_isa")
+    from torch._inductor import codecache, config
+    from torch._inductor.compile_fx import compile_fx
+
+    if not hasattr(isa, "VecAVX512") or any(isinstance(v, isa.VecAVX512) for v in isa.valid_vec_isa_list()):
+        return None
+    monkeypatch.setattr(isa, "pick_vec_isa", lambda: isa.VecAVX512())
+    monkeypatch.setattr(codecache, "pick_vec_isa", isa.pick_vec_isa, raising=False)
+    monkeypatch.setattr(config, "force_disable_caches", True)
+    monkeypatch.setattr(torch._functorch.config, "force_non_lazy_backward_lowering", True)
+
+    def generate_only(gm, example_inputs):
+        compile_fx(gm, example_inputs)
+        return gm.forward
+
+    return generate_only
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("family,isa", [(f, "native") for f in INDUCTOR] + [("bert", "avx512"), ("modernbert", "avx512")])
+def test_inductor_compiles_the_fused_model_wherever_it_compiles_the_unfused(family, isa, monkeypatch):
+    backend = "inductor" if isa == "native" else _avx512_codegen(monkeypatch)
+    if backend is None:
+        pytest.skip("this machine has AVX-512: the native case generates it")
+    monkeypatch.setattr(kernels, "backend_for", lambda t: "torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # Inductor's one-thread code stores scalars, not vectors (the suite runs one a process)
+    try:
+        _inductor_case(family, backend)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _inductor_case(family, backend):
+    ref, fused = classifier(family), quiet(fuse, classifier(family))
+    for m in (ref, fused):
+        m.config.problem_type = "single_label_classification"
+    # 128 tokens: enough for Inductor to vectorise the layout's loops (a few dozen it leaves scalar)
+    ids, mask, _ = batch(family, seed=3)
+    mask = (torch.arange(32)[None] < torch.tensor([32, 5, 17, 1])[:, None]).long()
+    ids = torch.randint(5, 99, (4, 32), generator=torch.Generator().manual_seed(3)).masked_fill(mask == 0, ids[-1, -1])
+    x, labels = dict(input_ids=ids, attention_mask=mask), torch.tensor([0, 1, 1, 0])
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=backend)
+    with torch.no_grad():  # inference, a graph of its own (where Inductor met the scatter-add)
+        assert rel_err(compiled(**x).logits, ref(**x).logits) <= TOL
+    a, b = ref(**x, labels=labels), compiled(**x, labels=labels)
+    a.loss.backward(), b.loss.backward()
+    assert rel_err(b.logits, a.logits) <= TOL and rel_err(b.loss, a.loss) <= TOL
+    errs = grad_errors(fused, ref)
+    assert max(errs.values()) <= TOL, max(errs, key=errs.get)
+    assert fuse_report(fused)[0].calls == {}
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("family,head", [("bert", "ForPreTraining"), ("roberta", "ForMaskedLM"),
                                          ("distilbert", "ForMaskedLM"), ("albert", "ForPreTraining")])
 @pytest.mark.compile

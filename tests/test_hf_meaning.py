@@ -110,14 +110,73 @@ def test_a_4d_mask_is_every_layers_mask_in_modernbert_local_layers_too(impl):
     assert calls(fused) == {}
 
 
-@pytest.mark.parametrize("family", ["bert", "distilbert", "albert", "esm"])
-def test_flex_attention_block_masks_run_the_original_code(family):
-    """flex's BlockMask holds a function, not a tensor the fused attention can read: the original code runs."""
-    ref, fused = pair(family, impl="flex_attention")
+FLEX = ["bert", "distilbert", "albert", "esm"]
+
+
+def _packed_row(family, lengths=(5, 1, 4)):
+    """One padding-free row (transformers' DataCollatorWithFlattening) of MLM features of these lengths."""
+    g = torch.Generator().manual_seed(1)
+    features = [{"input_ids": (ids := torch.randint(5, 99, (n,), generator=g).tolist()), "labels": ids}
+                for n in lengths]
+    row = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
+    if family == "distilbert":  # its model takes no position ids
+        row.pop("position_ids")
+    return row
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "padding-free"])
+@pytest.mark.parametrize("family", FLEX)
+def test_flex_attention_block_masks_run_fused(family, packed):
+    """flex's BlockMask read as flex computes it (its blocks and its mask_mod at every position): padding, and
+    the packed sequences transformers builds it from, run fused. Loss and logits only: flex has no backward on
+    this CPU."""
+    ref, fused = pair(family, "ForMaskedLM", impl="flex_attention")
+    if packed:
+        x = _packed_row(family)
+        real = torch.ones_like(x["input_ids"], dtype=torch.bool)
+    else:
+        ids, real = ids_keys()
+        x = dict(input_ids=ids, attention_mask=real.long(), labels=torch.where(real, ids, -100))
+    with torch.no_grad():
+        a, b = ref(**x), fused(**x)
+    assert rel_err(b.loss, a.loss) <= TOL and rel_err(b.logits[real], a.logits[real]) <= TOL
+    assert calls(fused) == {}
+
+
+def test_flex_attention_refuses_attention_dropout_in_training_and_so_does_the_fused_model():
+    ref, fused = pair("bert", impl="flex_attention", attention_probs_dropout_prob=0.1)
     ids, keys = ids_keys()
-    with torch.no_grad():  # flex attention has no backward on CPU
-        same_at_real(ref, fused, ids, keys, attention_mask=keys.long())
-    assert any("BlockMask" in why for why in calls(fused))
+    for model in (ref.train(), fused.train()):
+        with torch.no_grad(), pytest.raises(ValueError, match="dropout"):
+            model(ids, attention_mask=keys.long())
+    assert any("flex attention refuses" in why for why in calls(fused))
+
+
+def test_a_block_mask_means_its_blocks_and_its_mask_mod():
+    """Full blocks attend everywhere, partial ones where mask_mod says, absent ones nowhere; a causal mask_mod is
+    no key mask, and runs the original code."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    from bertfuse.bert.masks import block_mask_allowed, packed_rows
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    seqlen, block = 8, 4
+    made = fa.create_block_mask(causal, 1, 1, seqlen, seqlen, device="cpu", BLOCK_SIZE=block)
+    allowed, why = block_mask_allowed(made, 1, seqlen, "cpu")
+    assert why is None and torch.equal(allowed[0, 0], torch.ones(seqlen, seqlen).tril().bool())
+    # Blocks (0, 0) full, (1, 1) partial (causal inside), (1, 0) absent though the mask_mod allows it.
+    hand = fa.BlockMask.from_kv_blocks(torch.tensor([[[0, 1]]]), torch.tensor([[[[0, 0], [1, 0]]]]),
+                                       torch.tensor([[[1, 0]]]), torch.tensor([[[[0, 0], [0, 0]]]]), BLOCK_SIZE=block,
+                                       mask_mod=causal, seq_lengths=(seqlen, seqlen))
+    allowed, why = block_mask_allowed(hand, 1, seqlen, "cpu")
+    want = torch.zeros(seqlen, seqlen, dtype=torch.bool)
+    want[:4, :4] = True
+    want[4:, 4:] = torch.ones(4, 4).tril().bool()
+    assert why is None and torch.equal(allowed[0, 0], want)
+    cfg = transformers.BertConfig(attn_implementation="flex_attention")
+    assert packed_rows(cfg, made, {}, None, 1, seqlen, "cpu").keys is None
+    assert "lengths" in block_mask_allowed(made, 1, seqlen + 1, "cpu")[1]
 
 
 # ---- rotations that are not the whole head ----------------------------------------------------------------

@@ -111,14 +111,12 @@ def _alone(model, batch):
 
 
 # What transformers 5.25 makes of a packed row under eager and sdpa, by family, and what the fused model does:
-#   "fused": the model builds its mask from the position ids (sequences apart) and hands them to its encoder: the
-#            fused encoder runs the row's sequences as its packed layout;
-#   "original": transformers keeps the sequences apart but the encoder is not given the ids that mark them
-#            (ESM): the mask, per query, runs the original code;
+#   "fused": the model builds its mask from the position ids (sequences apart), block-diagonal: the fused encoder
+#            reads the sequences from the mask (ESM's encoder is not handed the ids) and runs them as its layout;
 #   "row": transformers' mask covers the whole row (the model builds it from attention_mask alone, or takes no
 #            position ids): the row attends as one sequence, fused, as in the original.
 PACKED_ROW = {"bert": "fused", "roberta": "fused", "xlm-roberta": "fused", "camembert": "fused", "electra": "fused",
-              "esm": "original", "distilbert": "row", "mpnet": "row", "albert": "row", "modernbert": "row",
+              "esm": "fused", "distilbert": "row", "mpnet": "row", "albert": "row", "modernbert": "row",
               "nomicbert": "row", "eurobert": "row", "roformer": "row", "deberta-v2": "row", "deberta": "row"}
 SDPA = ("bert", "roberta", "modernbert", "eurobert")
 
@@ -138,10 +136,8 @@ def test_a_packed_row_fused_equals_the_original(family, impl):
         apart = family != "distilbert" and rel_err(ref, _alone(model, batch)) <= TOL
     calls = fuse_report(fused)[0].calls
     if SEPARATES:
-        assert apart == (PACKED_ROW[family] != "row")
-        assert (calls == {}) == (PACKED_ROW[family] != "original"), calls
-    elif not apart:
-        assert calls == {}
+        assert apart == (PACKED_ROW[family] == "fused")
+    assert calls == {}, calls
 
 
 def test_a_flash_call_takes_its_cu_seq_lens_as_the_layout():
@@ -160,7 +156,45 @@ def test_a_flash_call_takes_its_cu_seq_lens_as_the_layout():
     assert fuse_report(fused)[0].calls == {}
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta"])
+# ESM (protein models, where packing pays most): its model builds the block-diagonal mask from the position ids
+# but hands its encoder the rotary cos and sin, not the ids; the fused encoder reads the sequences from the mask.
+ESM_COLLATORS = {"position ids": {}, "flash kwargs and seq_idx": {"return_flash_attn_kwargs": True,
+                                                                  "return_seq_idx": True}}
+
+
+@pytest.mark.parametrize("flags", ESM_COLLATORS)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("positions", ["rotary", "absolute"])
+def test_esm_padding_free_batches_run_fused_with_the_original_loss_logits_and_gradients(positions, impl, flags):
+    needs_transformers("5.25", "ESM's mask built from the position ids")
+    original = build("esm", "ForMaskedLM", attn_implementation=impl, position_embedding_type=positions)
+    model = _quiet(fuse, copy.deepcopy(original))
+    batch = _flattened(seed=3, **ESM_COLLATORS[flags])
+    a, b = original(**batch), _quiet(model, **batch)
+    assert rel_err(b.loss, a.loss) <= TOL and rel_err(b.logits, a.logits) <= TOL
+    a.loss.backward(), b.loss.backward()
+    errs = grad_errors(model, original)
+    assert max(errs.values()) <= TOL, max(errs, key=errs.get)
+    with torch.no_grad():  # and each sequence as if run alone
+        assert rel_err(_quiet(model.esm, **{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state,
+                       _alone(original.esm, batch)) <= TOL
+    assert fuse_report(model)[0].calls == {}
+
+
+@pytest.mark.parametrize("positions", ["rotary", "absolute"])
+def test_esm_flash_call_takes_its_cu_seq_lens_as_the_layout(positions):
+    """Configured for a flash implementation (not run here: the reference is each sequence alone), ESM's fused
+    encoder splits the row as cu_seq_lens_q says, its rotation by the restarting position ids."""
+    model, fused = _bare("esm", "eager", position_embedding_type=positions)
+    fused.config._attn_implementation = "flash_attention_2"
+    batch = _flattened(return_flash_attn_kwargs=True, return_seq_idx=True)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        assert rel_err(fused(**inputs).last_hidden_state, _alone(model, batch)) <= TOL
+    assert fuse_report(fused)[0].calls == {}
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "esm"])
 def test_a_packed_row_trains_with_attention_dropout_in_the_kernel(family, monkeypatch):
     """Training (attention dropout on): the packed row runs fused, the dropout inside the varlen kernel over
     the row's sequences."""

@@ -93,9 +93,6 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
         rows = packed_rows(state.config, attention_mask, kwargs, kwargs.get("position_ids"), batch, seqlen,
                            hidden_states.device, kind.mask_reading)
         why = rows.why or _original_code_reason(self, state, rows.keys, encoder_hidden_states, kwargs)
-    if not why and rows.segments is not None and (kind.relative or kind.rotary):
-        why = ("sequences packed in one row, whose relative or rotary positions this family's fused encoder "
-               "computes per row")
     if why:
         if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
             kwargs["encoder_hidden_states"] = encoder_hidden_states
@@ -151,6 +148,8 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
     if not all(_plain_probs_dropout(kind, layer) for layer in kind.stack.layers(encoder)):
         wants.add("a hook on (or a replacement of) an attention dropout, which the fused attention applies inside "
                   "its kernel")
+    if _flex_refuses_dropout(encoder, state):
+        wants.add("attention dropout in training, which flex attention refuses (the original code raises)")
     if state.layers.call_problems and windowed:
         wants.update(state.layers.call_problems(encoder, keys))
     wants.update(_padded_read_problems(state.reads, keys))
@@ -196,6 +195,16 @@ def _plain_probs_dropout(kind: Layers, layer: nn.Module) -> bool:
     """The kernel may apply the probabilities' dropout itself: a plain nn.Dropout there, or a rate."""
     dropout = _probs_dropout(kind, layer)
     return isinstance(dropout, float) or ops.plain(dropout, nn.Dropout)
+
+
+def _flex_refuses_dropout(encoder, state: _EncoderState) -> bool:
+    """transformers' flex attention raises when handed a dropout rate (a training call with attention dropout):
+    the original code runs, and raises."""
+    if getattr(state.config, "_attn_implementation", None) != "flex_attention" or not encoder.training:
+        return False
+    kind = state.layers
+    rates = (_probs_dropout(kind, layer) for layer in kind.stack.layers(encoder))
+    return any((d if isinstance(d, float) else d.p) > 0 for d in rates)
 
 
 def _holes(keys, what: str) -> list[str]:

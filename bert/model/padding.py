@@ -48,18 +48,22 @@ def static_layout(keep: torch.Tensor, segments: torch.Tensor | None = None) -> P
     batch shape, torch.export): every one of the batch * seqlen tokens, each row's kept tokens in order as its
     sequence, and all the padding after the last sequence as filler, which the attention gives zeros and the
     caller discards; max_seqlen is seqlen. Given `segments` (as unpad_mask), a row holds up to seqlen sequences:
-    there are batch * seqlen sequence slots, the unused ones empty. Only cumulative sums and scatters (no sort, no
-    search, no sync), so it compiles into one graph and exports to ONNX. The attention skips the padding; the
-    matmuls do not."""
+    there are batch * seqlen sequence slots, the used ones first, the rest empty. Only cumulative sums, row sums
+    and scatters to distinct places (no sort, no search, no sync, no scatter-add: Inductor's C++ code generator
+    fails on a vectorised scatter-add whose index it computes), so it compiles into one graph and exports to
+    ONNX. The attention skips the padding; the matmuls do not."""
     batch, seqlen = keep.shape
-    keep = (keep != 0).reshape(-1)
+    keep = keep != 0
     n, device = batch * seqlen, keep.device
-    row = torch.arange(batch, device=device).repeat_interleave(seqlen)
-    # Each token's sequence slot; kept tokens of one slot are consecutive in token order (segments never
-    # decrease along a row), so a kept token's packed place is its rank among all kept tokens.
-    slots, sequence = (batch, row) if segments is None else (n, row * seqlen + segments.reshape(-1).long())
-    seqlens = torch.zeros(slots, dtype=torch.int32, device=device).index_add(0, sequence, keep.to(torch.int32))
-    cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0, dtype=torch.int32)])
+    if segments is None:  # a row, a sequence
+        slots, sequence = batch, torch.arange(batch, device=device).repeat_interleave(seqlen)
+        cu_seqlens = torch.cat([keep.new_zeros(1, dtype=torch.int32), keep.sum(1).cumsum(0, dtype=torch.int32)])
+        keep = keep.reshape(-1)
+    else:
+        keep = keep.reshape(-1)
+        slots, (sequence, cu_seqlens) = n, _segment_slots(keep, segments, seqlen)
+    # A kept token's packed place is its rank among all kept tokens (the kept tokens of one slot are consecutive
+    # in token order: segments never decrease along a row).
     filler = (~keep).long().cumsum(0) - 1                                       # a padded token's place after all
     slot = torch.where(keep, keep.long().cumsum(0) - 1, cu_seqlens.long()[-1] + filler)  # its packed place
     at = torch.empty(n, dtype=torch.long, device=device)
@@ -67,6 +71,25 @@ def static_layout(keep: torch.Tensor, segments: torch.Tensor | None = None) -> P
     seq = at.scatter(0, slot, torch.where(keep, sequence, slots))
     pos = at.scatter(0, slot, torch.where(keep, slot - cu_seqlens.long()[sequence], filler))
     return Packed(cu_seqlens, seqlen, seq, pos, 0, Origin(indices, batch, seqlen))
+
+
+def _segment_slots(keep: torch.Tensor, segments: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's sequence slot, cu_seqlens over batch * seqlen slots) for flattened `keep` and [batch, seqlen]
+    `segments`: the (row, segment) pairs numbered in token order, and each slot's end read from the kept tokens'
+    running count at its last token, written to its own place (the other tokens write to places of their own past
+    the slots, discarded); the unused slots at the end hold the total."""
+    n, device = keep.numel(), keep.device
+    token = torch.arange(n, device=device)
+    if n == 0:
+        return token, torch.zeros(1, dtype=torch.int32, device=device)
+    pair = (token // seqlen) * seqlen + segments.reshape(-1).long()            # (row, segment), never decreasing
+    new = pair[1:] != pair[:-1]
+    sequence = torch.cat([token.new_zeros(1), new.long().cumsum(0)])           # a slot per pair, in token order
+    last = torch.cat([new, new.new_ones(1)])                                   # a pair's last token
+    kept = keep.long().cumsum(0)                                               # kept tokens up to and with each
+    ends = kept.new_zeros(2 * n).scatter(0, torch.where(last, sequence, n + token), kept)[:n]
+    ends = torch.where(token <= sequence[-1], ends, kept[-1])
+    return sequence, torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
 
 
 def unpad(x: torch.Tensor, p: Packed) -> torch.Tensor:
