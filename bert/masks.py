@@ -20,8 +20,9 @@ A 3-D or 4-D mask means what the attention that reads it makes of it (`mask_read
 mask to the attention as it is, and the eager functions (and MPNet's and RoFormer's own code, and flex given a
 tensor) *add* it to the scores, so a boolean one adds 1 to kept keys and masks nothing; sdpa reads a boolean mask
 as True = attend and adds a float one; DeBERTa's code reads any mask as `mask.bool()`; the flash functions read a
-2-D padding mask only, and flex's BlockMask holds a function. Where the fused attention cannot compute that
-meaning, `Rows.keys` is None and the original code runs.
+2-D padding mask only, and flex's BlockMask is read as flex computes it (`block_mask_allowed`: its blocks, and
+its mask_mod evaluated at every position). Where the fused attention cannot compute that meaning, `Rows.keys` is
+None and the original code runs.
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def key_mask(attention_mask, batch: int, seqlen: int, device, reading: str = KEP
     """[batch, seq] key mask (True = attend) from whatever the model handed its encoder, read as its attention
     reads it (`reading`, `_allowed`): None; a 2-D mask (0 = padding); a 3-D/4-D mask. None when the fused attention
     cannot express it: a mask that differs between queries or heads (causal), an additive mask with other values
-    (a bias), a mask the implementation does not read as a tensor (flex's BlockMask, flash's 4-D). Under
+    (a bias), a mask the implementation does not read as a tensor (flash's 4-D; a BlockMask, which packed_rows
+    reads first). Under
     torch.compile and torch.export the compiled program checks this when it runs (`_verdict`)."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)

@@ -185,6 +185,7 @@ def test_esm_padding_free_batches_run_fused_with_the_original_loss_logits_and_gr
 def test_esm_flash_call_takes_its_cu_seq_lens_as_the_layout(positions):
     """Configured for a flash implementation (not run here: the reference is each sequence alone), ESM's fused
     encoder splits the row as cu_seq_lens_q says, its rotation by the restarting position ids."""
+    needs_transformers("5.0", "flash packing arguments passed through ESM's model")
     model, fused = _bare("esm", "eager", position_embedding_type=positions)
     fused.config._attn_implementation = "flash_attention_2"
     batch = _flattened(return_flash_attn_kwargs=True, return_seq_idx=True)
