@@ -21,10 +21,11 @@ it.
     python -m bertfuse.bench.hf_fuzz --case '<the JSON a failure printed>'
 
 flex attention is not drawn: on the CPU (torch 2.13) it is no reference, giving NaN on some calls and not others
-for the same inputs, and corrupting memory given a tensor mask; tests/test_hf_meaning.py checks that a flex call
-runs the original code. --interpret runs the real kernels in Triton's interpreter (slow: small cases only); by
-default, the fused modules' PyTorch path (the rules deciding what runs fused are the same). tests/test_hf_fuzz.py
-runs a fixed seed in the fast tier and bounded hypothesis runs in the slow tier.
+for the same inputs, corrupting memory given a tensor mask, and without a backward; tests/test_hf_meaning.py checks
+flex calls (padded and padding-free BlockMasks run fused) on loss and logits. --interpret runs the real kernels in
+Triton's interpreter (slow: small cases only); by default, the fused modules' PyTorch path (the rules deciding what
+runs fused are the same). tests/test_hf_fuzz.py runs a fixed seed in the fast tier and bounded hypothesis runs in the
+slow tier.
 """
 from __future__ import annotations
 

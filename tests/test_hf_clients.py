@@ -364,8 +364,9 @@ def test_compile_fullgraph_makes_one_graph_for_every_padding_pattern(family, mon
 # Inductor (torch.compile's default backend), once per family module: its C++ code generator is where a fused
 # model can fail and the unfused one not (a vectorised scatter-add it cannot generate). "native": this machine's
 # vector instructions, compiled and run against the unfused model; "avx512" (for a model fused by layer and one
-# fused whole): AVX-512 code generated and compiled (forward and backward) on a machine without it, and not run. The fused modules take their PyTorch path, as they do
-# on a CPU without Triton's interpreter (a user's): the kernels' custom ops would hide the attention from Inductor.
+# fused whole): AVX-512 code generated and compiled (forward and backward) on a machine without it, and not run.
+# The fused modules take their PyTorch path, as they do on a CPU without Triton's interpreter (a user's): the
+# kernels' custom ops would hide the attention from Inductor.
 INDUCTOR = ["bert", "albert", "deberta-v2", "esm", "mpnet", "modernbert"]   # bert.py, albert.py, deberta.py, ...
 
 
@@ -391,7 +392,8 @@ def _avx512_codegen(monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("family,isa", [(f, "native") for f in INDUCTOR] + [("bert", "avx512"), ("modernbert", "avx512")])
+@pytest.mark.parametrize("family,isa", [(f, "native") for f in INDUCTOR] + [("bert", "avx512"),
+                                                                            ("modernbert", "avx512")])
 def test_inductor_compiles_the_fused_model_wherever_it_compiles_the_unfused(family, isa, monkeypatch):
     backend = "inductor" if isa == "native" else _avx512_codegen(monkeypatch)
     if backend is None:
