@@ -64,6 +64,12 @@ def mask_reading(config, own: str | None = None) -> str:
     return KEPT if impl == "sdpa" else UNREAD if impl.startswith("flash") else ADDED
 
 
+def _shared(attention_mask) -> bool:
+    """A 3-D/4-D mask that is one key mask expanded along heads and queries (a view: no value to compare)."""
+    m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+    return m.dim() == 4 and all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
+
+
 def _allowed(attention_mask, batch: int, seqlen: int, reading: str = KEPT):
     """A 3-D/4-D mask as [batch, heads, seq, seq] bool (True = attend) and the check its values need, as `reading`
     reads it, or (None, None) for a shape transformers never gives or a mask the fused attention cannot read.
@@ -76,8 +82,7 @@ def _allowed(attention_mask, batch: int, seqlen: int, reading: str = KEPT):
     m = m.expand(batch, -1, -1, seqlen)
     # A view expanded along heads and queries holds one key mask: its values are read on that mask alone (batch x
     # seq), and the result is expanded back, which key_mask recognises as shared.
-    shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
-    core = m[:, :1, :1] if shared else m
+    core = m[:, :1, :1] if _shared(m) else m
     if reading == NONZERO:
         return (core != 0).expand(m.shape), None
     if not core.dtype.is_floating_point:
@@ -107,8 +112,7 @@ def key_mask(attention_mask, batch: int, seqlen: int, device, reading: str = KEP
     reads it (`reading`, `_allowed`): None; a 2-D mask (0 = padding); a 3-D/4-D mask. None when the fused attention
     cannot express it: a mask that differs between queries or heads (causal), an additive mask with other values
     (a bias), a mask the implementation does not read as a tensor (flash's 4-D; a BlockMask, which packed_rows
-    reads first). Under
-    torch.compile and torch.export the compiled program checks this when it runs (`_verdict`)."""
+    reads first). Under torch.compile and torch.export the compiled program checks this when it runs (`_verdict`)."""
     if attention_mask is None:
         return torch.ones(batch, seqlen, dtype=torch.bool, device=device)
     if not isinstance(attention_mask, torch.Tensor):
@@ -121,18 +125,11 @@ def key_mask(attention_mask, batch: int, seqlen: int, device, reading: str = KEP
     keys = m[:, 0, 0, :]
     # A view expanded along heads and queries is one key mask by construction (`_allowed` keeps it a view);
     # anything else is checked.
-    shared = all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
-    checks = ([] if shared else [(m == keys[:, None, None, :]).all()]) + ([] if values is None else [values])
+    checks = ([] if _shared(m) else [(m == keys[:, None, None, :]).all()]) + ([] if values is None else [values])
     ok = _verdict(checks, "bert.hf.fuse: this attention mask differs between queries or holds additive values other "
                           "than 0 and the minimum, which the compiled fused attention cannot express; compile or "
                           "export the unfused model for such masks")
     return keys if ok else None
-
-
-def _shared(attention_mask) -> bool:
-    """A 3-D/4-D mask that is one key mask expanded along heads and queries (a view: no value to compare)."""
-    m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
-    return m.dim() == 4 and all(m.shape[d] == 1 or m.stride(d) == 0 for d in (1, 2))
 
 
 def mask_segments(allowed: torch.Tensor) -> torch.Tensor:

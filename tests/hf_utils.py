@@ -30,6 +30,25 @@ def random_batch(vocab, batch=4, seqlen=17, lengths=None, seed=0, pairs=True):
     return ids, mask, tt
 
 
+def mlm_features(lengths, seed=0) -> list[dict]:
+    """MLM features (input_ids, labels: about 40% of tokens labelled) of these lengths, as a dataset holds them."""
+    g = torch.Generator().manual_seed(seed)
+    features = []
+    for n in lengths:
+        ids = torch.randint(3, 99, (n,), generator=g)
+        features.append({"input_ids": ids.tolist(),
+                         "labels": torch.where(torch.rand(n, generator=g) < 0.4, ids, -100).tolist()})
+    return features
+
+
+def flattened(lengths, seed=0, **flags):
+    """transformers' DataCollatorWithFlattening (`flags` its options) of `mlm_features`: one padding-free row,
+    position ids restarting at each sequence."""
+    import transformers
+
+    return transformers.DataCollatorWithFlattening(return_tensors="pt", **flags)(mlm_features(lengths, seed))
+
+
 def mlm_labels(ids, mask, vocab, p=0.3, seed=1):
     g = torch.Generator().manual_seed(seed)
     chosen = (torch.rand(ids.shape, generator=g) < p) & mask.bool()

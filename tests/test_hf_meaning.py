@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, rel_err
+from hf_utils import TOL, flattened, rel_err
 
 transformers = pytest.importorskip("transformers")
 from bertfuse.bench.hf_parity import batch, build  # noqa: E402
@@ -115,10 +115,7 @@ FLEX = ["bert", "distilbert", "albert", "esm"]
 
 def _packed_row(family, lengths=(5, 1, 4)):
     """One padding-free row (transformers' DataCollatorWithFlattening) of MLM features of these lengths."""
-    g = torch.Generator().manual_seed(1)
-    features = [{"input_ids": (ids := torch.randint(5, 99, (n,), generator=g).tolist()), "labels": ids}
-                for n in lengths]
-    row = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
+    row = flattened(lengths, seed=1)
     if family == "distilbert":  # its model takes no position ids
         row.pop("position_ids")
     return row

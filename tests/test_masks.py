@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, grad_errors, needs_transformers, rel_err
+from hf_utils import TOL, flattened, grad_errors, mlm_features, needs_transformers, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("bertfuse.kernels")
@@ -27,20 +27,9 @@ LENGTHS = [9, 4, 1, 7]   # one row of 21 tokens
 SEPARATES = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 25)
 
 
-def _features(lengths=LENGTHS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(3, 99, (n,), generator=g)
-        out.append({"input_ids": ids.tolist(), "labels": torch.where(torch.rand(n, generator=g) < 0.4, ids,
-                                                                     -100).tolist()})
-    return out
-
-
 def _flattened(lengths=LENGTHS, seed=0, **flags):
-    """transformers' DataCollatorWithFlattening of MLM features of these lengths: one row, position ids
-    restarting at each sequence."""
-    return transformers.DataCollatorWithFlattening(return_tensors="pt", **flags)(_features(lengths, seed))
+    """`flattened` (hf_utils) of LENGTHS unless told: one row of 21 tokens."""
+    return flattened(lengths, seed, **flags)
 
 
 def _quiet(f, *args, **kwargs):
@@ -226,7 +215,7 @@ def test_padding_free_training_through_trainer_fused_equals_unfused(tmp_path, fa
     pytest.importorskip("accelerate")
     original = build(family, "ForMaskedLM", attn_implementation="sdpa")
     model = _quiet(fuse, copy.deepcopy(original))
-    rows = _features([9, 4, 1, 7, 12, 3, 5, 8], seed=1)
+    rows = mlm_features([9, 4, 1, 7, 12, 3, 5, 8], seed=1)
     results = []
     for m, out in ((model, "fused"), (original, "original")):
         args = transformers.TrainingArguments(output_dir=str(tmp_path / out), max_steps=2,

@@ -128,6 +128,11 @@ def _gate(act, a, b):
     return act(a) * b
 
 
+def _dropout_rate(dropout) -> float:
+    """The rate of an attention's probabilities dropout: an nn.Dropout's p, or the float its code passes on."""
+    return dropout if isinstance(dropout, float) else dropout.p
+
+
 def _attend(attention, query, key, value, dropout, x, p, bias=None):
     """The attention context [tokens, hidden] of packed tokens x, before any output projection; q, k and v by
     their modules (ops.project_qkv), the dropout on the probabilities (`dropout`, a plain nn.Dropout: the encoder

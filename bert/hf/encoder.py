@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from bertfuse.bert.hf.compute import _get, _original, _warn
+from bertfuse.bert.hf.compute import _dropout_rate, _get, _original, _warn
 from bertfuse.bert.hf.records import EncoderReport, Layers
 from bertfuse.bert.masks import FLASH_PACKING, packed_rows
 from bertfuse.bert.model import ops
@@ -204,7 +204,7 @@ def _flex_refuses_dropout(encoder, state: _EncoderState) -> bool:
         return False
     kind = state.layers
     rates = (_probs_dropout(kind, layer) for layer in kind.stack.layers(encoder))
-    return any((d if isinstance(d, float) else d.p) > 0 for d in rates)
+    return any(_dropout_rate(d) > 0 for d in rates)
 
 
 def _holes(keys, what: str) -> list[str]:

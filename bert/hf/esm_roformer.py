@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from bertfuse.bert.hf.bert import _BERT_MLM, BERT_LAYERS, _bert_attention_forward, _bert_layer_forward
-from bertfuse.bert.hf.compute import _linear_gelu, _original
+from bertfuse.bert.hf.compute import _dropout_rate, _linear_gelu, _original
 from bertfuse.bert.hf.records import GLOBAL, Family, GeluBlock, Group, Layers, MLMHead, Rotary
 from bertfuse.bert.hf.rotary import _rotary_width_problem
 from bertfuse.bert.masks import ADDED
@@ -30,8 +30,7 @@ def _rotated_self_attention(self, x, packed, position, rotate_value=False):
         rotation = position.rotations[GLOBAL]
         q, k, v = (ops.rotary(t, position.positions, rotation, backend) if turn else t
                    for t, turn in ((q, True), (k, True), (v, rotate_value)))
-    dropout = self.dropout if isinstance(self.dropout, float) else self.dropout.p
-    context = ops.varlen_attention(q, k, v, packed, dropout if self.training else 0.0, backend)
+    context = ops.varlen_attention(q, k, v, packed, _dropout_rate(self.dropout) if self.training else 0.0, backend)
     return context.reshape(x.shape[0], heads * d)
 
 
