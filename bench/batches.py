@@ -15,7 +15,7 @@ class Batch:
     attention_mask: torch.Tensor   # [B, S]
     token_type_ids: torch.Tensor   # [B, S]
     labels: torch.Tensor           # [B, S], -100 where not chosen
-    next_sentence_label: torch.Tensor
+    next_sentence_label: torch.Tensor | None  # None in masked-LM-only batches (mlm_only)
 
     @property
     def labelled(self) -> int:
@@ -30,7 +30,8 @@ class Batch:
         return self.attention_mask.numel()
 
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return Batch(*(None if getattr(self, f) is None else getattr(self, f).to(device)
+                       for f in self.__dataclass_fields__))
 
     def kwargs(self, family: str = "bert") -> dict:
         """The model's keyword arguments. RoBERTa: MLM only, one segment, padding id 1 (its positions count
@@ -57,9 +58,53 @@ def make_batch(batch: int, seq_len: int, vocab: int, padding, seed: int, mlm_p: 
     return Batch(ids, mask, token_type, labels, nsp)
 
 
-def model_kwargs(batch, family: str = "bert") -> dict:
-    """The model's keyword arguments for a padded synthetic Batch or a packed bert.data.batch.PackedBatch."""
-    return batch.kwargs(family) if isinstance(batch, Batch) else dict(batch)
+def mlm_only(batch: Batch) -> Batch:
+    """The batch as masked-LM-only pre-training sees it: one segment, no next-sentence label, no label on the
+    first token ([CLS], which DataCollatorWithFlattening's separator takes), so that the padded, the flattened and
+    our rows of the MLM-only comparison score the same tokens."""
+    return Batch(batch.input_ids, batch.attention_mask, torch.zeros_like(batch.token_type_ids),
+                 batch.labels.clone().index_fill_(1, torch.tensor([0]), -100), None)
+
+
+@dataclass
+class FlatBatch:
+    """A padded batch's sequences as transformers trains padding-free: DataCollatorWithFlattening's one row of
+    all of them, position ids restarting at each (and, for flash attention, its cu_seqlens keyword arguments)."""
+    features: dict     # the collator's output: input_ids, labels, position_ids [1, T] (+ flash attention's)
+    lengths: list[int]
+
+    @property
+    def labelled(self) -> int:
+        return int((self.features["labels"] != -100).sum())
+
+    @property
+    def slots(self) -> int:
+        return sum(self.lengths)
+
+    def to(self, device) -> "FlatBatch":
+        return FlatBatch({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.features.items()},
+                         self.lengths)
+
+
+def make_flat_batch(batch: Batch, flash_kwargs: bool = False) -> FlatBatch:
+    """mlm_only(batch)'s sequences through transformers' DataCollatorWithFlattening (with return_flash_attn_kwargs
+    where the model runs flash attention, as transformers' padding-free recipe does)."""
+    from transformers import DataCollatorWithFlattening
+
+    b = mlm_only(batch)
+    features = [{"input_ids": ids[:n].tolist(), "labels": labels[:n].tolist()}
+                for ids, labels, n in zip(b.input_ids, b.labels, b.lengths) if n]
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs, return_tensors="pt")
+    return FlatBatch(collate(features), [n for n in b.lengths if n])
+
+
+def model_kwargs(batch, family: str = "bert", mlm: bool = False) -> dict:
+    """The model's keyword arguments for a padded synthetic Batch, a packed bert.data.batch.PackedBatch or a
+    FlatBatch; `mlm`: for a masked-LM-only model (no next-sentence labels)."""
+    if isinstance(batch, FlatBatch):
+        return dict(batch.features)
+    kwargs = batch.kwargs(family) if isinstance(batch, Batch) else dict(batch)
+    return {k: v for k, v in kwargs.items() if not (mlm and k == "next_sentence_label")}
 
 
 class _PoolLabels:

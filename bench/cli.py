@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,7 +25,7 @@ from . import e2e, encode, precompile
 from . import kernel_suite
 from .lengths import sample_lengths
 from .peaks import measure_peaks
-from .report import add_speedups, markdown, plot, write_csv
+from .report import add_speedups, e2e_table, markdown, plot, write_csv
 
 
 def device_name(device: torch.device) -> str:
@@ -85,6 +86,9 @@ OPTIONS = (
     flag("--precompile", action=argparse.BooleanOptionalAction, default=None,
          help="compile this project's kernels for the run in parallel worker processes before timing "
               "(default: on with a GPU)"),
+    flag("--dry-run", action="store_true",
+         help="print the plan (each suite's rows; the transformers release and whether its padding-free rows "
+              "can run) and stop, measuring nothing; with --device cuda it plans a GPU's run on any machine"),
     flag("--packing-corpus", metavar="PATH",
          help="also measure the padding share of this corpus's pre-training instances padded and packed, "
               "at 128 and 512 (e.g. WikiText-2's train.txt; bert-base-uncased vocabulary)"),
@@ -100,15 +104,17 @@ def parse_args(argv=None):
 
 
 def default_variants(cuda: bool, full: bool = False) -> list[str]:
-    """On a CPU the quick run leaves out torch.compile (minutes of compilation for a number --full still gives)."""
-    names = ["hf-eager", "hf-compile", "ours-torch"] if cuda or full else ["hf-eager", "ours-torch"]
+    """On a CPU the quick run leaves out torch.compile (minutes of compilation for a number --full still gives).
+    On a GPU the order is the order of importance: a run cut at a time limit (the GPU check's) has the headline
+    comparisons first, ours against transformers padded, padding-free with flex and flash attention, compiled."""
     if cuda:
-        names.append("ours-triton")
-    names.append("ours-packed")
-    if cuda or full:
-        names.append("ours-packed-compile")
-    if cuda:
-        names.append("ours-packed-graphs")
+        names = ["ours-triton", "hf-eager", "hf-compile", "ours-mlm", "ours-mlm-packed", "hf-mlm-eager", "hf-flat",
+                 "hf-flat-flex", "hf-flat-fa", "hf-flat-compile", "hf-flat-flex-compile", "hf-mlm-compile",
+                 "ours-packed", "ours-packed-graphs", "ours-packed-compile", "ours-torch"]
+    else:
+        names = ["hf-eager", "hf-compile", "ours-torch", "ours-packed", "ours-packed-compile", "hf-mlm-eager",
+                 "hf-mlm-compile", "hf-flat", "hf-flat-compile", "ours-mlm", "ours-mlm-packed"]
+        names = [n for n in names if full or n not in e2e.COMPILED]
     try:
         import bertfuse.bert.hf  # noqa: F401  (the drop-in fused layers)
 
@@ -181,6 +187,43 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
     return "Plan: " + "; ".join(lines) + f". Roughly {minutes:.0f}-{2 * minutes:.0f} min here{more}.\n"
 
 
+def padding_free_plan(plan: Plan, device) -> str:
+    """The transformers padding-free rows of the plan, the release they will run on and whether it keeps flattened
+    sequences apart (checked on this machine's CPU with SDPA: the masks come from the same code on every device);
+    which flash attention hf-flat-fa would take."""
+    flat = [v for v in plan.variants if v in e2e.FLAT] if plan.e2e else []
+    if not flat:
+        return ""
+    from .baselines import attention_of, flattening_refusal, LeftOut
+
+    def attention(v):
+        if "-fa" in v and device.type == "cuda" and not torch.cuda.is_available():  # planned here for a GPU
+            return "the newest flash attention the GPU machine has installed, else left out"
+        try:
+            return attention_of(v, device)
+        except LeftOut as e:
+            return f"left out: {e}"
+
+    try:
+        release = importlib.metadata.version("transformers")
+        why = flattening_refusal("sdpa", torch.device("cpu"))
+    except Exception as e:  # no transformers, or one that does not run
+        return f"Padding-free rows ({', '.join(flat)}): transformers does not run here ({type(e).__name__}: {e}).\n"
+    rows = ", ".join(f"{v} ({attention(v)})" for v in flat)
+    verdict = "it keeps flattened sequences apart" if why is None else f"they will be left out: {why}"
+    return f"Padding-free rows on transformers {release}: {rows}; {verdict}.{_flash_line(device)}\n"
+
+
+def _flash_line(device) -> str:
+    """Which flash attention hf-flat-fa takes and which are missing, on a GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    from .baselines import installed_flash
+
+    found, missing = installed_flash()
+    return f" Flash attention: {found or 'none'} installed; not installed: {', '.join(missing) or 'none'}."
+
+
 def _kernel_plan(cuda: bool) -> str:
     try:
         from bertfuse.bench.ops import records
@@ -196,7 +239,7 @@ def _kernel_plan(cuda: bool) -> str:
 def _runs(variant: str, spec: dict, plan: Plan) -> bool:
     """Padding-sweep specs run only the variants whose curve the plot shows; RoBERTa only the transformers ones."""
     if spec["family"] == "roberta":
-        return variant.startswith("hf")
+        return variant in ("hf-eager", "hf-compile", "hf-fused")
     return spec["padding"] == plan.specs[0]["padding"] or variant in ("hf-eager", "ours-torch", "ours-triton")
 
 
@@ -209,17 +252,14 @@ def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
             row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
             tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
             family = "" if spec["family"] == "bert" else f"{spec['family']} "
-            print(f"  {variant:12s} {family}{spec['config']} s{spec['seq_len']} b{spec['batch']} "
+            print(f"  {variant:20s} {family}{spec['config']} s{spec['seq_len']} b{spec['batch']} "
                   f"pad={spec['padding']}: {tail}", flush=True)
             if row.get("status") == "ok":
                 row["MFU"] = row["TFLOPs"] / peaks["matmul_TFLOPs"]
             results["e2e"].append(row)
             save()
-    add_speedups(results["e2e"])
     print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
-    print(markdown(results["e2e"], ["variant", "family", "config", "seq_len", "batch", "padding", "dtype",
-                                    "step_ms", "tokens_per_s", "seqs_per_s", "MFU", "peak_mem_MB",
-                                    "speedup_vs_hf-eager", "speedup_vs_hf-compile", "status"]))
+    print(e2e_table(results["e2e"], dict(results["meta"], steps=plan.specs[0]["steps"])))
     print("\nMFU: model FLOPs on real tokens (MLM head on labelled tokens) over the measured matmul peak; "
           "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
 
@@ -289,12 +329,11 @@ def run_metadata(device, argv) -> dict:
     meta = {"device": torch.cuda.get_device_name(device) if cuda else device_name(device),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command.strip(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    for package in ("transformers", "triton"):
+        try:
+            meta[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return meta
 
 
@@ -337,7 +376,7 @@ def check_args(args) -> torch.device:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise ValueError(f"--device {name}: use cuda (or cuda:N) or cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise ValueError(f"--device {name}: no CUDA device is available here (torch {torch.__version__})")
     return device
 
@@ -359,12 +398,16 @@ def remove_stale(out_dir: str, written: set) -> None:
 def bench(args, argv) -> int:
     device = check_args(args)
     cuda = device.type == "cuda"
+    if args.dry_run:
+        print(describe(make_plan(args, cuda), cuda, args.full) + padding_free_plan(make_plan(args, cuda), device))
+        return 0
     out_dir = args.output_dir = args.output_dir or os.path.join("bert-bench-results", device_name(device))
     os.makedirs(out_dir, exist_ok=True)
     meta = run_metadata(device, argv)
     plan = make_plan(args, cuda)
     print(f"# bert-bench on {meta['device']} ({meta['date']})\n")
-    print(describe(plan, cuda, args.full))
+    meta["padding_free"] = padding_free_plan(plan, device).strip()
+    print(describe(plan, cuda, args.full) + (meta["padding_free"] + "\n" if meta["padding_free"] else ""))
     results, written = {"meta": meta, **{name: [] for name in TABLES}}, set()
 
     def save():

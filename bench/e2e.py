@@ -23,8 +23,29 @@ VARIANTS = {
     "ours-packed": "this project on packed batches of the padded batch's token budget (triton on a GPU)",
     "ours-packed-compile": "the same under torch.compile (one shape: compiled once)",
     "ours-packed-graphs": "the same, each step (forward, backward, AdamW) replayed from a CUDA graph (GPU)",
+    # masked-LM-only pre-training: what transformers trains padding-free (NSP needs one pooled [CLS] a sequence)
+    "hf-mlm-eager": "transformers BertForMaskedLM on the padded batch, SDPA attention",
+    "hf-mlm-compile": "the same under torch.compile",
+    "hf-flat": "transformers BertForMaskedLM padding-free: the same sequences through DataCollatorWithFlattening, "
+               "SDPA attention",
+    "hf-flat-compile": "the same under torch.compile",
+    "hf-flat-flex": "transformers padding-free with flex attention (its block mask skips the work between sequences)",
+    "hf-flat-flex-compile": "the same under torch.compile",
+    "hf-flat-fa": "transformers padding-free with the newest flash attention installed (2, 3 or 4; GPU)",
+    "ours-mlm": "this project's BertForMaskedLM on the padded batch (triton on a GPU)",
+    "ours-mlm-packed": "this project's BertForMaskedLM on packed batches of the padded batch's token budget",
 }
-PACKED = ("ours-packed", "ours-packed-compile", "ours-packed-graphs")
+PACKED = ("ours-packed", "ours-packed-compile", "ours-packed-graphs", "ours-mlm-packed")
+MLM_ONLY = ("hf-mlm-eager", "hf-mlm-compile", "hf-flat", "hf-flat-compile", "hf-flat-flex", "hf-flat-flex-compile",
+            "hf-flat-fa", "ours-mlm", "ours-mlm-packed")
+FLAT = tuple(v for v in MLM_ONLY if v.startswith("hf-flat"))
+COMPILED = tuple(v for v in VARIANTS if v.endswith("-compile"))
+# transformers run unfused: the baselines a speedup is measured against (hf-fused is this project's layers)
+BASELINES = tuple(v for v in VARIANTS if v.startswith("hf-") and v != "hf-fused")
+
+
+def objective(variant: str) -> str:
+    return "mlm" if variant in MLM_ONLY else "mlm+nsp"
 
 
 def step_flops(cfg, lengths, labelled: int) -> float:
@@ -52,32 +73,68 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _hf_model(variant: str, cfg, device, family: str):
+    """The transformers model of an hf-* variant, with the attention that variant runs (bench.baselines)."""
+    import transformers
+
+    from .baselines import attention_of, flattening_refusal, LeftOut
+
+    if family == "roberta":  # RoBERTa's pre-training: MLM only, its own vocabulary and position offset
+        hf_cfg = transformers.RobertaConfig(**dict(cfg.to_dict(), vocab_size=50265, max_position_embeddings=514,
+                                                   type_vocab_size=1, pad_token_id=1))
+        cls = transformers.RobertaForMaskedLM
+    else:
+        hf_cfg = transformers.BertConfig(**cfg.to_dict())
+        cls = transformers.BertForMaskedLM if variant in MLM_ONLY else transformers.BertForPreTraining
+    hf_cfg._attn_implementation = attention_of(variant, device)
+    if hf_cfg._attn_implementation == "flex_attention":  # transformers' flex raises on attention dropout in training
+        hf_cfg.attention_probs_dropout_prob = 0.0
+    if variant in FLAT and (why := flattening_refusal(hf_cfg._attn_implementation, device)):
+        raise LeftOut(why)
+    model = cls(hf_cfg).to(device)
+    if variant == "hf-fused":
+        from bertfuse.bert.hf import fuse
+
+        fuse(model, mlm_logits=False)  # the step reads only the loss: the masked-only loss path
+    return model
+
+
 def _build(variant: str, cfg, device, family: str = "bert", compile_backend: str = "inductor"):
     import torch
 
     from bertfuse import bert
 
     if variant.startswith("hf"):
-        import transformers
+        model = _hf_model(variant, cfg, device, family)
+    else:
+        triton = variant == "ours-triton" or (variant in PACKED + ("ours-mlm",) and device.type == "cuda")
+        cls = bert.BertForMaskedLM if variant in MLM_ONLY else bert.BertForPreTraining
+        model = cls(cfg.replace(backend="triton" if triton else "torch")).to(device)
+    return torch.compile(model, backend=compile_backend) if variant in COMPILED else model
 
-        if family == "roberta":  # RoBERTa's pre-training: MLM only, its own vocabulary and position offset
-            hf_cfg = transformers.RobertaConfig(**dict(cfg.to_dict(), vocab_size=50265, max_position_embeddings=514,
-                                                       type_vocab_size=1, pad_token_id=1))
-        else:
-            hf_cfg = transformers.BertConfig(**cfg.to_dict())
-        hf_cfg._attn_implementation = "sdpa"
-        cls = transformers.RobertaForMaskedLM if family == "roberta" else transformers.BertForPreTraining
-        model = cls(hf_cfg).to(device)
-        if variant == "hf-fused":
-            from bertfuse.bert.hf import fuse
 
-            fuse(model, mlm_logits=False)  # the step reads only the loss: the masked-only loss path
-        if variant == "hf-compile":
-            model = torch.compile(model)
-        return model
-    backend = "triton" if variant == "ours-triton" or (variant in PACKED and device.type == "cuda") else "torch"
-    model = bert.BertForPreTraining(cfg.replace(backend=backend)).to(device)
-    return torch.compile(model, backend=compile_backend) if variant == "ours-packed-compile" else model
+def _runs_on(model) -> str:
+    """A row's `runs`: the attention a transformers model runs (and when without attention dropout, that it does:
+    less work than the others), or our backend."""
+    config = model.config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention is None:
+        return config.backend
+    no_dropout = attention == "flex_attention" and not config.attention_probs_dropout_prob
+    return attention + (" (no attention dropout: flex takes none)" if no_dropout else "")
+
+
+def _batches(variant: str, spec: dict, vocab: int, flash: bool) -> list:
+    """The variant's four batches: padded (make_batch; MLM-only: mlm_only), packed to the same slots, or the
+    padded batch's own sequences flattened (the same real tokens, one row)."""
+    from .batches import make_batch, make_flat_batch, make_packed_batch, mlm_only
+
+    args = spec["batch"], spec["seq_len"], vocab, spec["padding"]
+    if variant in PACKED:
+        return [make_packed_batch(*args, seed=s) for s in range(4)]
+    if variant in FLAT:
+        return [make_flat_batch(make_batch(*args, seed=s), flash_kwargs=flash) for s in range(4)]
+    return [(mlm_only if variant in MLM_ONLY else (lambda b: b))(make_batch(*args, seed=s)) for s in range(4)]
 
 
 def _stepper(variant: str, model, device, amp, family: str):
@@ -87,6 +144,7 @@ def _stepper(variant: str, model, device, amp, family: str):
 
     from .batches import model_kwargs
 
+    mlm = variant in MLM_ONLY
     graphs = variant == "ours-packed-graphs"
     if graphs and device.type != "cuda":
         raise RuntimeError("CUDA graphs need a GPU")
@@ -104,8 +162,8 @@ def _stepper(variant: str, model, device, amp, family: str):
         from bertfuse.bert.train.static import GraphedStep
 
         graphed = GraphedStep(step, model, opt)
-        return lambda b: graphed([model_kwargs(b, family)], {})
-    return lambda b: step([model_kwargs(b, family)])
+        return lambda b: graphed([model_kwargs(b, family, mlm)], {})
+    return lambda b: step([model_kwargs(b, family, mlm)])
 
 
 def pytorch_path_on_cpu(device: str) -> None:
@@ -126,23 +184,22 @@ def run_variant(variant: str, spec: dict) -> dict:
 
     from bertfuse import bert
 
-    from .batches import make_batch, make_packed_batch
+    from .baselines import LeftOut
 
     spec = {"family": "bert", **spec}
-    row = {"variant": variant, **{k: spec[k] for k in ("family", "config", "seq_len", "batch", "padding", "dtype")}}
+    row = {"variant": variant, "objective": "mlm" if spec["family"] == "roberta" else objective(variant),
+           **{k: spec[k] for k in ("family", "config", "seq_len", "batch", "padding", "dtype")}}
     try:
         device = torch.device(spec["device"])
         torch.manual_seed(0)
         cfg = bert.BertConfig.preset(spec["config"], hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
         base_mem = rss_mb() if device.type == "cpu" else 0.0
-        make = make_packed_batch if variant in PACKED else make_batch
-        batches = [make(spec["batch"], spec["seq_len"], cfg.vocab_size, spec["padding"], seed=s).to(device)
-                   for s in range(4)]
         model = _build(variant, cfg, device, spec["family"], spec.get("compile_backend", "inductor")).train()
+        row["runs"] = _runs_on(model)
+        batches = [b.to(device) for b in _batches(variant, spec, cfg.vocab_size, row["runs"].startswith("flash"))]
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if spec["dtype"] == "bfloat16" else torch.autocast(
             device.type, enabled=False)
         step = _stepper(variant, model, device, amp, spec["family"])
-
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for i in range(spec["warmup"]):
             step(batches[i % len(batches)])
@@ -151,26 +208,36 @@ def run_variant(variant: str, spec: dict) -> dict:
             return dict(row, status="warm")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times, tokens, seqs, slots, flops = [], 0, 0, 0, 0.0
-        for i in range(spec["steps"]):
-            b = batches[i % len(batches)]
-            t0 = time.perf_counter()
-            step(b)
-            sync()
-            times.append(time.perf_counter() - t0)
-            lengths = b.lengths
-            tokens, seqs, slots = tokens + sum(lengths), seqs + len(lengths), slots + b.slots
-            flops += step_flops(cfg, lengths, b.labelled)
-        total = sum(times)
-        peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-                else peak_rss_mb() - base_mem)
-        row.update(status="ok", step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
-                   seqs_per_s=seqs / total, TFLOPs=flops / total / 1e12,
-                   padding_share=1 - tokens / slots, peak_mem_MB=peak)
+        row.update(_timed(step, batches, spec["steps"], cfg, sync))
+        row["peak_mem_MB"] = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+                              else peak_rss_mb() - base_mem)
+    except LeftOut as e:
+        row["status"] = f"left out: {e}"
     except Exception as e:  # a variant that cannot run is reported, not fatal to the others
         row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         row["traceback"] = traceback.format_exc(limit=3)
     return row
+
+
+def _timed(step, batches, steps: int, cfg, sync) -> dict:
+    """`steps` timed steps over the batches in turn: throughput over the whole run (real tokens, sequences,
+    FLOPs), the median step time, and the spread of real tokens/s from step to step (min, median, max)."""
+    times, tokens, seqs, slots, flops, rates = [], 0, 0, 0, 0.0, []
+    for i in range(steps):
+        b = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        step(b)
+        sync()
+        times.append(time.perf_counter() - t0)
+        lengths = b.lengths
+        tokens, seqs, slots = tokens + sum(lengths), seqs + len(lengths), slots + b.slots
+        flops += step_flops(cfg, lengths, b.labelled)
+        rates.append(sum(lengths) / times[-1])
+    total, rates = sum(times), sorted(rates)
+    return dict(status="ok", step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
+                tokens_per_s_min=rates[0], tokens_per_s_median=rates[len(rates) // 2], tokens_per_s_max=rates[-1],
+                seqs_per_s=seqs / total, TFLOPs=flops / total / 1e12, padding_share=1 - tokens / slots,
+                tokens_per_step=tokens / steps)
 
 
 @contextlib.contextmanager

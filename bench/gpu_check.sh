@@ -5,21 +5,26 @@ set -uo pipefail
 usage() {
   cat <<'EOF'
 usage: bash bench/gpu_check.sh OUT_DIR [--budget SECONDS] [--stages LIST] [--keep-raw]
+       bash bench/gpu_check.sh --dry-run [--budget SECONDS] [--stages LIST]
 
 Runs, from a source checkout (PYTHONPATH=., no install, no network), these stages in this order:
   smoke    python -m bertfuse.bench.smoke: every kernel forward and backward once at a BERT-base shape in bfloat16
            and float16, and a BERT-base step on the triton backend against the torch backend (checks in
            parallel processes, which also fills Triton's compile cache for the later stages)
   tests    the GPU-marked tests, one pytest per test file, all at once (their time is mostly compilation)
-  e2e      bert-bench --suite e2e --quick: BERT-base pre-training steps, ours against Hugging Face eager,
-           Hugging Face + torch.compile and the fused Hugging Face model (two thirds of the stage); then
-           bert-bench --suite encode: forward-only encoding, eager, compiled and fused, batch 1/32/256
+  e2e      bert-bench --suite e2e --quick: BERT-base pre-training steps, ours against transformers padded
+           (eager, compiled), padding-free (DataCollatorWithFlattening; SDPA, flex attention, flash attention
+           where installed; eager and compiled) and the fused transformers model, most important first (four
+           fifths of the stage), on the transformers carried in .gpu_deps/wheels (5.25+, which keeps
+           padding-free sequences apart) where it imports, else the image's, whose padding-free rows are then
+           left out with the reason; then bert-bench --suite encode: forward-only encoding, eager, compiled and
+           fused, batch 1/32/256
   kernels  bert-bench --suite kernels --quick: each kernel against torch eager, torch.compile and the peers
            (varlen_attn, SDPA masked and nested, flash-attn when installed; Liger-Kernel's LayerNorm and fused
            linear cross-entropy, Cut Cross-Entropy, from .gpu_deps), each row with its error to float64
   tune     python -m bertfuse.bench.tune: launch configs measured on this GPU for the problems the committed table
            (kernels/configs/) lacks, written with the committed entries to the archive's configs/ folder
-Each stage gets a share of the budget (smoke 20%, tests 20%, e2e 25%, kernels 20%, tune 15%, among the stages
+Each stage gets a share of the budget (smoke 20%, tests 15%, e2e 35%, kernels 20%, tune 10%, among the stages
 chosen; time a stage leaves unused passes to the next) and is stopped when it runs over, keeping what it wrote.
 
 OUT_DIR ends up holding summary.md (targets met or not, failures, environment: the GPU, its family, e.g. sm_80 or
@@ -30,6 +35,8 @@ files are in OUT_DIR/raw until then, and are removed after packing unless --keep
   --budget SECONDS  total time for the stages (default 480)
   --stages LIST     comma-separated subset, e.g. smoke or smoke,tests (default: all five)
   --keep-raw        keep OUT_DIR/raw after packing
+  --dry-run         print each stage's time and what it will run (the end-to-end rows, with the transformers
+                    they will run on), run nothing; needs no OUT_DIR and no GPU
 
 Without a GPU it runs the same stages on the CPU: smoke in Triton's interpreter at small shapes, the GPU tests
 all skipped, the benchmarks on the torch path, tune skipped. A GPU machine without network gets pytest and the
@@ -39,10 +46,11 @@ EOF
 }
 
 command="bash bench/gpu_check.sh $*"
-out="" budget=480 stages="smoke,tests,e2e,kernels,tune" keep_raw=0
+out="" budget=480 stages="smoke,tests,e2e,kernels,tune" keep_raw=0 dry_run=0
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
+    --dry-run) dry_run=1; shift ;;
     --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
     --stages) stages=${2:?--stages needs a list}; shift 2 ;;
     --keep-raw) keep_raw=1; shift ;;
@@ -50,9 +58,11 @@ while [ $# -gt 0 ]; do
     *) [ -z "$out" ] || { echo "gpu_check.sh: one OUT_DIR only (see --help)" >&2; exit 2; }; out=$1; shift ;;
   esac
 done
-[ -n "$out" ] || { usage >&2; exit 2; }
+[ -n "$out" ] || [ "$dry_run" = 1 ] || { usage >&2; exit 2; }
 [[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget must be whole seconds, got $budget" >&2; exit 2; }
-declare -A share=([smoke]=20 [tests]=20 [e2e]=25 [kernels]=20 [tune]=15)
+# The end-to-end stage holds the headline comparisons (ours against transformers padded and padding-free), so it
+# has the largest share; the tests, mostly compilation, and tuning, which only adds table entries, give way.
+declare -A share=([smoke]=20 [tests]=15 [e2e]=35 [kernels]=20 [tune]=10)
 IFS=, read -ra chosen <<< "$stages"
 total_share=0
 for s in "${chosen[@]}"; do
@@ -60,14 +70,52 @@ for s in "${chosen[@]}"; do
   total_share=$((total_share + share[$s]))
 done
 
-mkdir -p "$out" && out=$(cd "$out" && pwd)   # absolute: the script moves to the checkout's root
-raw="$out/raw"
-rm -rf "$raw" && mkdir -p "$raw/tests"
+if [ "$dry_run" = 0 ]; then
+  mkdir -p "$out" && out=$(cd "$out" && pwd)   # absolute: the script moves to the checkout's root
+fi
 cd "$(dirname "$0")/.."
 deps=""
 [ -d .gpu_deps ] && deps="$PWD/.gpu_deps"
 export PYTHONPATH="$PWD${deps:+:$deps}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 - "$raw/environment.json" "$command" <<'PY' || exit 1
+
+# The end-to-end stage's transformers: the wheels carried in .gpu_deps/wheels, unpacked outside OUT_DIR (they are
+# not results), where they import; else the image's own, named with the reason.
+hf_dir=$(mktemp -d) && trap 'rm -rf "$hf_dir"' EXIT
+e2e_path=$PYTHONPATH
+if ls .gpu_deps/wheels/transformers-*.whl > /dev/null 2>&1; then
+  for wheel in .gpu_deps/wheels/*.whl; do python3 -m zipfile -e "$wheel" "$hf_dir"; done
+  if e2e_hf=$(PYTHONPATH="$hf_dir:$PYTHONPATH" python3 -c "import transformers
+from transformers import BertForMaskedLM, DataCollatorWithFlattening
+print(transformers.__version__)" 2> "$hf_dir.err"); then
+    e2e_path="$hf_dir:$PYTHONPATH" e2e_hf="$e2e_hf (carried in .gpu_deps/wheels)"
+  else
+    e2e_hf="the image's: the carried wheels do not import ($(tail -n 1 "$hf_dir.err"))"
+  fi
+  rm -f "$hf_dir.err"
+else
+  e2e_hf="the image's: no transformers wheel in .gpu_deps/wheels (bash bench/gpu_deps.sh)"
+fi
+if [ "$dry_run" = 0 ]; then
+  e2e_hf="$e2e_hf; image: $(python3 -c 'import transformers; print(transformers.__version__)' 2>&1 | tail -n 1)"
+fi
+
+if [ "$dry_run" = 1 ]; then   # the plan: each stage's time and, for e2e, the rows bert-bench will run on a GPU
+  total_share=0
+  for s in "${chosen[@]}"; do total_share=$((total_share + share[$s])); done
+  echo "Dry run: stages ${stages} in a budget of ${budget} s; the end-to-end stage's transformers: $e2e_hf"
+  for s in smoke tests e2e kernels tune; do
+    [[ ",$stages," == *",$s,"* ]] || continue
+    echo "== stage $s: about $(( budget * share[$s] / total_share )) s (plus what earlier stages leave)"
+    if [ "$s" = e2e ]; then
+      PYTHONPATH="$e2e_path" python3 -m bertfuse.bench --suite e2e --quick --device cuda --dry-run || exit 1
+    fi
+  done
+  exit 0
+fi
+
+raw="$out/raw"
+rm -rf "$raw" && mkdir -p "$raw/tests"
+python3 - "$raw/environment.json" "$command" "$e2e_hf" <<'PY' || exit 1
 import json, os, platform, subprocess, sys, datetime
 import torch
 env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -93,6 +141,7 @@ try:
 except OSError:
     pass
 env["command"] = sys.argv[2]
+env["e2e_transformers"] = sys.argv[3]
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print(" | ".join(f"{k} {v}" for k, v in env.items()))
 PY
@@ -135,7 +184,9 @@ for s in smoke tests e2e kernels tune; do
     smoke) timeout --kill-after=5 "$allowed" python3 -m bertfuse.bench.smoke --json "$raw/smoke.json" ;;
     tests) gpu_tests "$((allowed - 5))" ;;
     e2e) t_end=$(( $(date +%s) + allowed ))   # the training steps, then forward-only encoding in what is left
-         timeout --kill-after=5 "$((allowed * 2 / 3))" python3 -m bertfuse.bench --suite e2e --quick --output-dir "$raw/e2e"
+         echo "transformers for the pre-training steps: $e2e_hf"
+         PYTHONPATH="$e2e_path" timeout --kill-after=5 "$((allowed * 4 / 5))" \
+           python3 -m bertfuse.bench --suite e2e --quick --output-dir "$raw/e2e"
          rc_e2e=$?
          timeout --kill-after=5 "$(( t_end - $(date +%s) > 10 ? t_end - $(date +%s) : 10 ))" \
            python3 -m bertfuse.bench --suite encode --quick --output-dir "$raw/encode" && (exit $rc_e2e) ;;

@@ -43,7 +43,8 @@ def jobs(suites: list[str], variants: list[str], specs: list[dict], quick: bool,
     """(function, *args) per piece: the kernel suites (kernel record names), then each triton-backed end-to-end
     variant per spec."""
     out = [(_warm_suite, name, quick, device) for name in suites]
-    out += [(_warm_variant, v, s) for v in variants if v in ("ours-triton", "hf-fused", "ours-packed") for s in specs]
+    triton = ("ours-triton", "hf-fused", "ours-packed", "ours-mlm", "ours-mlm-packed")
+    out += [(_warm_variant, v, s) for v in variants if v in triton for s in specs]
     return out
 
 

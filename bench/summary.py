@@ -3,9 +3,10 @@
 Reads what the stages left in RAW_DIR, each part optional (a stage cut short or not run leaves less):
 environment.json, stages.tsv (stage, status, seconds, allowed seconds), smoke.json, tests/*.log (pytest),
 e2e/, kernels/ and encode/results.json (bert-bench), tune.log and configs/*.json (bench.tune). Writes the
-targets table (bench/targets.py) with the measured value and met / not met, every kernel row beside its peers'
-(time, extra memory, error to float64), every smoke and test failure, the environment and the stages that were
-cut.
+targets table (bench/targets.py) with the measured value and met / not met, the pre-training step's table
+(ours against transformers padded, padding-free, compiled, with flex and flash attention), every kernel row
+beside its peers' (time, extra memory, error to float64), every smoke and test failure, the environment and the
+stages that were cut.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import os
 import re
 import sys
 
-from .report import add_speedups, markdown
+from .report import add_e2e_speedups, add_speedups, e2e_table, markdown
 from .targets import evaluate
 
 
@@ -35,7 +36,7 @@ def _results(raw: str) -> dict:
         for suite in ("e2e", "kernels", "encode"):
             merged[suite] += part.get(suite, [])
         merged["meta"] = merged["meta"] or part.get("meta", {})
-    add_speedups(merged["e2e"])  # a cut stage saved its rows but not the speedups
+    add_e2e_speedups(merged["e2e"])  # a cut stage saved its rows but not the speedups
     add_speedups(merged["encode"], keys=("model", "batch", "seq_len", "dtype"), metric="sentences_per_s")
     return merged
 
@@ -79,6 +80,13 @@ def render(raw: str) -> str:
     verdicts = evaluate(results)
     lines += ["", "## Targets", "", markdown([v._asdict() | {"status": v.status} for v in verdicts],
                                             ["name", "goal", "value", "status"])]
+    e2e = results.get("e2e", [])
+    lines += ["", "## Pre-training step: ours against what transformers users run", ""]
+    if e2e:
+        meta = results.get("meta", {})
+        lines += ([meta["padding_free"], ""] if meta.get("padding_free") else []) + [e2e_table(e2e, meta)]
+    else:
+        lines.append("not run")
     kernels = results.get("kernels", [])
     lines += ["", "## Kernels and their peers", "", "Each row's time, extra memory and error to the float64 "
               "reference (where there is one), so a fast row can be seen to be right.", "",

@@ -6,7 +6,8 @@ where the kernels cannot (`backend_for`). This package imports every such module
 `__all__`: a new op file is picked up without editing this one. `launches` holds every op's launch sites (its
 kernels, default and candidate configs) and records launches without a GPU, `targets` names the GPU families the
 launchers know and `tuned` reads their launch-config tables (`configs/<family>.json`). `refusal` answers whether an op's
-kernels run on a device, in a dtype, at a shape, and if not why; `backend_for` is the drop-in modules' choice.
+kernels run on a device, in a dtype, at a shape, and if not why; `backend_for` is the drop-in modules'
+choice and `backend_of` says it in words.
 
 Importing this package imports triton. On a machine without CUDA the kernels run on CPU tensors in Triton's
 interpreter, which must be enabled with TRITON_INTERPRET=1 before triton is first imported.
@@ -23,9 +24,9 @@ else:
     import torch as _torch
 
     from . import targets as _targets
-    from ._common import backend_for, device_refusal, exporting_onnx, warn_once
+    from ._common import backend_for, backend_of, device_refusal, exporting_onnx, warn_once
 
-    __all__ = ["backend_for", "exporting_onnx", "refusal", "warn_once"]
+    __all__ = ["backend_for", "backend_of", "exporting_onnx", "refusal", "warn_once"]
     _OPS = {}
     for _info in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if _info.name.startswith("_") or _info.name in ("launches", "targets", "tuned"):  # sites, families, tables

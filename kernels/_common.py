@@ -50,6 +50,32 @@ def device_refusal(device: torch.device) -> str | None:
             "tensors)")
 
 
+def _refusal(device: torch.device, dtype: torch.dtype) -> tuple[str | None, str]:
+    """(why the kernels cannot run `dtype` tensors on `device`, or None; "device" or "dtype": which is refused)."""
+    why = device_refusal(device)
+    if why is not None:
+        return why, "device"
+    if dtype not in FLOAT_DTYPES:
+        return f"the kernels take float32, float16 and bfloat16, not {dtype}", "dtype"
+    return (targets.dtype_refusal("fused layers", dtype, targets.of(device)) if device.type == "cuda" else None), \
+        "dtype"
+
+
+def backend_of(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """Which backend a drop-in module takes for `dtype` tensors on `device`, and the words that say so: ("triton",
+    "the Triton kernels on cuda:0 (sm_90), bfloat16"), ("triton", "Triton's interpreter on the CPU ...") or
+    ("torch", "the PyTorch path: <why the kernels cannot run there>"); by backend_for's rules, outside an ONNX
+    export."""
+    device = torch.device(device)
+    why, _ = _refusal(device, dtype)
+    if why is not None:
+        return "torch", f"the PyTorch path: {why}"
+    if device.type == "cuda":
+        return "triton", f"the Triton kernels on {device} ({targets.of(device).name}), {str(dtype)[6:]}"
+    return "triton", ("Triton's interpreter on the CPU (TRITON_INTERPRET=1: the kernels' code, slowly), "
+                      f"{str(dtype)[6:]}")
+
+
 def backend_for(t: torch.Tensor) -> str:
     """For a drop-in module, which holds no config: "triton" where the kernels run t's dtype on t's device (a CUDA
     or ROCm GPU the kernels support; the CPU under TRITON_INTERPRET=1), else "torch" (the module computes its op's
@@ -57,15 +83,13 @@ def backend_for(t: torch.Tensor) -> str:
     bfloat16 on a GPU without bfloat16 dots) still runs, with one warning. In an ONNX export: "torch"."""
     if exporting_onnx():
         return "torch"
-    why = device_refusal(t.device)
-    if why is not None:
-        warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path: {why}")
-        return "torch"
-    why = f"the kernels take float32, float16 and bfloat16, not {t.dtype}" if t.dtype not in FLOAT_DTYPES else \
-        targets.dtype_refusal("fused layers", t.dtype, targets.of(t.device)) if t.is_cuda else None
+    why, refused = _refusal(t.device, t.dtype)
     if why is None:
         return "triton"
-    warn_once(f"fused layers on {t.dtype} tensors run their PyTorch path: {why}")
+    if refused == "device":
+        warn_once(why if t.is_cuda else f"fused layers on {t.device.type} tensors run their PyTorch path: {why}")
+    else:
+        warn_once(f"fused layers on {t.dtype} tensors run their PyTorch path: {why}")
     return "torch"
 
 

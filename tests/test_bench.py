@@ -124,7 +124,9 @@ def test_cli_writes_tables_json_csv_and_plots(tmp_path, capsys, monkeypatch):
     assert main(["--suite", "e2e", "--config", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "1",
                  "--variants", "hf-eager", "ours-torch", "--output-dir", str(out), "--device", "cpu"]) == 0
     text = capsys.readouterr().out
-    assert "| ours-torch | bert | tiny | 32 |" in text and "CPU mode" in text
+    assert "| ours-torch | mlm+nsp | torch | bert | tiny | 32 |" in text and "CPU mode" in text
+    assert "Configuration: BERT-tiny (2 layers, hidden 128, 2 heads), seq 32, batch 4, float32" in text
+    assert "speedup_vs_hf-compile" not in text and "| vs_padded_eager | vs_strongest_hf | strongest_hf |" in text
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["peaks"] == PEAKS
     assert {r["variant"] for r in results["e2e"]} == {"hf-eager", "ours-torch"}
@@ -137,7 +139,7 @@ def test_padding_plot(tmp_path):
     rows = [{"variant": v, "config": "mini", "seq_len": 128, "padding": str(p), "status": "ok",
              "tokens_per_s": 1000.0 * (1 + p) * (2 if v == "ours-torch" else 1)}
             for v in ("hf-eager", "ours-torch") for p in (0.0, 0.25, 0.5)]
-    assert plot(rows, str(tmp_path)) == ["padding.png"]
+    assert plot(rows, str(tmp_path)) == ["speedup.png", "padding.png"]  # speedups at the first padding level too
     assert (tmp_path / "padding.png").stat().st_size > 0
 
 
@@ -157,20 +159,54 @@ def test_cli_defaults_outside_the_source_tree_and_says_only_what_it_wrote(tmp_pa
     assert "Roughly" in text and "--full adds" in text
 
 
-def test_the_speedup_plot_labels_each_bar_and_names_the_machine_and_date():
+def test_the_speedup_plot_shows_throughput_spread_ratios_memory_and_the_configuration():
     import matplotlib
 
     matplotlib.use("Agg")
-    from bertfuse.bench.report import measured_on, speedup_figure
+    from bertfuse.bench.report import add_e2e_speedups, configuration, measured_on, speedup_figure
 
-    meta = {"device": "cpu-some-xeon", "date": "2026-12-05T10:00:00+00:00"}
-    rows = [{"variant": v, "config": "mini", "seq_len": 128, "padding": "wiki", "status": "ok",
-             "speedup_vs_hf-eager": s} for v, s in (("hf-eager", 1.0), ("ours-torch", 3.294))]
-    fig = speedup_figure(rows, measured_on(meta))
-    (ax,) = fig.axes
-    assert [t.get_text() for t in ax.texts] == ["1.00x", "3.29x"]
-    assert ax.get_title().endswith("\ncpu-some-xeon, 2026-12-05")
-    assert measured_on(None) == "" and "\n" not in speedup_figure(rows, "").axes[0].get_title()
+    meta = {"device": "cpu-some-xeon", "date": "2026-12-05T10:00:00+00:00", "threads": 2, "torch": "2.13.0",
+            "transformers": "5.25.0"}
+    row = dict(config="mini", seq_len=128, batch=32, padding="wiki", dtype="float32", status="ok", peak_mem_MB=1000.0)
+    rows = [dict(row, variant=v, objective="mlm", tokens_per_s=t, tokens_per_s_min=t - 100, tokens_per_s_max=t + 50)
+            for v, t in (("hf-mlm-eager", 1000.0), ("hf-flat", 1250.0), ("ours-mlm", 3294.0))]
+    add_e2e_speedups(rows)
+    config = configuration(rows, meta)
+    assert config == ("BERT-mini (4 layers, hidden 256, 4 heads), seq 128, batch 32, float32, 2 threads, torch 2.13.0, "
+                      "transformers 5.25.0")
+    (ax,) = speedup_figure(rows, measured_on(meta), config).axes
+    assert [t.get_text() for t in ax.texts] == [
+        "1,000 tok/s  1.00x padded eager  0.80x strongest HF  1,000 MB",
+        "1,250 tok/s  1.25x padded eager  1.00x strongest HF  1,000 MB",
+        "3,294 tok/s  3.29x padded eager  2.64x strongest HF  1,000 MB"]
+    assert ax.get_title().endswith(f"\n{config}\ncpu-some-xeon, 2026-12-05")
+    whiskers = [seg for c in ax.collections for seg in c.get_segments()]
+    assert sorted((seg[0][0], seg[1][0]) for seg in whiskers) == [(900.0, 1050.0), (1150.0, 1300.0),
+                                                                 (3194.0, 3344.0)]
+
+
+def test_speedups_are_over_padded_eager_and_the_strongest_transformers_row_of_the_same_objective():
+    from bertfuse.bench.report import add_e2e_speedups, e2e_table
+
+    shape = dict(family="bert", config="mini", seq_len=128, batch=32, padding="wiki", dtype="float32", status="ok")
+    rows = [dict(shape, variant=v, objective=o, tokens_per_s=t) for v, o, t in (
+        ("hf-eager", "mlm+nsp", 1000.0), ("hf-compile", "mlm+nsp", 1600.0), ("ours-torch", "mlm+nsp", 3200.0),
+        ("hf-fused", "mlm+nsp", 9000.0),  # this project's layers: never the baseline
+        ("hf-mlm-eager", "mlm", 1100.0), ("hf-flat", "mlm", 1300.0), ("hf-flat-compile", "mlm", 2000.0),
+        ("ours-mlm", "mlm", 4000.0))]
+    rows.append(dict(shape, variant="hf-flat-fa", objective="mlm", status="left out: flash attention needs a GPU"))
+    add_e2e_speedups(rows)
+    by = {r["variant"]: r for r in rows}
+    assert (by["ours-torch"]["vs_padded_eager"], by["ours-torch"]["vs_strongest_hf"]) == (3.2, 2.0)
+    assert by["ours-torch"]["strongest_hf"] == "hf-compile" and by["hf-fused"]["strongest_hf"] == "hf-compile"
+    assert (by["ours-mlm"]["vs_padded_eager"], by["ours-mlm"]["vs_strongest_hf"]) == (4000 / 1100, 2.0)
+    assert by["ours-mlm"]["strongest_hf"] == "hf-flat-compile"
+    assert "speedup_vs_hf-eager" not in by["ours-mlm"]  # NSP's eager step is not an MLM-only row's baseline
+    assert "vs_padded_eager" not in by["hf-flat-fa"]
+    table = e2e_table(rows, {"threads": 2})
+    header = table.splitlines()[2]
+    assert "| strongest_hf |" in header and "MFU" not in header and "spread" not in header  # none measured
+    assert "| hf-flat-fa | mlm |" in table and "left out: flash attention needs a GPU |" in table
 
 
 def test_the_plots_are_drawn_again_from_a_results_file(tmp_path, capsys):
@@ -197,10 +233,14 @@ def test_padding_plot_needs_two_levels(tmp_path):
 def test_quick_cpu_default_leaves_out_compile():
     from bertfuse.bench.cli import default_variants, e2e_specs, parse_args
 
-    assert default_variants(False) == ["hf-eager", "ours-torch", "ours-packed"]
-    for name in ("hf-compile", "ours-packed-compile"):
+    assert default_variants(False) == ["hf-eager", "ours-torch", "ours-packed", "hf-mlm-eager", "hf-flat", "ours-mlm",
+                                       "ours-mlm-packed"]
+    for name in ("hf-compile", "ours-packed-compile", "hf-mlm-compile", "hf-flat-compile"):
         assert name in default_variants(False, full=True) and name in default_variants(True)
     assert "ours-packed-graphs" in default_variants(True) and "ours-packed-graphs" not in default_variants(False, True)
+    gpu = default_variants(True)  # every variant, the headline comparisons first (a run cut short keeps them)
+    assert set(gpu) == set(e2e.VARIANTS) and gpu[:3] == ["ours-triton", "hf-eager", "hf-compile"]
+    assert gpu.index("hf-flat-flex") < gpu.index("ours-packed-compile")
     (spec,) = e2e_specs(parse_args([]), cuda=False)
     assert (spec["config"], spec["steps"], spec["warmup"]) == ("mini", 5, 2)
 

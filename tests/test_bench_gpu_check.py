@@ -61,6 +61,21 @@ def test_arguments_are_checked(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_dry_run_lists_the_padding_free_rows_and_the_transformers_they_run_on(tmp_path):
+    """No OUT_DIR, no GPU: each stage's time, and the end-to-end rows bert-bench will run on a GPU, with the
+    transformers the stage takes (the carried wheels where .gpu_deps/wheels has them, else the image's)."""
+    done = run("--dry-run", "--budget", "600", "--stages", "smoke,e2e")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "== stage smoke: about 218 s" in out and "== stage e2e: about 381 s" in out and "tests" not in out
+    carried = os.path.exists(os.path.join(ROOT, ".gpu_deps", "wheels"))
+    assert ("(carried in .gpu_deps/wheels)" in out) == carried
+    assert "Padding-free rows on transformers " in out and "hf-flat-flex (flex_attention)" in out
+    assert "hf-flat-compile (sdpa)" in out and "hf-flat-fa (the newest flash attention" in out
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
 def test_a_cut_stage_is_reported_and_later_stages_still_run(tmp_path):
     out = tmp_path / "out"
     # Every stage gets at least 10 s; the GPU-test stage (pytest processes all at once) needs more than that.
@@ -113,6 +128,8 @@ def rows():
     return {"meta": {"device": "NVIDIA H200", "peaks": {"matmul_TFLOPs": 700.0, "copy_GBps": 4000.0}},
             "kernels": kernels,
             "e2e": [dict(e2e, variant="hf-eager", tokens_per_s=300e3),
+                    dict(e2e, variant="hf-flat-flex-compile", objective="mlm", tokens_per_s=600e3),
+                    dict(e2e, variant="ours-mlm", objective="mlm", tokens_per_s=840e3, vs_strongest_hf=1.4),
                     dict(e2e, variant="hf-compile", tokens_per_s=500e3),
                     dict(e2e, variant="ours-triton", tokens_per_s=900e3,
                          **{"speedup_vs_hf-eager": 3.0, "speedup_vs_hf-compile": 1.8}),
@@ -141,6 +158,9 @@ def test_targets_read_the_benchmark_rows():
     assert verdicts["BERT-base step s128 wiki bf16 throughput"].value == "900,000 tokens/s"
     assert verdicts["BERT-base step s128 wiki bf16, packed + CUDA graphs vs HF eager"].met
     assert verdicts["BERT-large step s512 wiki bf16, packed"].value == "800 sequences/s"
+    strongest = verdicts["BERT-base MLM-only step s128 wiki bf16 vs the strongest transformers (padded, "
+                         "padding-free, compiled, flex, flash attention)"]
+    assert strongest.met and strongest.value == "1.40x"
     assert verdicts["MLM loss time vs Liger fused linear CE"].value.startswith("1.25x")
     assert verdicts["MLM loss extra memory, BERT-large 256 x 512"].value == "800 MB"
     assert verdicts["attention vs flash-attn varlen, every shape"].value.startswith("1.10x")
@@ -168,6 +188,14 @@ def test_summary_of_a_partial_run(tmp_path):
     assert "| attention fwd, d64 s512 bf16 | >= 350 TFLOP/s (H200) | 400 TFLOP/s | met |" in text
     assert "| BERT-base step s128 wiki bf16 throughput | >= 0.8M real tokens/s (H200) |  | not measured |" in text
     assert "| mlm_loss | 32768 tok x H768 | (d) liger fused linear CE | 2.5 | 400 |  | ok |" in text
+    assert "## Pre-training step: ours against what transformers users run\n\nnot run" in text
+    (tmp_path / "e2e").mkdir()
+    meta = dict(rows()["meta"], padding_free="Padding-free rows on transformers 5.25.0: hf-flat (sdpa)")
+    (tmp_path / "e2e" / "results.json").write_text(json.dumps({"e2e": rows()["e2e"], "meta": meta}))
+    text = render(str(tmp_path))
+    assert "Padding-free rows on transformers 5.25.0: hf-flat (sdpa)" in text
+    assert "| ours-mlm | mlm | bert | base | 128 | 256 | wiki | bfloat16 | 840,000 |" in text
+    assert "| 1.4 | hf-flat-flex-compile | ok |" in text  # over the strongest transformers row: 840k / 600k
 
 
 def test_precompile_runs_pieces_in_workers_and_reports_failures():

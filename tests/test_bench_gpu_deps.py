@@ -41,6 +41,9 @@ def test_fills_the_folder_and_the_packages_import(scratch):
     names = set(os.listdir(deps))
     assert {"pytest", "liger_kernel", "cut_cross_entropy", "disentangled_flash", "flashdeberta"} <= names
     assert not any(n.startswith(("torch", "triton")) for n in names)  # the GPU image brings its own
+    wheels = sorted(os.listdir(deps / "wheels"))  # a transformers that keeps padding-free sequences apart
+    assert [w.split("-")[0] for w in wheels] == ["huggingface_hub", "transformers"] and "transformers " in done.stdout
+    assert "transformers" not in names  # carried as a wheel: only the end-to-end stage takes it
     assert not [p for p in os.listdir(scratch) if p.startswith(".gpu_deps.tmp")]  # renamed into place
     imports = "import pytest, liger_kernel, cut_cross_entropy, disentangled_flash, flashdeberta; print('ok')"
     probe = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True,

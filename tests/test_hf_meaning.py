@@ -334,6 +334,30 @@ def test_the_masked_only_loss_without_a_labelled_token_is_nan_as_in_transformers
     assert torch.isnan(fused(ids, **counted).loss) == torch.isnan(ref(ids, **counted).loss)
 
 
+def test_fuse_report_names_the_backend_the_fused_layers_take_now(monkeypatch):
+    """Read when the report is asked for, from the encoder's parameters: a model moved to another dtype or device
+    after fuse() reports where its fused layers run then."""
+    from bertfuse import kernels
+    from bertfuse.kernels import targets
+
+    fused = fuse(build("bert"))
+    (report,) = fuse_report(fused)
+    assert report.backend == "Triton's interpreter on the CPU (TRITON_INTERPRET=1: the kernels' code, slowly), float32"
+    assert str(report).endswith("; runs " + report.backend)
+    (report,) = fuse_report(fused.double())
+    assert report.backend == "the PyTorch path: the kernels take float32, float16 and bfloat16, not torch.float64"
+    monkeypatch.setattr(targets, "INTERPRET", False)
+    monkeypatch.setattr(kernels._common, "INTERPRET", False)
+    monkeypatch.setattr(targets, "_device_target", lambda index: targets.named(["sm_90", "sm_75"][index]))
+    assert kernels.backend_of(torch.device("cuda", 0), torch.bfloat16) == (
+        "triton", "the Triton kernels on cuda:0 (sm_90), bfloat16")
+    backend, words = kernels.backend_of(torch.device("cuda", 1), torch.bfloat16)
+    assert backend == "torch" and words.startswith("the PyTorch path: fused layers: bfloat16 needs a GPU with bfloat16")
+    assert kernels.backend_of(torch.device("cpu"), torch.float32) == (
+        "torch", "the PyTorch path: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 set before triton "
+                 "is imported, for CPU tensors)")
+
+
 def test_backend_for_picks_the_pytorch_path_for_float64_tensors():
     from bertfuse.kernels import backend_for
 

@@ -285,6 +285,21 @@ def test_packed_validation_covers_the_label_side(change, message):
             model(**bad, validate=validate)
 
 
+def test_an_mlm_only_model_takes_a_packed_batch_with_empty_sequences():
+    """A packed layout's empty sequences are its unused slots: without next-sentence labels (an MLM-only batch)
+    they are no mistake, and the masked-LM-only model's loss on the batch is the pre-training model's MLM loss."""
+    from bertfuse import bert
+
+    model, batch = _model_and_batch()
+    assert (batch["cu_seqlens"].diff() == 0).any()
+    mlm = bert.BertForMaskedLM(model.config)
+    mlm.load_state_dict(model.state_dict(), strict=False)
+    mlm_only = {k: v for k, v in batch.items() if k != "next_sentence_label"}
+    torch.testing.assert_close(mlm(**mlm_only, validate=True).loss, model(**batch).mlm_loss)
+    with pytest.raises(ValueError, match="1 mlm_positions outside the sequences"):
+        mlm(**_with(mlm_only, mlm_positions=(0, 96)), validate=True)
+
+
 def test_a_duplicated_mlm_position_is_refused():
     model, batch = _model_and_batch()
     used = (batch["mlm_labels"] != -100).nonzero().squeeze(1)

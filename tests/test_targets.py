@@ -147,6 +147,6 @@ def test_a_rocm_gpu_without_an_arch_name_is_a_clear_error_and_the_modules_fall_b
     monkeypatch.setattr(targets, "_device_target", lambda index: targets.from_properties(props, hip=True))
     monkeypatch.setattr(targets, "INTERPRET", False)
     kernels._common._warned.clear()
-    x = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    x = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float32)
     with pytest.warns(UserWarning, match="no gcnArchName"):
         assert kernels._common.backend_for(x) == "torch"

@@ -148,9 +148,11 @@ def check_packed_labels(config, p: Packed, positions, labels, nsp, check_values:
                              f"{p.cu_seqlens.device}, got {what}")
     if not check_values:
         return
-    nsp = torch.zeros(sequences, dtype=torch.long, device=positions.device) if nsp is None else nsp
-    used, nsp_used = labels != -100, nsp != -100
     lens = p.cu_seqlens[1:] - p.cu_seqlens[:-1]
+    # MLM-only: every sequence holds labels, and the layout's empty ones (filler slots) are no mistake
+    nsp_used = lens > 0 if nsp is None else nsp != -100
+    nsp = torch.zeros(sequences, dtype=torch.long, device=positions.device) if nsp is None else nsp
+    used = labels != -100
     inside = (positions >= 0) & (positions < total) & (positions < p.cu_seqlens[-1].long())
     # Each position's sequence (from the layout; positions outside are counted apart), and whether it is labelled.
     seq = p.seq[positions.clamp(0, max(total - 1, 0))] if total else torch.zeros_like(positions)

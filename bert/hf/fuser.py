@@ -8,6 +8,7 @@ they are, and the task models' heads (bertfuse.bert.hf.heads); `unfuse` undoes t
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Callable, NamedTuple
 
 from torch import nn
@@ -296,5 +297,20 @@ def unfuse(model: nn.Module) -> nn.Module:
 
 
 def fuse_report(model: nn.Module) -> list[EncoderReport]:
-    """Per encoder of a fused model: what was fused and what was kept, with the reason ([] if not fused)."""
-    return list(getattr(model, _REPORT, []))
+    """Per encoder of a fused model: what was fused and what was kept, with the reason ([] if not fused), and the
+    backend its fused layers take now, on the device and dtype of the encoder's parameters when the report is
+    read (`backend`: the Triton kernels, Triton's interpreter, or the PyTorch path and why). Under autocast the
+    activations' dtype decides instead: bfloat16 autocast on a GPU runs bfloat16."""
+    return [dataclasses.replace(r, backend=_backend(model, r.path)) for r in getattr(model, _REPORT, [])]
+
+
+def _backend(model: nn.Module, path: str) -> str:
+    from bertfuse import kernels
+
+    try:
+        encoder = model.get_submodule(path) if path else model
+    except AttributeError:  # a report of a module since removed: the model's own parameters say it
+        encoder = model
+    first = next((p for p in encoder.parameters() if p.is_floating_point()), None)
+    return "unknown (no floating-point parameter)" if first is None else kernels.backend_of(first.device,
+                                                                                              first.dtype)[1]

@@ -222,6 +222,7 @@ class EncoderReport:
     kept: list[tuple[str, str]] = field(default_factory=list)   # (what, why)
     calls: dict[str, int] = field(default_factory=dict)         # why a call ran the original encoder: how often
     unexpected: list[str] = field(default_factory=list, repr=False, compare=False)  # kept for a reason to warn of
+    backend: str = ""   # what the fused layers run on now (fuse_report fills it in when read: kernels.backend_of)
 
     def keep(self, what: str, why: str) -> None:
         """What stays unfused and why, listed once; fuse warns of them all in one warning per encoder."""
@@ -238,5 +239,6 @@ class EncoderReport:
     def __str__(self):
         kept = "; ".join(f"{w} ({why})" for w, why in self.kept) or "nothing"
         calls = "".join(f"; {n} call(s) ran the original attention ({why})" for why, n in self.calls.items())
+        runs = f"; runs {self.backend}" if self.backend else ""
         return f"{self.path} ({self.family}, {self.layers} layers): fused {', '.join(self.fused) or 'nothing'}; " \
-               f"kept {kept}{calls}"
+               f"kept {kept}{calls}{runs}"
