@@ -80,6 +80,9 @@ OPTIONS = (
     flag("--full", dest="full", action="store_true", default=False, group="mode", help="all shapes, more steps"),
     flag("--steps", type=int, check="positive",
          help="timed steps per end-to-end run (default: 10 quick on a GPU, 5 on a CPU, 30 full)"),
+    flag("--repeats", type=int, check="positive", default=1,
+         help="runs of each end-to-end variant, each in a fresh process (default 1): with more, a row is the run "
+              "of median throughput and its spread is over the runs, not over one run's steps"),
     flag("--output-dir", help="where to write JSON, CSV and plots (default: "
                               "./bert-bench-results/<device>/, outside the source tree)"),
     flag("--device", help="cuda or cpu (default: cuda when available)"),
@@ -135,7 +138,7 @@ def e2e_specs(args, cuda: bool):
                    "padding": args.padding,
                    "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "device": "cuda" if cuda else "cpu",
                    "warmup": 3 if cuda or args.full else 2,
-                   "steps": args.steps or (30 if args.full else 10 if cuda else 5)}
+                   "steps": args.steps or (30 if args.full else 10 if cuda else 5), "repeats": args.repeats}
 
 
 class Plan(NamedTuple):
@@ -164,7 +167,7 @@ def make_plan(args, cuda: bool) -> Plan:
 
 def describe(plan: Plan, cuda: bool, full: bool) -> str:
     """What the run will do and roughly how long it takes (the estimate is a rule of thumb, not a measurement)."""
-    runs = sum(1 for s in plan.specs for v in plan.variants if _runs(v, s, plan)) if plan.e2e else 0
+    runs = sum(s["repeats"] for s in plan.specs for v in plan.variants if _runs(v, s, plan)) if plan.e2e else 0
     lines = []
     if plan.e2e:
         shapes = sorted({f"{s['config']} s{s['seq_len']} b{s['batch']}" for s in plan.specs})
@@ -249,7 +252,8 @@ def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
               "only), not Triton, which needs a GPU.\n")
     for spec in plan.specs:
         for variant in (v for v in plan.variants if _runs(v, spec, plan)):
-            row = e2e.in_fresh_process(e2e.run_variant, variant, spec)
+            row = e2e.median_run([e2e.in_fresh_process(e2e.run_variant, variant, spec)
+                                  for _ in range(spec["repeats"])])
             tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
             family = "" if spec["family"] == "bert" else f"{spec['family']} "
             print(f"  {variant:20s} {family}{spec['config']} s{spec['seq_len']} b{spec['batch']} "
@@ -259,7 +263,7 @@ def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
             results["e2e"].append(row)
             save()
     print("\n## End-to-end pre-training step (forward + backward + AdamW)\n")
-    print(e2e_table(results["e2e"], dict(results["meta"], steps=plan.specs[0]["steps"])))
+    print(e2e_table(results["e2e"], results["meta"]))
     print("\nMFU: model FLOPs on real tokens (MLM head on labelled tokens) over the measured matmul peak; "
           "peak_mem_MB on a CPU is the process's peak RSS growth.\n")
 

@@ -234,10 +234,25 @@ def _timed(step, batches, steps: int, cfg, sync) -> dict:
         flops += step_flops(cfg, lengths, b.labelled)
         rates.append(sum(lengths) / times[-1])
     total, rates = sum(times), sorted(rates)
-    return dict(status="ok", step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
+    return dict(status="ok", steps=steps, step_ms=1e3 * sorted(times)[len(times) // 2], tokens_per_s=tokens / total,
                 tokens_per_s_min=rates[0], tokens_per_s_median=rates[len(rates) // 2], tokens_per_s_max=rates[-1],
                 seqs_per_s=seqs / total, TFLOPs=flops / total / 1e12, padding_share=1 - tokens / slots,
                 tokens_per_step=tokens / steps)
+
+
+def median_run(rows: list[dict]) -> dict:
+    """One row for a variant run several times, each in a fresh process: a failed run's row if any failed (what
+    went wrong is the news), else the run of median throughput, its spread (tokens_per_s_min/median/max) then over
+    the runs instead of over that run's steps. One run: its row as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    failed = next((r for r in rows if r.get("status") != "ok"), None)
+    if failed:
+        return dict(failed, runs_done=len(rows))
+    rates = sorted(r["tokens_per_s"] for r in rows)
+    median = next(r for r in rows if r["tokens_per_s"] == rates[len(rates) // 2])
+    return dict(median, repeats=len(rows), tokens_per_s_min=rates[0], tokens_per_s_median=rates[len(rates) // 2],
+                tokens_per_s_max=rates[-1])
 
 
 @contextlib.contextmanager

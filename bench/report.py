@@ -55,8 +55,8 @@ def add_e2e_speedups(rows) -> None:
 
 
 E2E_COLUMNS = ["variant", "objective", "runs", "family", "config", "seq_len", "batch", "padding", "padding_share",
-               "dtype", "step_ms", "tokens_per_step", "tokens_per_s", "spread", "seqs_per_s", "MFU", "peak_mem_MB",
-               "vs_padded_eager", "vs_strongest_hf", "strongest_hf", "status"]
+               "dtype", "step_ms", "tokens_per_step", "tokens_per_s", "spread", "repeats", "seqs_per_s", "MFU",
+               "peak_mem_MB", "vs_padded_eager", "vs_strongest_hf", "strongest_hf", "status"]
 
 
 def model_name(config: str) -> str:
@@ -94,14 +94,17 @@ def e2e_table(rows, meta: dict | None) -> str:
     add_e2e_speedups(rows)
     shown = [dict(r, spread=_spread(r)) for r in rows]
     columns = [c for c in E2E_COLUMNS if any(r.get(c) is not None for r in shown)]
-    steps = f" over {meta['steps']} timed steps" if (meta or {}).get("steps") else ""
+    repeats = sorted({r.get("repeats", 1) for r in rows if r.get("status") == "ok"})
+    steps = "/".join(str(n) for n in sorted({r["steps"] for r in rows if r.get("steps")})) or "the"
+    over = f"of {steps} timed steps" if repeats in ([], [1]) else \
+        f"of {'/'.join(map(str, repeats))} runs, each in a fresh process (the row is the median run)"
     notes = [
         f"Configuration: {configuration(rows, meta)}.",
         "",
         markdown(shown, columns),
         "",
         "tokens_per_s: real tokens (padding is not counted) over the timed steps; spread: real tokens/s of the "
-        f"slowest, median and fastest step{steps} (min / median / max). padding_share: the share of a step's "
+        f"slowest, median and fastest {over}. padding_share: the share of a step's "
         "token slots that hold padding; the packed rows fill the padded batch's slots with more sequences, so each "
         "of their steps carries more real tokens (tokens_per_step) and takes longer: tokens_per_s is what compares "
         "them with the others. vs_padded_eager: over transformers eager on the padded batch of the same objective (mlm+nsp: "

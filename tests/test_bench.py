@@ -185,6 +185,25 @@ def test_the_speedup_plot_shows_throughput_spread_ratios_memory_and_the_configur
                                                                  (3194.0, 3344.0)]
 
 
+def test_repeated_runs_give_the_median_run_and_a_spread_over_the_runs(capsys):
+    from bertfuse.bench.report import e2e_table
+
+    rows = [dict(variant="ours-mlm", objective="mlm", status="ok", steps=5, tokens_per_s=t, tokens_per_s_min=t / 2,
+                 tokens_per_s_median=t, tokens_per_s_max=2 * t) for t in (300.0, 100.0, 200.0)]
+    merged = e2e.median_run(rows)
+    assert merged["tokens_per_s"] == 200.0 and merged["repeats"] == 3
+    assert [merged[f"tokens_per_s_{k}"] for k in ("min", "median", "max")] == [100.0, 200.0, 300.0]
+    failed = e2e.median_run(rows[:1] + [dict(variant="ours-mlm", status="failed: boom")])
+    assert failed["status"] == "failed: boom" and failed["runs_done"] == 2
+    assert e2e.median_run(rows[:1]) is rows[0]
+    table = e2e_table([merged], {})
+    assert "| 100 / 200 / 300 | 3 |" in table and "fastest of 3 runs, each in a fresh process" in table
+    assert "fastest of 5 timed steps" in e2e_table(rows[:1], {})
+    assert main(["--dry-run", "--suite", "e2e", "--variants", "hf-eager", "ours-torch", "--repeats", "3",
+                 "--device", "cpu"]) == 0
+    assert "5 timed steps each, 6 runs in fresh processes" in capsys.readouterr().out
+
+
 def test_speedups_are_over_padded_eager_and_the_strongest_transformers_row_of_the_same_objective():
     from bertfuse.bench.report import add_e2e_speedups, e2e_table
 
