@@ -252,8 +252,7 @@ def run_e2e(plan: Plan, peaks: dict, cuda: bool, results: dict, save) -> None:
               "only), not Triton, which needs a GPU.\n")
     for spec in plan.specs:
         for variant in (v for v in plan.variants if _runs(v, spec, plan)):
-            row = e2e.median_run([e2e.in_fresh_process(e2e.run_variant, variant, spec)
-                                  for _ in range(spec["repeats"])])
+            row = e2e.repeated_run(variant, spec)
             tail = f"{row['tokens_per_s']:,.0f} tok/s" if row.get("status") == "ok" else row["status"]
             family = "" if spec["family"] == "bert" else f"{spec['family']} "
             print(f"  {variant:20s} {family}{spec['config']} s{spec['seq_len']} b{spec['batch']} "

@@ -240,6 +240,17 @@ def _timed(step, batches, steps: int, cfg, sync) -> dict:
                 tokens_per_step=tokens / steps)
 
 
+def repeated_run(variant: str, spec: dict) -> dict:
+    """`variant` run spec["repeats"] times, each in a fresh process, as one row (median_run). A run that does not
+    end ok ends the repeats: running again would repeat the failure or the reason it was left out."""
+    rows = []
+    for _ in range(spec["repeats"]):
+        rows.append(in_fresh_process(run_variant, variant, spec))
+        if rows[-1].get("status") != "ok":
+            break
+    return median_run(rows)
+
+
 def median_run(rows: list[dict]) -> dict:
     """One row for a variant run several times, each in a fresh process: a failed run's row if any failed (what
     went wrong is the news), else the run of median throughput, its spread (tokens_per_s_min/median/max) then over
@@ -249,10 +260,10 @@ def median_run(rows: list[dict]) -> dict:
     failed = next((r for r in rows if r.get("status") != "ok"), None)
     if failed:
         return dict(failed, runs_done=len(rows))
-    rates = sorted(r["tokens_per_s"] for r in rows)
-    median = next(r for r in rows if r["tokens_per_s"] == rates[len(rates) // 2])
-    return dict(median, repeats=len(rows), tokens_per_s_min=rates[0], tokens_per_s_median=rates[len(rates) // 2],
-                tokens_per_s_max=rates[-1])
+    ranked = sorted(rows, key=lambda r: r["tokens_per_s"])
+    median = ranked[len(ranked) // 2]
+    return dict(median, repeats=len(rows), tokens_per_s_min=ranked[0]["tokens_per_s"],
+                tokens_per_s_median=median["tokens_per_s"], tokens_per_s_max=ranked[-1]["tokens_per_s"])
 
 
 @contextlib.contextmanager

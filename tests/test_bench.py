@@ -204,6 +204,15 @@ def test_repeated_runs_give_the_median_run_and_a_spread_over_the_runs(capsys):
     assert "5 timed steps each, 6 runs in fresh processes" in capsys.readouterr().out
 
 
+def test_repeats_end_at_a_run_that_did_not_end_ok(monkeypatch):
+    outcomes = iter([dict(status="ok", tokens_per_s=1.0), dict(status="left out: no flash attention"),
+                     dict(status="ok", tokens_per_s=2.0)])
+    calls = []
+    monkeypatch.setattr(e2e, "in_fresh_process", lambda fn, *args: calls.append(args) or next(outcomes))
+    row = e2e.repeated_run("hf-flat-fa", dict(repeats=3))
+    assert len(calls) == 2 and row["status"] == "left out: no flash attention" and row["runs_done"] == 2
+
+
 def test_speedups_are_over_padded_eager_and_the_strongest_transformers_row_of_the_same_objective():
     from bertfuse.bench.report import add_e2e_speedups, e2e_table
 
