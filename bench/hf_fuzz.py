@@ -187,6 +187,13 @@ def _model(case: Case):
         model.set_attn_implementation(case.impl)
     except (ValueError, ImportError):  # a family without it keeps its own
         pass
+    if getattr(model.config, "_attn_implementation", case.impl) != case.impl:
+        # a model that takes its implementation only when built (ModernBERT on transformers 5.1 and 5.2, which
+        # otherwise asks for flash attention): built so, where it builds
+        try:
+            model = build(case.family, case.head, attn_implementation=case.impl, **changes).eval()
+        except (ValueError, ImportError):
+            pass
     return model
 
 

@@ -19,23 +19,36 @@ With --record, a first pass fuzzes with fuse(..., unchecked_code=True) and recor
 every transformers class the drop-in knows in each modeling module whose model types all came out clean
 (bertfuse/bert/hf/checked.json, bert.hf.code), and of transformers' attention functions where any did: the
 evidence that the fused forwards compute that release's code is the fuzz. The table is written to
-bench/results/hf_versions/ (README.md, results.json: each release's rows replaced, the others kept). Any FAILING
-cell or failing test exits 1.
+bench/results/hf_versions/ (README.md, results.json: each release's rows replaced, the others kept), with the
+release from which each model type is fused on every release after it, and the count of each kind of cell. Any
+FAILING cell or failing test exits 1.
 
-    python -m bertfuse.bench.hf_versions 4.57.6 5.0.0 5.12.1 5.17.0 5.24.0 5.25.0 [--record] [--cases 60]
+Every result is cached per release (bench.hf_versions_cache: each fuzz cell under a key of the code it runs, the
+tier under a key of every source and test file), so a sweep after a change redoes only the cells whose code the
+change touches (a change to one family module: that family's model types; to the shared drop-in code or the
+fuzzer: every cell); `--fresh` ignores the cache, `--jobs N` sweeps N releases at a time. The table's README
+gives the machine time the whole range took (the latest patch of every minor release from the floor); CI runs
+the compatibility tier of the oldest and a middle release (the newest is its own environment).
+
+    python -m bertfuse.bench.hf_versions 4.57.6 5.0.0 5.1.0 ... 5.25.0 --record --cases 45 --jobs 2
     python -m bertfuse.bench.hf_versions 4.57.6 --tests-only        # the compatibility tier alone (CI; where
                                                                     # the table has the release, its row's tier)
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+from bertfuse.bench import hf_versions_cache as cache
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "hf_versions"
@@ -45,7 +58,7 @@ COMPAT_TESTS = ("tests/test_hf.py", "tests/test_hf_contract.py", "tests/test_hf_
                 "tests/test_hf_albert.py", "tests/test_hf_mpnet.py", "tests/test_hf_rotary.py",
                 "tests/test_hf_esm_roformer.py", "tests/test_hf_deberta.py", "tests/test_hf_clients.py",
                 "tests/test_model.py", "tests/test_names.py", "tests/test_masks.py", "tests/test_hf_code.py")
-_TOO_OLD, _ABSENT = "too old", "absent"
+_TOO_OLD, _ABSENT, _UNBUILT = "too old", "absent", "not built by this release"
 
 
 class VersionsError(Exception):
@@ -119,7 +132,15 @@ def _probe(family: str) -> str:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = fuse(build(family, _head(family)))
+        try:
+            model = build(family, _head(family))
+            if getattr(model.config, "_attn_implementation", "sdpa") not in ("eager", "sdpa"):
+                # ModernBERT on transformers 5.1 and 5.2 asks for flash attention unless told otherwise (a hub
+                # kernel where the kernels library is installed): the probe asks for sdpa, as the fuzz draws
+                model = build(family, _head(family), attn_implementation="sdpa")
+        except Exception as e:  # transformers itself cannot build it (EuroBERT's configuration on 5.4)
+            return f"{_UNBUILT}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        model = fuse(model)
         report = fuse_report(model)[0]
         if "attention" in dict(report.kept):
             return dict(report.kept)["attention"]
@@ -141,20 +162,21 @@ def _fuzz_family(family: str, cases: int, seed: int, unchecked: bool) -> dict:
                 "seconds": round(time.monotonic() - start, 1)}
 
 
-def worker(mode: str, cases: int, seed: int) -> dict:
-    """One release, in its environment: per model type, the fuzz (mode "record": unchecked, with the digests of
-    every known class of its modeling module; "table": as users fuse, with what fuse does to its attention)."""
+def worker(mode: str, cases: int, seed: int, families: list[str] | None = None) -> dict:
+    """One release, in its environment: per model type (`families`, None: every one), the fuzz (mode "record":
+    unchecked, with the digests of every known class of every modeling module; "table": as users fuse, with what
+    fuse does to its attention)."""
     import transformers
 
     from bertfuse.bert.hf import code
     from bertfuse.bert.hf.code import version_problem
 
     out = {"transformers": transformers.__version__, "families": {}, "digests": {}}
+    chosen = {f: m for f, m in _families_modules().items() if families is None or f in families}
     if version_problem():
-        out["families"] = {f: {"clean": True, "cell": _TOO_OLD, "cases": 0, "seconds": 0}
-                           for f in _families_modules()}
+        out["families"] = {f: {"clean": True, "cell": _TOO_OLD, "cases": 0, "seconds": 0} for f in chosen}
         return out
-    for family, model in _families_modules().items():
+    for family, model in chosen.items():
         if _head(family) is None:  # a model type this release does not have
             out["families"][family] = {"clean": True, "cell": _ABSENT, "cases": 0, "seconds": 0, "module": model[0]}
             continue
@@ -207,9 +229,10 @@ def _env() -> dict:
     return env
 
 
-def run_worker(python: Path, mode: str, cases: int, seed: int) -> dict:
+def run_worker(python: Path, mode: str, cases: int, seed: int, families: list[str] | None = None) -> dict:
+    chosen = [] if families is None else ["--families", ",".join(families)]
     out = subprocess.run([str(python), "-m", "bertfuse.bench.hf_versions", "--worker", mode, "--cases", str(cases),
-                          "--seed", str(seed)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
+                          "--seed", str(seed), *chosen], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
         raise VersionsError(f"the {mode} run failed (exit {out.returncode}) with {_installed(python)}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -258,7 +281,8 @@ def record(result: dict) -> list[str]:
                 releases.append(release)
                 releases.sort(key=_release_key)
     tmp = CHECKED_FILE.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    # sorted throughout, so that a record of the same code rewrites the file as it was
+    tmp.write_text(json.dumps({n: dict(sorted(d.items())) for n, d in sorted(table.items())}, indent=1) + "\n")
     tmp.replace(CHECKED_FILE)
     return recorded
 
@@ -274,6 +298,8 @@ def _cell(c: dict) -> str:
         return "refused: older than the floor (fuse raises)"
     if c.get("cell") == _ABSENT:
         return "not in this release"
+    if c.get("cell", "").startswith(_UNBUILT):
+        return f"{c['cell'][:160]} ({c['cases']} cases, {c['seconds']:.0f} s)"
     cell = c.get("cell", "?")
     what = "fused" if cell == "fused" else _short(cell) if cell.startswith("fused, but") else f"refused: {_short(cell)}"
     same = f", {c['same']} answered" if "same" in c else ""
@@ -282,30 +308,70 @@ def _cell(c: dict) -> str:
 
 def _short(why: str) -> str:
     m = re.search(r"the code of (\w+) in the installed transformers", why)
-    return f"{m[1]}'s code not checked on this release" if m else why.split(" (")[0][:120]
+    if not m:
+        return why.split(" (")[0][:120]
+    newer = re.search(r"fused on transformers (\S+) and", why)
+    return f"{m[1]}'s code not checked on this release" + (f"; fused from {newer[1]} on" if newer else "")
+
+
+def _kind(c: dict) -> str:
+    """A cell's kind, for the counts: fused, partly (fused, but a plain call runs the original code), refused,
+    absent (not in this release), failing."""
+    cell = c.get("cell", "?")
+    if not c["clean"]:
+        return "failing"
+    if cell == _ABSENT or cell.startswith(_UNBUILT):
+        return "absent"
+    return "fused" if cell == "fused" else "partly" if cell.startswith("fused, but") else "refused"
+
+
+def _fused_from(cells: list[dict | None], releases: list[str]) -> str:
+    """The oldest release from which the model type is fused on every release after it ("-": not the newest)."""
+    oldest = "-"
+    for release, c in reversed(list(zip(releases, cells))):
+        if c is None or _kind(c) != "fused":
+            break
+        oldest = release
+    return oldest
 
 
 def write_table(rows: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     releases = sorted(rows, key=_release_key)
     families = list(dict.fromkeys(f for r in releases for f in rows[r]["families"]))
+    dates = sorted({rows[r].get("when", "?") for r in releases})
+    cases = {r: max(c["cases"] for c in rows[r]["families"].values()) for r in releases}
+    usual = max(set(cases.values()), key=list(cases.values()).count)
+    others = {n: [r for r in releases if cases[r] == n] for n in sorted(set(cases.values()) - {usual})}
     lines = ["# The drop-in on each transformers release", "",
-             "`python -m bertfuse.bench.hf_versions " + " ".join(releases) + " --record --cases "
-             + str(max(c["cases"] for r in releases for c in rows[r]["families"].values()))
-             + "` (bench/hf_versions.py): per "
+             "`python -m bertfuse.bench.hf_versions " + " ".join(releases) + f" --record --cases {usual}` "
+             + "".join(f"(--cases {n} on {', '.join(rs)}) " for n, rs in others.items())
+             + "(bench/hf_versions.py): per "
              "release, the configuration fuzz per model type (fused against unfused, then unfused again) and what "
-             "fuse does with a small model's attention; then the compatibility tier. "
-             + ", ".join(f"{r}: {rows[r].get('when', '?')}" for r in releases) + ".", "",
-             "| model type | " + " | ".join(releases) + " |", "|---" * (len(releases) + 1) + "|"]
+             "fuse does with a small model's attention; then the compatibility tier. Run on "
+             + ", ".join(dates) + ".", "",
+             "| model type | fused from | " + " | ".join(releases) + " |", "|---" * (len(releases) + 2) + "|"]
+    counts: dict[str, int] = {}
     for f in families:
-        lines.append(f"| {f} | " + " | ".join(_cell(rows[r]["families"][f]) if f in rows[r]["families"] else "-"
-                                              for r in releases) + " |")
-    lines.append("| compatibility tier | " + " | ".join(
+        cells = [rows[r]["families"].get(f) for r in releases]
+        for c in filter(None, cells):
+            counts[_kind(c)] = counts.get(_kind(c), 0) + 1
+        lines.append(f"| {f} | {_fused_from(cells, releases)} | "
+                     + " | ".join("-" if c is None else _cell(c) for c in cells) + " |")
+    lines.append("| compatibility tier | | " + " | ".join(
         f"{rows[r]['tests']['summary']} ({rows[r]['tests']['seconds']:.0f} s)" if rows[r].get("tests") else "-"
         for r in releases) + " |")
-    lines.append("| fuzz cases, time | " + " | ".join(
+    lines.append("| fuzz cases, time | | " + " | ".join(
         f"{sum(c['cases'] for c in rows[r]['families'].values())}, "
         f"{sum(c['seconds'] for c in rows[r]['families'].values()) / 60:.1f} min" for r in releases) + " |")
+    names = {"fused": "fused", "partly": "fused with plain calls running the original code", "refused": "refused",
+             "absent": "not in the release (or not built by it)", "failing": "FAILING"}
+    fuzz = sum(c["seconds"] for r in releases for c in rows[r]["families"].values())
+    tier = sum(rows[r]["tests"]["seconds"] for r in releases if rows[r].get("tests"))
+    lines += ["", "Cells: " + ", ".join(f"{counts[k]} {v}" for k, v in names.items() if counts.get(k)) + ".",
+              "", f"Machine time (each result as long as it took when it ran, cached or not): the table's fuzz "
+                  f"{fuzz / 60:.0f} min, the compatibility tier {tier / 60:.0f} min; a --record sweep fuzzes once "
+                  "more before the table."]
     (RESULTS / "README.md").write_text("\n".join(lines) + "\n")
     tmp = RESULTS / "results.json.tmp"
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
@@ -330,10 +396,16 @@ def main(argv=None) -> int:
                    help="the compatibility tier alone (written to the table's row of a release it has)")
     p.add_argument("--no-tests", action="store_true", help="the fuzz alone")
     p.add_argument("--venvs", type=Path, default=VENVS, help=f"where the environments are kept (default {VENVS})")
+    p.add_argument("--jobs", type=int, default=1, help="releases swept at a time (each its own processes)")
+    p.add_argument("--cache", type=Path, default=cache.CACHE,
+                   help=f"where each release's results are kept (default {cache.CACHE})")
+    p.add_argument("--fresh", action="store_true", help="run everything again, whatever the cache holds")
     p.add_argument("--worker", choices=("record", "table"), help=argparse.SUPPRESS)
+    p.add_argument("--families", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.cases, args.seed)))
+        chosen = None if args.families is None else [f for f in args.families.split(",") if f]
+        print(json.dumps(worker(args.worker, args.cases, args.seed, chosen)))
         return 0
     if not args.releases:
         p.error("name at least one transformers release")
@@ -344,32 +416,81 @@ def main(argv=None) -> int:
         return 2
 
 
-def _sweep(args) -> int:
-    rows = json.loads((RESULTS / "results.json").read_text()) if (RESULTS / "results.json").exists() else {}
-    bad = []
-    for release in args.releases:
+# The code a worker runs beside the fuzzer's (its part of every fuzz cell's cache key).
+_WORKER_CODE = "".join(inspect.getsource(f) for f in (worker, _fuzz_family, _probe, _head, _families_modules))
+
+
+class _Sweep:
+    """One sweep: each release's record, fuzz and tests (cached: bench.hf_versions_cache), its row written to the
+    table as it ends; releases run `--jobs` at a time, checked.json and the table written under one lock."""
+
+    def __init__(self, args):
+        self.args, self.lock = args, threading.Lock()
+        self.rows = json.loads((RESULTS / "results.json").read_text()) if (RESULTS / "results.json").exists() else {}
+
+    def _cells(self, python: Path, release: str, mode: str) -> tuple[dict, dict]:
+        """Every model type's cell in `mode`, from the cache where its key is there, else fuzzed now (the worker
+        runs in record mode anyway, for the digests); and the worker's answer."""
+        args, cells, todo, keys = self.args, {}, [], {}
+        for family, (module, _) in _families_modules().items():
+            with self.lock:  # the table's key reads checked.json, which another release may be writing
+                keys[family] = cache.fuzz_key(mode, family, module, release, args.cases, args.seed, _WORKER_CODE)
+            hit = None if args.fresh else cache.load(cache.path(args.cache, release, f"{mode}-{family}", keys[family]))
+            if hit is None:
+                todo.append(family)
+            else:
+                cells[family] = hit
+        out = run_worker(python, mode, args.cases, args.seed, todo) if todo or mode == "record" else {"families": {}}
+        for family, cell in out["families"].items():
+            cache.save(cache.path(args.cache, release, f"{mode}-{family}", keys[family]), cell)
+            cells[family] = cell
+        print(f"transformers {release}: {mode}: {len(todo)} model types fuzzed, {len(cells) - len(todo)} cached",
+              flush=True)
+        return {f: cells[f] for f in _families_modules()}, out
+
+    def _tests(self, python: Path, release: str) -> dict:
+        file = cache.path(self.args.cache, release, "tests", cache.tests_key(release, COMPAT_TESTS))
+        tests = None if self.args.fresh else cache.load(file)
+        if tests is None or tests["rc"] != 0:  # a failing tier always runs again
+            tests = run_tests(python)
+            cache.save(file, tests)
+        return tests
+
+    def _write(self, release: str, row: dict) -> None:
+        with self.lock:
+            self.rows[release] = row
+            write_table(self.rows)
+
+    def release(self, release: str) -> list[str]:
+        """One release's row (its failing cells, or its tier's failure, returned)."""
+        args = self.args
         python = environment(release, args.venvs)
         if args.tests_only:
             tests = run_tests(python)
             print(f"transformers {release}: compatibility tier: {tests['summary']}", flush=True)
-            bad += [f"{release}: {tests['summary']}"] if tests["rc"] else []
-            if release in rows:  # the table's row for it: its tier's result now
-                rows[release]["tests"] = tests
-                write_table(rows)
-            continue
+            if release in self.rows:  # the table's row for it: its tier's result now
+                self._write(release, {**self.rows[release], "tests": tests})
+            return [f"{release}: {tests['summary']}"] if tests["rc"] else []
         if args.record:
-            recorded = record(run_worker(python, "record", args.cases, args.seed))
+            cells, out = self._cells(python, release, "record")
+            with self.lock:
+                recorded = record({**out, "families": cells})
             print(f"transformers {release}: recorded the code of {', '.join(sorted(recorded)) or 'nothing'}",
                   flush=True)
-        row = run_worker(python, "table", args.cases, args.seed)
-        row["when"] = time.strftime("%Y-%m-%d")
-        rows[release] = row
-        write_table(rows)  # before its tests, which read this release's row
+        cells, out = self._cells(python, release, "table")
+        row = {"transformers": release, "families": cells, "when": time.strftime("%Y-%m-%d")}
+        self._write(release, row)  # before its tests, which read this release's row
         if not args.no_tests:
-            row["tests"] = run_tests(python)
-            write_table(rows)
-        bad += [f"{release}: {b}" for b in failing(row)]
+            row = {**row, "tests": self._tests(python, release)}
+            self._write(release, row)
         print(f"transformers {release}: " + (", ".join(failing(row)) or "no failing cell"), flush=True)
+        return [f"{release}: {b}" for b in failing(row)]
+
+
+def _sweep(args) -> int:
+    sweep = _Sweep(args)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        bad = [b for found in pool.map(sweep.release, args.releases) for b in found]
     for b in bad:
         print(f"hf_versions: FAILING {b}", file=sys.stderr)
     return 1 if bad else 0

@@ -174,6 +174,25 @@ def test_unfuse_restores_bit_identical_outputs_and_state_dict_is_unchanged(tmp_p
         assert torch.equal(model(input_ids=ids, attention_mask=mask).prediction_logits, ref)
 
 
+def test_a_fused_forward_held_past_unfuse_runs_the_original_code():
+    """A wrapper holding a fused module's bound forward (transformers 4.57's output capturing leaves one on the
+    instance when a call raises) calls it after unfuse: the module's own class's code runs, as unfused."""
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**TINY)).eval()
+    ids, mask, _ = random_batch(99, seed=6)
+    x = model.embeddings(input_ids=ids)
+    layer = model.encoder.layer[0]
+    with torch.no_grad():
+        ref = layer(x)[0] if isinstance(layer(x), tuple) else layer(x)
+    fuse(model)
+    held = layer.forward  # the fused class's forward, bound
+    unfuse(model)
+    assert type(layer).__name__ == "BertLayer"
+    with torch.no_grad():
+        out = held(x)
+    assert torch.equal(out[0] if isinstance(out, tuple) else out, ref)
+
+
 def test_other_instances_and_classes_are_untouched():
     from transformers.models.bert import modeling_bert as hf
 

@@ -318,7 +318,15 @@ def test_an_onnx_export_leaves_the_fused_model_bit_identical(family, dynamo, dyn
     state = {k: v.clone() for k, v in fused.state_dict().items()}
     with torch.no_grad():
         before = fused(**x).last_hidden_state
-    _export(_LastHidden(fused).eval(), x, tmp_path / "m.onnx", dynamo, dynamic)
+    try:
+        _export(_LastHidden(fused).eval(), x, tmp_path / "m.onnx", dynamo, dynamic)
+    except Exception:
+        try:  # where transformers' own model does not export so either (5.5's masks, TorchScript), nothing to test
+            _export(_LastHidden(ref).eval(), x, tmp_path / "unfused.onnx", dynamo, dynamic)
+        except Exception as e:
+            pytest.skip(f"transformers {transformers.__version__}'s own model does not export so: "
+                        f"{type(e).__name__}: {e}")
+        raise
     with torch.no_grad():
         after = fused(**x).last_hidden_state
     assert torch.equal(after, before) and not fused.training

@@ -154,3 +154,14 @@ def test_every_model_type_is_fused_or_refused_as_the_table_says_and_refused_give
             a, b = ref(input_ids=ids, attention_mask=mask)[0], fused(input_ids=ids, attention_mask=mask)[0]
         keep = mask.bool()
         torch.testing.assert_close(b[keep], a[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_an_unchecked_release_is_told_where_its_code_was_checked(monkeypatch):
+    """The reason names the oldest newer release on which the class's code was checked (upgrade to it), or says
+    that no newer one was."""
+    name = code.qualified(ATTENTION)
+    monkeypatch.setattr(code, "recorded", lambda: {name: {"0" * 16: ["3.0.0", "99.1.0", "99.0.2"]}})
+    why = code.code_problem(ATTENTION)
+    assert "fused on transformers 99.0.2" in why and "pip install 'transformers>=99.0.2'" in why
+    monkeypatch.setattr(code, "recorded", lambda: {name: {"0" * 16: ["3.0.0"]}})
+    assert "a release bertfuse has not checked" in code.code_problem(ATTENTION)

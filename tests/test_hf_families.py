@@ -193,8 +193,11 @@ def _sentence_transformer(tmp_path, family):
     from bertfuse.bert.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer([f"word{i} and word{i + 1} went to town {i}" for i in range(50)], vocab_size=99)
+    inputs = ["input_ids", "token_type_ids", "attention_mask"] if hf.family(family).segments else \
+        ["input_ids", "attention_mask"]  # as DistilBERT's own tokenizers: no token types
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                                model_input_names=inputs)
     model = build(family, "Model")
     model.config.pad_token_id = fast.pad_token_id
     model.save_pretrained(tmp_path / family)
@@ -204,8 +207,8 @@ def _sentence_transformer(tmp_path, family):
         return st.SentenceTransformer(str(tmp_path / family), device="cpu")
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "mpnet"])
-def test_sentence_transformers_on_bert_roberta_and_mpnet(tmp_path, family):
+@pytest.mark.parametrize("family", ["bert", "roberta", "mpnet", "distilbert"])
+def test_sentence_transformers_on_bert_roberta_mpnet_and_distilbert(tmp_path, family):
     model = _sentence_transformer(tmp_path, family)
     sentences = ["word1 and word2", "word3 went to town 4 and word5 and word6 went to town 7", "town"]
     ref = model.encode(sentences, convert_to_tensor=True)

@@ -20,6 +20,15 @@ def _modernbert(head="ForMaskedLM", **changes):
     return build("modernbert", head, **changes)
 
 
+def _layer_inv_freqs(model) -> list[torch.Tensor]:
+    """Each layer's frequencies as the installed release holds them: the model's per layer type, or (before
+    transformers 5) each attention's own rotary module."""
+    emb = getattr(model, "rotary_emb", None)
+    if emb is None:
+        return [layer.attn.rotary_emb.inv_freq for layer in model.layers]
+    return [getattr(emb, f"{kind}_inv_freq") for kind in model.config.layer_types]
+
+
 def test_modernbert_each_layer_type_reaches_the_kernels_with_its_rotation_and_window(monkeypatch):
     """Two layers, global then local (local_attention 8: 4 positions each side): the kernels get each layer
     type's inv_freq (the global base 160,000, the local 10,000), the local window, the attention and MLP
@@ -28,16 +37,16 @@ def test_modernbert_each_layer_type_reaches_the_kernels_with_its_rotation_and_wi
     fused = fuse(copy.deepcopy(ref), mlm_logits=False)
     report = str(fuse_report(fused)[0])
     assert "RoPE by each token's position id" in report and "local windows" in report and "gated MLP" in report
-    emb = ref.model.rotary_emb
-    assert not torch.equal(emb.full_attention_inv_freq, emb.sliding_attention_inv_freq)
+    global_freq, local_freq = _layer_inv_freqs(ref.model)
+    assert not torch.equal(global_freq, local_freq)
     ids, mask, labels = batch("modernbert")
     calls = Calls(monkeypatch)
     a, b = ref(input_ids=ids, attention_mask=mask, labels=labels), fused(input_ids=ids, attention_mask=mask,
                                                                          labels=labels)
     assert [c["window_size"] for c in calls.of("varlen_attention")] == [(-1, -1), (4, 4)]
     freqs = [c["rot"].inv_freq for c in calls.of("rotary")]  # q and k of each layer
-    assert all(torch.equal(f, emb.full_attention_inv_freq) for f in freqs[:2])
-    assert all(torch.equal(f, emb.sliding_attention_inv_freq) for f in freqs[2:])
+    assert all(torch.equal(f, global_freq) for f in freqs[:2])
+    assert all(torch.equal(f, local_freq) for f in freqs[2:])
     assert [c["activation"] for c in calls.of("glu")] == ["gelu", "gelu"]
     assert [c["return_sum"] for c in calls.of("layer_norm")].count(True) == 2  # each layer's add + mlp_norm
     assert rel_err(b.loss, a.loss) <= TOL
@@ -98,7 +107,10 @@ def test_modernbert_with_a_dynamic_rope_keeps_its_attention():
     """A rope type whose frequencies change with the length (dynamic) is not what the kernels rotate by: that
     model's attention stays unfused, with the reason in fuse_report."""
     ref = _modernbert("Model")
-    ref.rotary_emb.rope_type["full_attention"] = "dynamic"
+    if getattr(ref, "rotary_emb", None) is None:  # before transformers 5: each attention's own
+        ref.layers[0].attn.rotary_emb.rope_type = "dynamic"
+    else:
+        ref.rotary_emb.rope_type["full_attention"] = "dynamic"
     with pytest.warns(UserWarning, match="rope type 'dynamic'"):
         fused = fuse(ref)
     (report,) = fuse_report(fused)

@@ -30,7 +30,13 @@ family module names its own refusals), a head_dim over 128, decoders and their c
 without a kernel, layers of an unknown structure or of a class whose code is not known (bertfuse.bert.hf.known),
 and code of a known class that differs from every variant checked (another transformers release, or a class or
 function patched at run time: bertfuse.bert.hf.code; `fuse(model, unchecked_code=True)` fuses it anyway, for
-testing a release). A transformers older than the oldest checked release stops fuse with an error.
+testing a release; the reason names the oldest newer release on which that code was checked, to upgrade to).
+A transformers older than the oldest checked release stops fuse with an error. Every minor release from that
+floor to the newest is checked (bench/results/hf_versions/: per release and model type, fused or why not): where
+a release's code is laid out differently, the family's forwards read it as that release holds it (before
+transformers 5, DistilBERT's encoder takes its own arguments and ALBERT's sdpa attention is a subclass with its
+own dropout rate; before 5.6, ESM's attention rotates q and k by its own rotary module; before 5.1, ModernBERT's
+model takes sliding_window_mask and each attention keeps its window and, before 5.0, its rotary module).
 A call the fused layers do not compute exactly runs the original encoder code, counted in fuse_report
 (bertfuse.bert.hf.encoder). The fused modules pick the kernels by device and dtype (float64 runs their PyTorch
 path). Beside transformers' kernelize (hub kernels' forwards bound over decorated layers: activations, RMSNorm,

@@ -11,17 +11,25 @@ from __future__ import annotations
 
 from torch import nn
 
-from bertfuse.bert.hf.compute import _add_norm, _attend, _linear_gelu, _original
+from bertfuse.bert.hf.compute import _add_norm, _attend, _forward_parameters, _linear_gelu, _original
 from bertfuse.bert.hf.records import Family, GeluBlock, Group, Layers, MLMHead, PairHead, Stack, _module_list
 
 
 def _albert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """AlbertAttention: LayerNorm(x + output_dropout(dense(softmax(q k^T / sqrt(d)) v))), its probabilities'
-    dropout being attention_dropout."""
+    dropout being attention_dropout (AlbertSdpaAttention, before transformers 5: the rate `dropout_prob`)."""
     if packed is None:
         return _original(self).forward(hidden_states, *args, **kwargs)
-    context = _attend(self, self.query, self.key, self.value, self.attention_dropout, hidden_states, packed, position)
+    context = _attend(self, self.query, self.key, self.value, _albert_probs_dropout(self), hidden_states, packed,
+                      position)
     return _add_norm(self.LayerNorm, self.output_dropout, self.dense(context), hidden_states), None
+
+
+def _albert_probs_dropout(attention):
+    """The dropout ALBERT's attention applies to its probabilities: its attention_dropout module, or the rate
+    AlbertSdpaAttention (transformers before 5) hands scaled_dot_product_attention instead."""
+    rate = getattr(attention, "dropout_prob", None)  # set by AlbertSdpaAttention's __init__ only
+    return attention.attention_dropout if rate is None else rate
 
 
 def _albert_layer_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
@@ -68,6 +76,20 @@ def _run_albert_groups(encoder, x, p, position):
     return x
 
 
+def _albert_call_problems(encoder, keys) -> list[str]:
+    """ALBERT's encoder before transformers 5 hands each group its slice of the head masks, int(layers / groups)
+    long, and each group indexes it once per layer it holds: where a group holds more layers than that (more
+    groups than layers, or inner_group_num above layers / groups) its code raises IndexError (the original code
+    runs, and raises)."""
+    if "head_mask" not in _forward_parameters(type(encoder)):
+        return []
+    per_group = int(encoder.config.num_hidden_layers / encoder.config.num_hidden_groups)
+    if any(len(_module_list(g, "albert_layers")) > per_group for g in _albert_groups(encoder)):
+        return ["a layer group holding more layers than layers / groups, whose head masks this release's ALBERT "
+                "code cannot index (it raises)"]
+    return []
+
+
 ALBERT_GROUPS = Stack(_albert_layers, _run_albert_groups, _albert_groups, _albert_group_forward, ("{P}LayerGroup",))
 
 _ALBERT_MODELS = (("albert.modeling_albert", "Albert"),)
@@ -76,8 +98,10 @@ ALBERT_LAYERS = Layers("albert", ("attention.query", "attention.key", "attention
                                   "attention.LayerNorm", "ffn", "ffn_output", "full_layer_layer_norm"),
                        "attention", (("", _albert_layer_forward), ("attention", _albert_attention_forward)),
                        "BaseModelOutput",
-                       (("attention", ("{P}Attention",)), ("", ("{P}Layer",)), ("..", ("{P}Transformer",))),
-                       _ALBERT_MODELS, stack=ALBERT_GROUPS, probs_dropout="attention_dropout")
+                       (("attention", ("{P}Attention", "{P}SdpaAttention")), ("", ("{P}Layer",)),
+                        ("..", ("{P}Transformer",))),
+                       _ALBERT_MODELS, stack=ALBERT_GROUPS, probs_dropout="attention_dropout",
+                       call_problems=_albert_call_problems)
 
 GROUP = Group(
     families=(Family("albert", "Albert", ALBERT_LAYERS,

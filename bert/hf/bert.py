@@ -13,6 +13,7 @@ masked-only loss.
 from __future__ import annotations
 
 from bertfuse.bert.hf.compute import _add_norm, _attend, _linear_gelu, _original
+from bertfuse.bert.hf.encoder import _distilbert_encoder_forward
 from bertfuse.bert.hf.records import Family, GeluBlock, Group, Layers, MLMHead, PairHead
 from bertfuse.bert.model import ops
 
@@ -48,9 +49,12 @@ def _bert_attention_forward(self, hidden_states, *args, packed=None, position=No
     return self.output(context, hidden_states), None
 
 
-def _distilbert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
+def _distilbert_attention_forward(self, *args, packed=None, position=None, **kwargs):
+    """DistilBERT's attention: out_lin(softmax(q k^T / sqrt(d)) v). Its code before transformers 5 is called with
+    query=, key=, value= and mask= (hence *args)."""
     if packed is None:
-        return _original(self).forward(hidden_states, *args, **kwargs)
+        return _original(self).forward(*args, **kwargs)
+    hidden_states = args[0]
     return self.out_lin(_attend(self, self.q_lin, self.k_lin, self.v_lin, self.dropout, hidden_states, packed,
                                  position)), None
 
@@ -111,7 +115,8 @@ DISTILBERT_LAYERS = Layers("distilbert", ("attention.q_lin", "attention.k_lin", 
                            "BaseModelOutput",
                            (("attention", ("{P}SelfAttention", "MultiHeadSelfAttention", "{P}SdpaAttention",
                                            "{P}FlashAttention2")), ("", ("TransformerBlock",)),
-                            ("..", ("Transformer",)), ("ffn", ("FFN",))), _DISTILBERT_MODELS)
+                            ("..", ("Transformer",)), ("ffn", ("FFN",))), _DISTILBERT_MODELS,
+                           encoder_forward=_distilbert_encoder_forward)
 
 _BERT_MLM = MLMHead("cls.predictions.transform.dense", "cls.predictions.transform.transform_act_fn",
                     "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")

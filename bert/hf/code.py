@@ -82,14 +82,28 @@ def recorded() -> dict[str, dict[str, list[str]]]:
 
 def code_problem(obj) -> str | None:
     """Why `obj`'s installed code (a transformers class or function) is not known to compute what the fused forward
-    does, or None: its digest is recorded as checked (or checking is off)."""
+    does, or None: its digest is recorded as checked (or checking is off). The reason says what a user can do:
+    the releases on which its code was checked (upgrade to them), or none yet."""
     if not _CHECKING.get():
         return None
     if digest(obj) in recorded().get(qualified(obj), {}):
         return None
     return (f"the code of {obj.__qualname__} in the installed transformers {transformers_version()} has not been "
-            "checked against the fused forward (a release bertfuse has not checked, or the code was changed at run "
-            "time; fuse(..., unchecked_code=True) fuses it anyway)")
+            f"checked against the fused forward ({_checked_releases(obj)}, or the code was changed at run time; "
+            "fuse(..., unchecked_code=True) fuses it anyway)")
+
+
+def _checked_releases(obj) -> str:
+    """Where `obj`'s code was checked, as advice: the oldest checked release after the installed one (upgrade to
+    it), else that this release or its code is one bertfuse has not checked."""
+    from packaging.version import Version
+
+    releases = sorted({Version(r) for rs in recorded().get(qualified(obj), {}).values() for r in rs})
+    newer = [r for r in releases if r > Version(transformers_version())]
+    if newer:
+        return (f"fused on transformers {newer[0]} and the releases checked after it: "
+                f"pip install 'transformers>={newer[0]}'")
+    return "a release bertfuse has not checked"
 
 
 def digest(obj) -> str:

@@ -12,6 +12,9 @@ import is in bertfuse.bert.hf.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,6 +35,14 @@ def _get(module, path: str):
 
 def _has(module, *paths: str) -> bool:
     return all(_get(module, p) is not None for p in paths)
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    """The parameter names of a module class's own forward (a fused class's: its base's): how a release's code
+    is called, where releases differ (transformers before 5 hands encoders head masks and output flags)."""
+    cls = getattr(cls, "_bertfuse_base", cls)
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def _unique(items) -> tuple:
@@ -136,9 +147,10 @@ def _dropout_rate(dropout) -> float:
 def _attend(attention, query, key, value, dropout, x, p, bias=None):
     """The attention context [tokens, hidden] of packed tokens x, before any output projection; q, k and v by
     their modules (ops.project_qkv), the dropout on the probabilities (`dropout`, a plain nn.Dropout: the encoder
-    checks) and the relative-position bias (a kernels.RelativePositionBias, or None) inside the kernel."""
+    checks; or the rate its code passes on) and the relative-position bias (a kernels.RelativePositionBias, or
+    None) inside the kernel."""
     heads = getattr(attention, "num_attention_heads", None) or attention.n_heads
-    dropout_p = dropout.p if attention.training else 0.0
+    dropout_p = _dropout_rate(dropout) if attention.training else 0.0
     return ops.self_attention(x, p, query, key, value, heads, attention.attention_head_size, dropout_p,
                               ops.backend_for(x), position_bias=bias)
 

@@ -13,12 +13,13 @@ choose the code inside a graph).
 from __future__ import annotations
 
 import contextvars
+import inspect
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from bertfuse.bert.hf.compute import _dropout_rate, _get, _original, _warn
+from bertfuse.bert.hf.compute import _dropout_rate, _forward_parameters, _get, _original, _warn
 from bertfuse.bert.hf.records import EncoderReport, Layers
 from bertfuse.bert.masks import FLASH_PACKING, packed_rows
 from bertfuse.bert.model import ops
@@ -84,6 +85,34 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
     padding restored (as 0). Where this call asks for something the fused layers do not compute, the encoder's
     own code runs instead, counted in fuse_report. Gradient checkpointing goes through transformers' own
     mechanism (`_run_layer`)."""
+    def original():
+        if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
+            kwargs["encoder_hidden_states"] = encoder_hidden_states
+        return _original(self).forward(hidden_states, attention_mask=attention_mask, **kwargs)
+
+    return _fused_encoder(self, hidden_states, attention_mask, encoder_hidden_states, kwargs, original)
+
+
+def _distilbert_encoder_forward(self, *args, **kwargs):
+    """DistilBERT's Transformer. Before transformers 5 its code is called as (x, attn_mask, head_mask,
+    output_attentions, output_hidden_states, return_dict), reads a 2-D mask (0 = padding) or the 4-D one its
+    model makes for sdpa, and returns a tuple unless return_dict; from 5 on it is called as every other encoder."""
+    if "attn_mask" not in _forward_parameters(type(self)):
+        return _encoder_forward(self, *args, **kwargs)
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    call = dict(bound.arguments)
+    del call["self"]
+    x, mask = call.pop("x"), call.pop("attn_mask")
+    out = _fused_encoder(self, x, mask, None, call, lambda: _original(self).forward(*args, **kwargs))
+    if isinstance(out, tuple) or call.get("return_dict"):  # the original code's answer, or asked for as a dict
+        return out
+    return (out.last_hidden_state,)
+
+
+def _fused_encoder(self, hidden_states, attention_mask, encoder_hidden_states, kwargs: dict, original: Callable):
+    """The fused encoder's work for any encoder given hidden states (see `_encoder_forward`); `original()` runs the
+    encoder's own code, with the arguments it was called with."""
     state: _EncoderState = self._bertfuse_encoder
     kind = state.layers
     if hidden_states.dim() != 3:  # what a mask of another rank broadcast into (ESM's embeddings scale by it)
@@ -94,10 +123,7 @@ def _encoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_st
                            hidden_states.device, kind.mask_reading)
         why = rows.why or _original_code_reason(self, state, rows.keys, encoder_hidden_states, kwargs)
     if why:
-        if encoder_hidden_states is not None:  # DistilBERT's encoder takes no such argument: pass it only if set
-            kwargs["encoder_hidden_states"] = encoder_hidden_states
-        return _run_original(state, why, lambda: _original(self).forward(hidden_states, attention_mask=attention_mask,
-                                                                          **kwargs))
+        return _run_original(state, why, original)
     from transformers import modeling_outputs as outputs
 
     keys = rows.keys

@@ -26,8 +26,9 @@ def _rotated_self_attention(self, x, packed, position, rotate_value=False):
     rotated where the encoder has rotary positions (`position`, None: absolute positions, in the embeddings)."""
     heads, d, backend = self.num_attention_heads, self.attention_head_size, ops.backend_for(x)
     q, k, v = ops.project_qkv(x, self.query, self.key, self.value, heads, d)
-    if position is not None:
-        rotation = position.rotations[GLOBAL]
+    # ESM before transformers moved its rotation to the model: each attention module its own (`_esm_own_rotary`).
+    rotation = None if position is None else position.rotations.get(self, position.rotations.get(GLOBAL))
+    if rotation is not None:
         q, k, v = (ops.rotary(t, position.positions, rotation, backend) if turn else t
                    for t, turn in ((q, True), (k, True), (v, rotate_value)))
     context = ops.varlen_attention(q, k, v, packed, _dropout_rate(self.dropout) if self.training else 0.0, backend)
@@ -82,12 +83,32 @@ def _esm_rotary(encoder, kwargs, batch, seqlen, p) -> Rotary | None:
     """ESM's rotary positions: the cos and sin [1 or batch, seq, head_dim] its model forms once per forward (from
     the position ids), each token reading its row's first half (the second repeats it), half rotation."""
     embeddings = kwargs.get("position_embeddings")
-    if embeddings is None:  # absolute positions, in the embeddings
-        return None
+    if embeddings is None:  # absolute positions, in the embeddings, or each attention's own rotation
+        return _esm_own_rotary(encoder, batch, seqlen, p)
     cos, sin = (t.reshape(-1, t.shape[-1]) for t in embeddings)
     half = cos.shape[1] // 2
     rows = _table_rows(embeddings[0].shape[0], batch, seqlen, p)
     return Rotary(rows, {GLOBAL: ops.Rotation(None, 1.0, False, cos[:, :half], sin[:, :half])}, {GLOBAL: (-1, -1)})
+
+
+def _esm_own_rotary(encoder, batch, seqlen, p) -> Rotary | None:
+    """ESM's rotary positions where each attention module rotates q and k itself (its `rotary_embeddings`, in
+    transformers before the model formed them once): every token at its index in the padded row, whatever the
+    position ids, by the cos and sin tables [seq, head_dim] that module's own code forms and caches (called here,
+    so its cache is what the original call leaves), each attention module its own. None: absolute positions."""
+    rotations = {}
+    for layer in encoder.layer:
+        attention = layer.attention.self
+        own = getattr(attention, "rotary_embeddings", None)
+        if own is not None:
+            # its tables for a key [..., seq, head_dim] on this device (only the shape and the device are read)
+            cos, sin = own._update_cos_sin_tables(p.cu_seqlens.new_empty((seqlen, 0)), seq_dimension=-2)
+            cos, sin = (t.reshape(-1, t.shape[-1]) for t in (cos, sin))
+            half = cos.shape[1] // 2
+            rotations[attention] = ops.Rotation(None, 1.0, False, cos[:, :half], sin[:, :half])
+    if not rotations:
+        return None
+    return Rotary(_table_rows(1, batch, seqlen, p), rotations, {GLOBAL: (-1, -1)})
 
 
 def _roformer_rotary(encoder, kwargs, batch, seqlen, p) -> Rotary:
@@ -121,11 +142,12 @@ def _roformer_call_problems(encoder, keys) -> list[str]:
 
 
 def _esm_problems(model) -> list[str]:
-    """ESM's rotation (position_embedding_type "rotary") must be as wide as its head."""
-    emb = getattr(model, "rotary_embeddings", None)
-    if emb is None:
-        return []
-    return _rotary_width_problem(emb.inv_freq, model.config.hidden_size // model.config.num_attention_heads)
+    """ESM's rotation (position_embedding_type "rotary": the model's, or each attention module's own) must be as
+    wide as its head."""
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    own = [getattr(layer.attention.self, "rotary_embeddings", None) for layer in model.encoder.layer]
+    embeddings = [e for e in (getattr(model, "rotary_embeddings", None), *own) if e is not None]
+    return next((why for e in embeddings if (why := _rotary_width_problem(e.inv_freq, head_dim))), [])
 
 
 ESM_LAYERS = Layers("esm", ("attention.self.query", "attention.self.key", "attention.self.value",

@@ -38,6 +38,10 @@ def fused_class(base: type, forward: Callable) -> type:
     fuse sets it as one module object's __class__, and unfuse puts base back. It pickles (and deep-copies) as
     "this base class, fused with this forward", not by a dynamic name."""
     def fused_or_original(self, *args, **kwargs):  # an ONNX export exports the original code
+        if not isinstance(self, fused):
+            # unfused since this bound forward was taken: a wrapper transformers 4.57's output capturing left on
+            # the instance when a call raised holds it. The module's own class's code runs, as unfused.
+            return type(self).forward(self, *args, **kwargs)
         return (base.forward if ops.exporting_onnx() else forward)(self, *args, **kwargs)
 
     def reduce(self, protocol):
@@ -52,7 +56,8 @@ def fused_class(base: type, forward: Callable) -> type:
         # A model fused whole is still transformers' code to transformers (which initialises the weights of code
         # from elsewhere differently, judging by the class's module).
         namespace["is_custom_code"] = classmethod(lambda cls: base.is_custom_code())
-    return type(f"Fused{base.__name__}", (base,), namespace)
+    fused = type(f"Fused{base.__name__}", (base,), namespace)
+    return fused
 
 
 def _new_fused(base: type, forward: Callable):

@@ -19,8 +19,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from bertfuse.bert.hf.compute import (_add_norm, _add_then_norm, _gate, _linear_gelu, _original, _rms_norm_forward,
-                                      _unique)
+from bertfuse.bert.hf.compute import (_add_norm, _add_then_norm, _forward_parameters, _gate, _linear_gelu, _original,
+                                      _rms_norm_forward, _unique)
 from bertfuse.bert.hf.encoder import _EncoderState, _holes, _layout, _original_code_reason, _padded, _run_original
 from bertfuse.bert.hf.records import (GLOBAL, MODEL_LAYERS, Family, FamilyNorm, GeluBlock, Group, Layers, MLMHead,
                                       Rotary)
@@ -43,7 +43,8 @@ def _rotary_attention(self, x, q, k, v, packed, position):
     """The context [tokens, heads * head_dim] of q [tokens, heads, head_dim] and k, v [tokens, kv_heads,
     head_dim] rotated by the layer type's rotation, within its window; the dropout on the probabilities in the
     kernel."""
-    backend, kind = ops.backend_for(x), _layer_type(self)
+    # ModernBERT before transformers 5.1 keys them by the attention module itself (`_own_rope_positions`)
+    backend, kind = ops.backend_for(x), self if self in position.rotations else _layer_type(self)
     q, k = (ops.rotary(t, position.positions, position.rotations[kind], backend) for t in (q, k))
     context = ops.varlen_attention(q, k, v, packed, self.attention_dropout if self.training else 0.0,
                                    backend, window_size=position.windows[kind])
@@ -135,12 +136,77 @@ def _rope_positions(model, positions, windowed: bool = True) -> Rotary:
     """The rotations of each layer type from the model's rotary embedding module, and the windows its config
     sets (ModernBERT's local layers: sliding_window positions each side; none where not `windowed`: a 4-D mask
     given to the model is every layer's mask, the windows' masks never built)."""
+    if _modernbert_before_5_1(model):
+        return _own_rope_positions(model, positions, windowed)
     rotations, windows = {}, {}
     for kind, (_, inv_freq, scaling) in _rope_parameters(model.rotary_emb).items():
         rotations[kind] = ops.Rotation(inv_freq.float(), float(scaling))
         local = windowed and kind == "sliding_attention"
         windows[kind] = (model.config.sliding_window,) * 2 if local else (-1, -1)
     return Rotary(positions, rotations, windows)
+
+
+# ---- ModernBERT before transformers 5.1: its model takes sliding_window_mask, builds the masks from a 2-D one,
+# and each attention knows its window (`local_attention`, half the configured width each side) and its layer
+# (`layer_id`); its rotation is each attention's own `rotary_emb` (4.57), or the model's per layer type (5.0).
+def _modernbert_before_5_1(model) -> bool:
+    return "sliding_window_mask" in _forward_parameters(type(model))
+
+
+def _own_rope_parameters(model) -> dict:
+    """attention module -> (rope type, inv_freq, attention scaling) its code rotates by."""
+    shared = _rope_parameters(model.rotary_emb) if getattr(model, "rotary_emb", None) is not None else None
+    found = {}
+    for layer in model.layers:
+        attention = layer.attn
+        if shared is not None:
+            found[attention] = shared.get(model.config.layer_types[attention.layer_id], (None, None, None))
+        else:
+            own = attention.rotary_emb  # flash_attention_2's unpadded rotary has no rope type: refused
+            found[attention] = (getattr(own, "rope_type", None), getattr(own, "inv_freq", None),
+                                getattr(own, "attention_scaling", None))
+    return found
+
+
+def _own_rope_positions(model, positions, windowed: bool) -> Rotary:
+    rotations, windows = {}, {}
+    for attention, (_, inv_freq, scaling) in _own_rope_parameters(model).items():
+        rotations[attention] = ops.Rotation(inv_freq.float(), float(scaling))
+        windows[attention] = tuple(attention.local_attention) if windowed else (-1, -1)
+    return Rotary(positions, rotations, windows)
+
+
+def _own_rope_problems(model) -> list[str]:
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    params = _own_rope_parameters(model).values()
+    why = _unique(f"rope type {t!r}, whose frequencies change with the length" for t, f, _ in params
+                  if f is not None and t not in STATIC_ROPE)
+    if any(f is None for _, f, _ in params):
+        why += ("flash_attention_2's own rotation on unpadded tokens",)
+    why += _unique(w for _, f, _ in params if f is not None for w in _rotary_width_problem(f, head_dim))
+    return list(why)
+
+
+def _own_mask_problem(mask) -> str | None:
+    """This code reads a 2-D mask as 1 = attend, anything else masked (`1 - mask` nonzero), and raises for any
+    other rank: a 2-D mask of 0s and 1s is what the fused attention reads (nonzero = attend); any other runs the
+    original code (one sync)."""
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(((mask == 0) | (mask == 1)).all()):
+        return None
+    return "an attention mask other than a 2-D one of 0s and 1s, which this release's ModernBERT reads its own way"
+
+
+def _modernbert_problems(model) -> list[str]:
+    """`_rope_problems`; before transformers 5.1, each attention's own rotation where the model has none, and
+    not flash attention (whose code there unpads and rotates by its own positions: transformers 5.1 on)."""
+    why = _rope_problems(model) if getattr(model, "rotary_emb", None) is not None else _own_rope_problems(model)
+    flash = (getattr(model.config, "_attn_implementation", None) or "").startswith("flash")
+    if flash and _modernbert_before_5_1(model):
+        why.append("flash attention in this release's ModernBERT, which unpads and rotates by its own positions "
+                   "(fused on transformers 5.1 and newer)")
+    return why
 
 
 class _ModelCall(NamedTuple):
@@ -197,6 +263,8 @@ def _modernbert_model_forward(self, input_ids=None, attention_mask=None, positio
     def embed():
         return self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)
 
+    if _modernbert_before_5_1(self) and (why := _own_mask_problem(attention_mask)):
+        return _run_original(self._bertfuse_encoder, why, original)
     call = _ModelCall(input_ids if input_ids is not None else inputs_embeds, (input_ids is None) == (inputs_embeds
                       is None), attention_mask, position_ids, kwargs, embed, original)
     return _rotary_model_run(self, call, "final_norm")
@@ -210,8 +278,10 @@ def _nomicbert_model_forward(self, input_ids=None, attention_mask=None, token_ty
                                        token_type_ids=token_type_ids, position_ids=position_ids,
                                        inputs_embeds=inputs_embeds, **kwargs)
 
-    def embed():
-        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+    def embed():  # with the position ids its code fills in (its embeddings before 5.17 read them)
+        given = input_ids if input_ids is not None else inputs_embeds
+        ids = torch.arange(given.shape[1], device=given.device)[None, :] if position_ids is None else position_ids
+        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=ids,
                                inputs_embeds=inputs_embeds)
 
     call = _ModelCall(input_ids if input_ids is not None else inputs_embeds, (input_ids is None) == (inputs_embeds
@@ -287,7 +357,11 @@ def _rope_problems(model) -> list[str]:
 
 def _modernbert_call_problems(encoder, keys) -> list[str]:
     """Local layers' windows count positions within the packed sequence; the original code, padded slots too."""
-    return _holes(keys, "sliding windows") if "sliding_attention" in encoder.config.layer_types else []
+    if _modernbert_before_5_1(encoder):
+        local = any(tuple(layer.attn.local_attention) != (-1, -1) for layer in encoder.layers)
+    else:
+        local = "sliding_attention" in encoder.config.layer_types
+    return _holes(keys, "sliding windows") if local else []
 
 
 _ROTARY_FUSED = "attention (varlen, padding removed once; RoPE by each token's position id in the kernels{}), the " \
@@ -300,7 +374,7 @@ MODERNBERT_LAYERS = Layers("modernbert", ("attn_norm", "attn.Wqkv", "attn.Wo", "
                            (("attn", ("{P}Attention",)), ("", ("{P}EncoderLayer",)), ("..", ("{P}Model",)),
                             ("mlp", ("{P}MLP",))), _MODERNBERT_MODELS, stack=MODEL_LAYERS,
                            probs_dropout="attention_dropout", encoder_forward=_modernbert_model_forward,
-                           problems=_rope_problems, call_problems=_modernbert_call_problems,
+                           problems=_modernbert_problems, call_problems=_modernbert_call_problems,
                            fused=_ROTARY_FUSED.format(", local windows skipping the tiles outside them",
                                                       "each residual add before mlp_norm in its LayerNorm kernel"))
 
