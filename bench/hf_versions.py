@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import inspect
 import json
 import os
@@ -416,8 +417,10 @@ def main(argv=None) -> int:
         return 2
 
 
-# The code a worker runs beside the fuzzer's (its part of every fuzz cell's cache key).
-_WORKER_CODE = "".join(inspect.getsource(f) for f in (worker, _fuzz_family, _probe, _head, _families_modules))
+@functools.cache
+def _worker_code() -> str:
+    """The code a worker runs beside the fuzzer's (its part of every fuzz cell's cache key)."""
+    return "".join(inspect.getsource(f) for f in (worker, _fuzz_family, _probe, _head, _families_modules))
 
 
 class _Sweep:
@@ -432,9 +435,10 @@ class _Sweep:
         """Every model type's cell in `mode`, from the cache where its key is there, else fuzzed now (the worker
         runs in record mode anyway, for the digests); and the worker's answer."""
         args, cells, todo, keys = self.args, {}, [], {}
-        for family, (module, _) in _families_modules().items():
+        families = _families_modules()
+        for family, (module, _) in families.items():
             with self.lock:  # the table's key reads checked.json, which another release may be writing
-                keys[family] = cache.fuzz_key(mode, family, module, release, args.cases, args.seed, _WORKER_CODE)
+                keys[family] = cache.fuzz_key(mode, family, module, release, args.cases, args.seed, _worker_code())
             hit = None if args.fresh else cache.load(cache.path(args.cache, release, f"{mode}-{family}", keys[family]))
             if hit is None:
                 todo.append(family)
@@ -446,7 +450,7 @@ class _Sweep:
             cells[family] = cell
         print(f"transformers {release}: {mode}: {len(todo)} model types fuzzed, {len(cells) - len(todo)} cached",
               flush=True)
-        return {f: cells[f] for f in _families_modules()}, out
+        return {f: cells[f] for f in families}, out
 
     def _tests(self, python: Path, release: str) -> dict:
         file = cache.path(self.args.cache, release, "tests", cache.tests_key(release, COMPAT_TESTS))

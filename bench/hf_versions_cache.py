@@ -2,12 +2,12 @@
 kept under a key of everything its answer depends on, so that a sweep after a change redoes only what the change
 touches.
 
-  * a fuzz cell (release x model type x mode): the release, the mode, the cases and seed, the source of every
-    module of this checkout the fuzz of that model type runs (bert/ and kernels/, less the family modules of
-    bert/hf that neither its own family module nor those it imports are: a change to rotary.py redoes ModernBERT,
-    NomicBERT and EuroBERT only; bench/hf_fuzz.py and hf_parity.py), and, for the table's run, the digests
-    checked.json lists for that model type's transformers modules and transformers' attention functions (what
-    fuse checks the installed code against), and the sweep's own worker code;
+  * a fuzz cell (release x model type x mode): the release, the mode, the cases and seed, the sweep's own worker
+    code, the source of every module of this checkout the fuzz of that model type runs (what bench/hf_fuzz.py and
+    hf_parity.py import, transitively, less the family modules of bert/hf that are neither its own nor imported
+    by it: a change to rotary.py redoes ModernBERT, NomicBERT and EuroBERT, and ESM and RoFormer, whose module
+    imports from it), and, for the table's run, the digests checked.json lists for that model type's
+    transformers module and transformers' attention functions (what fuse checks the installed code against);
   * the compatibility tier: the release and every source and test file.
 A changed file redoes each cell whose key holds it; `--fresh` redoes everything. The cache lives in
 ~/.cache/bertfuse/hf_versions/<release>/ (`--cache`), one JSON file per result, written under a temporary name
@@ -19,29 +19,39 @@ import functools
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "bertfuse" / "hf_versions"
-# The modules of bert/hf holding a family module's GROUP (bert.hf.families.GROUPS).
-FAMILY_MODULES = ("albert", "bert", "deberta", "esm_roformer", "mpnet", "rotary")
 _FUZZ_FILES = ("bench/hf_fuzz.py", "bench/hf_parity.py")
 _TEST_FILES = ("conftest.py", "pytest.ini", "setup.py")
 
 
 @functools.cache
+def family_modules() -> dict[str, tuple[str, ...]]:
+    """The family modules of bert/hf (those whose GROUP the registry, bert.hf.families.GROUPS, holds, which imports
+    them all): module name -> the families its GROUP holds."""
+    from bertfuse.bert.hf import families
+
+    found = {}
+    for name, module in sorted(sys.modules.items()):
+        group = getattr(module, "GROUP", None) if name.startswith("bertfuse.bert.hf.") else None
+        if any(group is g for g in families.GROUPS):
+            found[name.rsplit(".", 1)[1]] = tuple(f.name for f in group.families)
+    return found
+
+
+@functools.cache
 def family_module(family: str) -> str:
     """The family module of bert/hf whose GROUP holds a fuzzed model type (the copies of BERT's code: bert)."""
-    import importlib
-
     from bertfuse.bench.hf_parity import COPIES
 
     base = COPIES[family][1] if family in COPIES else family.removesuffix("-sinusoidal")
-    for name in FAMILY_MODULES:
-        group = importlib.import_module(f"bertfuse.bert.hf.{name}").GROUP
-        if base in {f.name for f in group.families}:
-            return name
-    raise ValueError(f"no family module holds {family!r}")
+    found = [name for name, held in family_modules().items() if base in held]
+    if not found:
+        raise ValueError(f"no family module holds {family!r}")
+    return found[0]
 
 
 def _file(module: str) -> Path | None:
@@ -68,7 +78,7 @@ def fuzz_sources(family: str) -> list[Path]:
     """The files of this checkout whose code the fuzz of `family` runs (module docstring): what the fuzz's own
     files import, transitively, less the family modules of bert/hf that are not its own or imported by it."""
     own = family_module(family)
-    others = {f"bertfuse.bert.hf.{m}" for m in FAMILY_MODULES if m != own}
+    others = {f"bertfuse.bert.hf.{m}" for m in family_modules() if m != own}
     seen, todo = set(), [ROOT / f for f in _FUZZ_FILES]
     while todo:
         f = todo.pop()
@@ -108,9 +118,9 @@ def fuzz_key(mode: str, family: str, transformers_module: str, release: str, cas
 
 
 def tests_key(release: str, tests: tuple[str, ...]) -> str:
-    files = [p for d in ("bert", "kernels", "bench", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
     from bertfuse.bert.hf.code import CHECKED_FILE
 
+    files = [p for d in ("bert", "kernels", "bench", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
     files += [ROOT / f for f in _TEST_FILES if (ROOT / f).exists()]
     checked = CHECKED_FILE.read_text() if CHECKED_FILE.exists() else ""
     return _digest([release, list(tests), checked], files)
