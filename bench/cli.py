@@ -21,7 +21,7 @@ import torch
 from bertfuse.bert.common.files import atomic_write
 from bertfuse.bert.common.commands import add_debug_flag, add_flags, check_flags, flag
 
-from . import e2e, encode, precompile
+from . import e2e, encode, precompile, qa
 from . import kernel_suite
 from .lengths import sample_lengths
 from .peaks import measure_peaks
@@ -44,10 +44,11 @@ def device_name(device: torch.device) -> str:
 
 # The command's options, declared once (bert.common.commands.flag): the parser and the number checks come from them.
 OPTIONS = (
-    flag("--suite", choices=["all", "e2e", "kernels", "encode", "data"], default="all",
+    flag("--suite", choices=["all", "e2e", "kernels", "encode", "qa", "data"], default="all",
          help="what to run (default: all = e2e and kernels; the kernel suite needs a GPU, except the "
               "MLM-loss table; encode: forward-only inference of Hugging Face models, eager, compiled "
-              "and fused; data: the pre-training input pipeline, stage by stage, on the CPU)"),
+              "and fused; qa: a question-answering fine-tuning step on SQuAD-shaped padded batches, "
+              "transformers unfused and fused; data: the pre-training input pipeline, stage by stage, on the CPU)"),
     flag("--corpus", help="--suite data: the corpus (any bert-pretrain --data source; default: a "
                           "synthetic ~10 MB corpus generated in the output directory)"),
     flag("--scale", type=int, nargs="+", default=[1], metavar="N",
@@ -148,6 +149,7 @@ class Plan(NamedTuple):
     e2e: bool
     encode: list       # encode-suite specs (empty unless --suite encode)
     data: bool = False  # the input-pipeline suite
+    qa: tuple = ()     # qa-suite specs (empty unless --suite qa)
 
 
 def make_plan(args, cuda: bool) -> Plan:
@@ -161,8 +163,9 @@ def make_plan(args, cuda: bool) -> Plan:
     encode_specs = list(encode.specs(cuda, args.full, args.seq_len[0] if args.seq_len else None,
                                      [args.batch] if args.batch else None, args.encode_models)) \
         if args.suite == "encode" else []
+    qa_specs = tuple(qa.specs(cuda, args.full, args.batch, None)) if args.suite == "qa" else ()
     return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"), encode_specs,
-                args.suite == "data")
+                args.suite == "data", qa_specs)
 
 
 def describe(plan: Plan, cuda: bool, full: bool) -> str:
@@ -179,6 +182,10 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
         shapes = sorted({f"{s['model']} b{s['batch']}" for s in plan.encode})
         lines.append(f"encode: {', '.join(plan.encode[0]['variants'])} on {', '.join(shapes)}")
         runs += sum(len(s["variants"]) for s in plan.encode)
+    if plan.qa:
+        shapes = sorted({f"{s['model']} s{s['seq_len']} b{s['batch']}" for s in plan.qa})
+        lines.append(f"qa: {', '.join(plan.qa[0]['variants'])} on {', '.join(shapes)}")
+        runs += sum(len(s["variants"]) for s in plan.qa)
     if plan.data:
         lines.append("data: tokenise, instances, packing, collation and time to the first batch, each stage in a "
                      "fresh process (minutes per 100 MB of text tokenised)")
@@ -280,6 +287,21 @@ def run_encode(plan: Plan, results: dict, save) -> None:
     print(markdown(results["encode"], ["variant", "model", "batch", "seq_len", "dtype", "latency_ms",
                                        "sentences_per_s", "tokens_per_s", "speedup_vs_hf-eager",
                                        "speedup_vs_hf-compile", "status"]))
+
+
+def run_qa(plan: Plan, results: dict, save) -> None:
+    for spec in plan.qa:
+        for variant in spec["variants"]:
+            row = e2e.in_fresh_process(qa.run_variant, variant, spec)
+            tail = f"{row['tokens_per_s']:,.0f} real tokens/s" if row.get("tokens_per_s") else row["status"]
+            print(f"  {variant:14s} {spec['model']} s{spec['seq_len']} b{spec['batch']}: {tail}", flush=True)
+            results["qa"].append(row)
+            save()
+    add_speedups(results["qa"], keys=("model", "batch", "seq_len", "dtype"), metric="tokens_per_s")
+    print("\n## Question answering, one fine-tuning step (forward + backward + AdamW) on SQuAD-shaped padded "
+          "batches\n")
+    print(markdown(results["qa"], ["variant", "model", "batch", "seq_len", "dtype", "padding", "step_ms",
+                                   "tokens_per_s", "speedup_vs_hf-eager", "status"]))
 
 
 def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
@@ -384,9 +406,9 @@ def check_args(args) -> torch.device:
     return device
 
 
-OUTPUTS = ("results.json", "e2e.csv", "kernels.csv", "encode.csv", "packing.csv", "data.csv", "speedup.png",
-           "padding.png")
-TABLES = ("e2e", "kernels", "encode", "packing", "data")
+OUTPUTS = ("results.json", "e2e.csv", "kernels.csv", "encode.csv", "qa.csv", "packing.csv", "data.csv",
+           "speedup.png", "padding.png")
+TABLES = ("e2e", "kernels", "encode", "qa", "packing", "data")
 
 
 def remove_stale(out_dir: str, written: set) -> None:
@@ -461,6 +483,8 @@ def run_suites(args, plan: Plan, peaks: dict, device, results: dict, save) -> No
         run_kernels(args, peaks, device, results, save)
     if plan.encode:
         run_encode(plan, results, save)
+    if plan.qa:
+        run_qa(plan, results, save)
     if args.suite == "data":
         run_data(args, results, save)
     if args.packing_corpus:

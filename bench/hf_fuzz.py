@@ -8,11 +8,13 @@ ALBERT's groups, MPNet's buckets, the attention implementation: eager or sdpa), 
 inputs (padding on the right, on the left or in the middle, empty and length-1 rows, no mask, 2-D and 4-D boolean
 and float masks, explicit position ids, position ids restarting inside rows (padding-free packing), inputs_embeds,
 token types, token-level labels on padded positions, a head mask where the release's forward takes one,
-output_hidden_states). Besides the families, the model types fused as BERT's code under their own
-names (ERNIE, LayoutLM, MarkupLM, RoCBert, Splinter, TAPAS, VisualBERT, Data2VecText, BertGeneration) are drawn.
+output_hidden_states: True, or transformers 5's selection of layers by an index or a list). Besides the families,
+the model types fused as BERT's code under their own names (ERNIE, LayoutLM, MarkupLM, RoCBert, Splinter, TAPAS,
+VisualBERT, Data2VecText, BertGeneration) are drawn.
 The fused model must give the unfused model's answer, and, unfused again, the unfused answer to the bit: both
-raise, or every output the fused drop-in promises (real positions of token-level outputs,
-all of pooled ones and of question answering's logits, the loss) within `OUT_TOL`, and every parameter gradient
+raise, or every output the fused drop-in promises (real positions of token-level outputs, all of pooled ones,
+of question answering's logits, of every hidden state and of the last one where hidden states are asked for, the
+loss) within `OUT_TOL`, and every parameter gradient
 within `GRAD_TOL`, scaled as bench.hf_parity.worst_grad (where float32 rounding puts them further apart, each
 within twice the unfused model's own distance from its float64 copy). A failing case prints one line that reruns
 it.
@@ -73,7 +75,7 @@ class Case:
     padded_labels: bool = False    # token-level labels on padded positions too (with a 2-D mask)
     mlm_logits: bool = True
     head_mask: bool = False        # a head mask of 0s and 1s, where the model's forward takes one
-    hidden_states: bool = False    # output_hidden_states=True
+    hidden_states: object = False  # output_hidden_states: False, True, an index or a list of them
     seed: int = 0
 
     def line(self) -> str:
@@ -164,7 +166,8 @@ def cases(families=None):
                     segments=draw(st.booleans()), labels=draw(st.integers(0, 3)) > 0,
                     padded_labels=mask in ("long", "bool", "float") and draw(st.integers(0, 3)) == 0,
                     mlm_logits=draw(st.booleans()), head_mask=draw(st.integers(0, 5)) == 0,
-                    hidden_states=draw(st.integers(0, 7)) == 0, seed=draw(st.integers(0, 2**16)))
+                    hidden_states=draw(st.sampled_from([True, True, 1, -1, [0, -1]])) if draw(st.integers(0, 7)) == 0
+                    else False, seed=draw(st.integers(0, 2**16)))
 
     return draw_case()
 
@@ -262,8 +265,8 @@ def inputs(case: Case, model) -> dict:
         x.update(_labels(case, keys, vocab, g))
     if case.head_mask and "head_mask" in inspect.signature(model.forward).parameters:  # what this release takes
         x["head_mask"] = torch.randint(0, 2, (cfg.num_hidden_layers, cfg.num_attention_heads), generator=g).float()
-    if case.hidden_states:
-        x["output_hidden_states"] = True
+    if case.hidden_states is not False:
+        x["output_hidden_states"] = case.hidden_states
     return x
 
 
@@ -296,19 +299,25 @@ def _call(model, x):
 def _compared(case: Case, out, keys) -> dict:
     """The outputs the fused drop-in promises to match: token-level ones at real positions, pooled ones and
     question answering's logits whole, the loss."""
+    import torch
+
     got = {}
+    every = case.hidden_states is not False  # every position of every hidden state, the last one's too
     for name in ("last_hidden_state", "logits", "pooler_output", "start_logits", "end_logits", "loss"):
         value = getattr(out, name, None)
         if value is None:
             continue
-        token_level = name in ("last_hidden_state",) or (name == "logits" and case.head in (
+        token_level = (name == "last_hidden_state" and not every) or (name == "logits" and case.head in (
             "ForMaskedLM", "ForTokenClassification", "Model"))
         got[name] = value[keys] if token_level and value.dim() >= 2 and value.shape[:2] == keys.shape else value
+    for i, state in enumerate(getattr(out, "hidden_states", None) or ()):  # one not selected: None, as empty
+        got[f"hidden_states[{i}]"] = torch.empty(0) if state is None else state
     return got
 
 
 def _differs(a, b) -> float:
-    """max |a - b| / max |a|, NaN where they agree counting as equal; inf where only one is NaN."""
+    """max |a - b| / max |a|, NaN where they agree and equal infinities counting as equal; inf where only one
+    is NaN."""
     import torch
 
     a, b = a.detach().double(), b.detach().double()
@@ -320,7 +329,10 @@ def _differs(a, b) -> float:
     a, b = a[~nan_a], b[~nan_b]
     if a.numel() == 0:
         return 0.0
-    return ((a - b).abs().max() / a.abs().max().clamp_min(1e-6)).item()
+    apart = torch.where(a == b, 0.0, (a - b).abs())  # equal infinities agree (their difference is NaN)
+    finite = a[torch.isfinite(a)]
+    scale = finite.abs().max().clamp_min(1e-6) if finite.numel() else torch.tensor(1e-6, dtype=a.dtype)
+    return (apart.max() / scale).item()
 
 
 def _grad_error(ours: dict, theirs: dict) -> float:

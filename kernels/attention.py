@@ -95,6 +95,36 @@ def _sequence(CuSeqlens, b, total_tokens):
 
 
 @triton.jit
+def _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN: tl.constexpr):
+    """[lo, hi): the positions of sequence b that are keys, cut to the sequence: the KeyCount[b] positions from
+    KeyStart[b] (`seqused_k`, `key_start`), or every position without a key span."""
+    if HAS_KEY_SPAN:
+        lo = tl.minimum(tl.maximum(tl.load(KeyStart + b), 0), seq_len)
+        return lo, tl.minimum(lo + tl.maximum(tl.load(KeyCount + b), 0), seq_len)
+    else:
+        return 0, seq_len
+
+
+@triton.jit
+def _key_tiles(lo, hi, k_lo, k_hi, BLOCK: tl.constexpr, HAS_KEY_SPAN: tl.constexpr):
+    """The walked key range [lo, hi) narrowed to the key span [k_lo, k_hi), its start still a multiple of BLOCK
+    (the tiles, and the dropout mask's columns, stay those of a walk from 0)."""
+    if HAS_KEY_SPAN:
+        return tl.maximum(lo, k_lo // BLOCK * BLOCK), tl.minimum(hi, k_hi)
+    else:
+        return lo, hi
+
+
+@triton.jit
+def _is_key(ok, pos, k_lo, k_hi, HAS_KEY_SPAN: tl.constexpr):
+    """`ok` narrowed to the positions inside the key span."""
+    if HAS_KEY_SPAN:
+        return ok & (pos >= k_lo) & (pos < k_hi)
+    else:
+        return ok
+
+
+@triton.jit
 def _span(seq_start, seq_len, start, BLOCK: tl.constexpr):
     """Positions start .. start + BLOCK - 1 of a sequence: (whether each lies inside it, its packed token row
     as int64)."""
@@ -214,10 +244,12 @@ def _attention_fwd_kernel(
     CuSeqlens,     # [B + 1] int32
     Seed,          # [1] int64 Philox seed (unused unless HAS_DROPOUT)
     Bias,          # [H, 2 * max_distance + 1] float32 bias by key - query distance, times log2(e) (HAS_BIAS)
+    KeyStart, KeyCount,  # [B] int32: each sequence's keys are KeyCount positions from KeyStart (HAS_KEY_SPAN)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
     total_tokens, max_seqlen, qk_scale, p_drop, max_distance, kv_group, window_left, window_right,
     HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KEY_SPAN: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -233,13 +265,16 @@ def _attention_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
     lo, hi = _reach(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, seq_len, window_left, window_right, BLOCK_N,
                     HAS_WINDOW)
+    lo, hi = _key_tiles(lo, hi, k_lo, k_hi, BLOCK_N, HAS_KEY_SPAN)
     for start_n in range(lo, hi, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        n_ok = _is_key(n_ok, k_pos, k_lo, k_hi, HAS_KEY_SPAN)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h_kv * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         s = _scores(q, kt, qk_scale, DOT_PRECISION)
-        k_pos = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             s += _bias_tile(Bias, h, k_pos[None, :], q_pos[:, None], max_distance)
         seen = n_ok[None, :]
@@ -261,7 +296,7 @@ def _attention_fwd_kernel(
         v = _tile(V, k_rows, n_ok, stride_v_t, h_kv * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    if HAS_WINDOW:  # rows past the sequence may see no key at all: keep their (unstored) values finite
+    if HAS_WINDOW or HAS_KEY_SPAN:  # a row may see no key at all (a window, an empty key span): its output 0
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if HAS_DROPOUT:
@@ -331,21 +366,25 @@ def _attention_bwd_dkdv_kernel(
     CuSeqlens,      # [B + 1] int32
     Seed,           # [1] int64, as in the forward
     Bias,           # [H, 2 * max_distance + 1] float32, as in the forward (HAS_BIAS)
+    KeyStart, KeyCount,  # [B] int32, as in the forward (HAS_KEY_SPAN)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance, kv_group, window_left, window_right,
     HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_KEY_SPAN: tl.constexpr,
 ):
     start_n, b, h_kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
-    if start_n * BLOCK_N >= seq_len:
+    k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
+    # No key of the sequence in the owned block: its dK and dV stay 0 (keys outside the span are never read)
+    if (start_n * BLOCK_N >= k_hi) | (start_n * BLOCK_N + BLOCK_N <= k_lo):
         return
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     n_ok, k_rows = _span(seq_start, seq_len, start_n * BLOCK_N, BLOCK_N)
     k_pos = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = _is_key(n_ok, k_pos, k_lo, k_hi, HAS_KEY_SPAN)
     # Tiles transposed to [keys, queries], so that the owned key block is the M side of every dot (tensor-core
     # instructions want M >= 64; the walked query block is narrower): S^T = K Q^T, dP^T = V dO^T.
     k = _tile(K, k_rows, n_ok, stride_k_t, h_kv * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
@@ -385,6 +424,7 @@ def _attention_bwd_dq_kernel(
     CuSeqlens,      # [B + 1] int32
     Seed,           # [1] int64, as in the forward
     Bias,           # [H, 2 * max_distance + 1] float32, as in the forward (HAS_BIAS)
+    KeyStart, KeyCount,  # [B] int32, as in the forward (HAS_KEY_SPAN)
     BucketHi, BucketLo,  # [BUCKETS] int32: each bucket's distances are (lo, hi] (BIAS_GRAD)
     DBias,          # [H, B, cdiv(max_seqlen, BLOCK_M), BUCKETS] float32 output: each program's bucket sums of
                     # dS, the table's gradient (BIAS_GRAD)
@@ -393,7 +433,7 @@ def _attention_bwd_dq_kernel(
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, max_distance, kv_group, window_left, window_right,
     HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, BUCKETS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, BUCKETS: tl.constexpr, HAS_KEY_SPAN: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -412,14 +452,17 @@ def _attention_bwd_dq_kernel(
         bucket_hi = tl.load(BucketHi + tl.arange(0, BUCKETS))
         bucket_lo = tl.load(BucketLo + tl.arange(0, BUCKETS))
         dbias = tl.zeros((BUCKETS,), dtype=tl.float32)
+    k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
     lo, hi = _reach(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, seq_len, window_left, window_right, BLOCK_N,
                     HAS_WINDOW)
+    lo, hi = _key_tiles(lo, hi, k_lo, k_hi, BLOCK_N, HAS_KEY_SPAN)
     for start_n in range(lo, hi, BLOCK_N):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK_N)
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        n_ok = _is_key(n_ok, k_pos, k_lo, k_hi, HAS_KEY_SPAN)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h_kv * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         vt = _tile_t(V, k_rows, n_ok, stride_v_t, h_kv * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         s = _scores(q, kt, qk_scale, DOT_PRECISION)
-        k_pos = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             s += _bias_tile(Bias, h, k_pos[None, :], q_pos[:, None], max_distance)
         p = tl.math.exp2(s - lse[:, None])
@@ -699,10 +742,12 @@ def row_deltas(o: torch.Tensor, do: torch.Tensor, target: targets.Target | None,
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                    dropout_p: float, softmax_scale: float, seed: torch.Tensor | None,
                    bias_table: torch.Tensor | None = None, max_distance: int = 0, window_left: int = -1,
-                   window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                   window_right: int = -1, key_start: torch.Tensor | None = None,
+                   seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, H, D], lse [H, T] float32) for q [T, H, D] and k, v [T, H / group, D] with unit stride along D;
     bias_table [num_buckets, H] (None: no bias) by the bucket rule with max_distance; a window of
-    (window_left, window_right) positions around each query (-1: unbounded on that side)."""
+    (window_left, window_right) positions around each query (-1: unbounded on that side); each sequence's keys
+    the seqused_k positions from key_start (int32 [B] both, or both None: every position)."""
     dtype = q.dtype
     q, k, v = interpreter_upcast(q, k, v)
     total, heads, dim = q.shape
@@ -718,19 +763,19 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                                                      bias is not None, window != (max_seqlen, max_seqlen))
     if total and batch and max_seqlen:
         _FWD.launch((triton.cdiv(max_seqlen, block_m), batch, heads),
-            q, k, v, o, lse, cu_seqlens, seed, bias,
+            q, k, v, o, lse, cu_seqlens, seed, bias, key_start, seqused_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
             total, max_seqlen, softmax_scale * LOG2E, dropout_p, max_distance, heads // k.shape[1], *window,
             HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, HAS_WINDOW=window != (max_seqlen, max_seqlen),
             DOT_PRECISION=dot_precision(q.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, HAS_KEY_SPAN=seqused_k is not None)
     return o.to(dtype), lse
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None, max_distance=0,
-      window_left=-1, window_right=-1):
+      window_left=-1, window_right=-1, key_start=None, seqused_k=None):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -738,10 +783,11 @@ def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_tabl
 def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float,
                    softmax_scale: float, seed: torch.Tensor | None, bias_table: torch.Tensor | None = None,
-                   max_distance: int = 0, bias_grad: bool = False, window_left: int = -1, window_right: int = -1
+                   max_distance: int = 0, bias_grad: bool = False, window_left: int = -1, window_right: int = -1,
+                   key_start: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dtable); zero at filler tokens; dtable [num_buckets, H] in the table's dtype where
-    bias_grad, else empty."""
+    """(dq, dk, dv, dtable); zero at filler tokens and at keys outside their sequence's key span; dtable
+    [num_buckets, H] in the table's dtype where bias_grad, else empty."""
     dtype = q.dtype
     do, q, k, v, o = interpreter_upcast(unit_stride(do), q, k, v, o)
     total, heads, dim = q.shape
@@ -755,7 +801,8 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     bias = None if bias_table is None else _bias_by_distance(bias_table, max_distance)
     window = _window(window_left, window_right, max_seqlen)
     flags = dict(HAS_DROPOUT=dropout_p > 0, HAS_BIAS=bias is not None, HAS_WINDOW=window != (max_seqlen, max_seqlen),
-                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim), HEAD_DIM=dim)
+                 DOT_PRECISION=dot_precision(q.dtype), BLOCK_D=block_d(dim), HEAD_DIM=dim,
+                 HAS_KEY_SPAN=seqused_k is not None)
 
     def launch(kernel: str):
         block_m, block_n, warps, stages = _launch_config(kernel, dim, q.dtype, target, max_seqlen, bias is not None,
@@ -770,7 +817,7 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                do.stride(0), do.stride(1))
     grid, meta = launch("dkdv")
     _DKDV.launch(grid,
-        q, do, k, v, dk, dv, lse, delta, cu_seqlens, seed, bias, *strides,
+        q, do, k, v, dk, dv, lse, delta, cu_seqlens, seed, bias, key_start, seqused_k, *strides,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scalars, GROUPED=k.shape[1] != heads, **meta)
     grid, meta = launch("dq")
     hi = lo = sums = None
@@ -780,7 +827,8 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         buckets = hi.numel()
         sums = torch.zeros((heads, batch, grid[0], buckets), dtype=torch.float32, device=q.device)
     _DQ.launch(grid,
-        q, k, v, do, dq, lse, delta, cu_seqlens, seed, bias, hi, lo, sums, *strides, dq.stride(0), dq.stride(1),
+        q, k, v, do, dq, lse, delta, cu_seqlens, seed, bias, key_start, seqused_k, hi, lo, sums, *strides,
+        dq.stride(0), dq.stride(1),
         *scalars, BIAS_GRAD=bias_grad, BUCKETS=buckets, **meta)
     if bias_grad:  # per-program sums, added in a fixed order: deterministic; laid out as the table (the fake's)
         dtable = torch.empty_like(bias_table).copy_(sums.sum((1, 2))[:, :bias_table.shape[0]].t())
@@ -789,24 +837,26 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table=None,
-      max_distance=0, bias_grad=False, window_left=-1, window_right=-1):
+      max_distance=0, bias_grad=False, window_left=-1, window_right=-1, key_start=None, seqused_k=None):
     dtable = torch.empty_like(bias_table) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table, max_distance, *window = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, seed, bias_table)
+    (q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias_table, max_distance, window_left,
+     window_right, key_start, seqused_k) = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, seed, bias_table, key_start, seqused_k)
     ctx.max_seqlen, ctx.dropout_p, ctx.softmax_scale = max_seqlen, dropout_p, softmax_scale
-    ctx.max_distance, ctx.window = max_distance, window
+    ctx.max_distance, ctx.window = max_distance, (window_left, window_right)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, cu_seqlens, seed, bias_table = ctx.saved_tensors
+    q, k, v, o, lse, cu_seqlens, seed, bias_table, key_start, seqused_k = ctx.saved_tensors
     bias_grad = bias_table is not None and ctx.needs_input_grad[8]
     dq, dk, dv, dtable = _attention_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.dropout_p,
-                                        ctx.softmax_scale, seed, bias_table, ctx.max_distance, bias_grad, *ctx.window)
-    return dq, dk, dv, None, None, None, None, None, dtable if bias_grad else None, None, None, None
+                                        ctx.softmax_scale, seed, bias_table, ctx.max_distance, bias_grad, *ctx.window,
+                                        key_start, seqused_k)
+    return dq, dk, dv, None, None, None, None, None, dtable if bias_grad else None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -816,7 +866,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      dropout_p: float = 0.0, softmax_scale: float | None = None,
                      seed: int | torch.Tensor | None = None, validate: bool = True,
                      position_bias: RelativePositionBias | None = None,
-                     window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+                     window_size: tuple[int, int] = (-1, -1), seqused_k: torch.Tensor | None = None,
+                     key_start: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ bias]) v within each packed sequence; returns a tensor of q's shape.
 
     q: [total_tokens, heads, head_dim] (head_dim 1 to 128; see block_d); k, v: [total_tokens, kv_heads,
@@ -830,19 +881,52 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     torch's generator of q's device, on the device). position_bias (a RelativePositionBias) adds a bucketed
     relative-position bias to every score inside the kernels, forward and backward (its table gets a gradient);
     no [seq, seq] bias is formed. `validate=False` skips the checks of cu_seqlens' values, which need a device
-    sync; pass it only for cu_seqlens built by trusted code (the model does). Runs as the custom ops
+    sync; pass it only for cu_seqlens built by trusted code (the model does). seqused_k (int32 [batch], as
+    FlashAttention-3's): every token of sequence b is a query, but only its seqused_k[b] tokens from position
+    key_start[b] (int32 [batch]; default 0: the first ones) are keys, so padded positions kept as queries attend
+    to the real tokens only (a Hugging Face model's padded positions, which heads may read); positions for the
+    window and the bias still count from the sequence's first token. A sequence with no key (seqused_k 0) gives
+    its queries an output of 0 and no gradient; keys outside a span get none either. Spans are cut to their
+    sequence inside the kernels (validate checks they lie inside it). Runs as the custom ops
     bertfuse::varlen_attention_fwd / _bwd, which torch.compile traces through. Unvalidated cu_seqlens never make
     the kernels read or write outside q, k, v and the output: each sequence is cut to the tokens [0,
     total_tokens) inside the kernels.
     """
     left, right = _check(q, k, v, cu_seqlens, int(max_seqlen), float(dropout_p), validate, position_bias,
                          window_size)
+    key_start, seqused_k = _key_spans(cu_seqlens, seqused_k, key_start, validate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     table, max_distance = (None, 0) if position_bias is None else (position_bias.table, position_bias.max_distance)
     out, _ = _attention_fwd(q, k, v, dense(cu_seqlens), int(max_seqlen), float(dropout_p), scale,
-                            seed_tensor(seed, q.device, dropout_p > 0), table, max_distance, left, right)
+                            seed_tensor(seed, q.device, dropout_p > 0), table, max_distance, left, right,
+                            key_start, seqused_k)
     return out
+
+
+def _key_spans(cu_seqlens, seqused_k, key_start, validate: bool):
+    """(key_start, seqused_k) as the kernels read them, checked: both None (every token a key), or int32 [batch]
+    each (key_start zeros where not given); with `validate`, their values too (one sync): each span inside its
+    sequence."""
+    op = "varlen_attention"
+    if seqused_k is None:
+        if key_start is not None:
+            raise ValueError(f"{op}: key_start describes the keys seqused_k counts: pass seqused_k with it")
+        return None, None
+    batch = cu_seqlens.numel() - 1
+    for name, t in (("seqused_k", seqused_k), ("key_start", key_start)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32
+                              or tuple(t.shape) != (batch,)):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: {name} must be an int32 tensor [batch] = [{batch}], got {got}")
+    key_start = torch.zeros_like(seqused_k) if key_start is None else key_start
+    check_device(op, cu_seqlens=cu_seqlens, seqused_k=seqused_k, key_start=key_start)
+    if validate:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        bad = ((seqused_k < 0) | (key_start < 0) | (key_start.long() + seqused_k > lens)).sum()
+        if int(bad):
+            raise ValueError(f"{op}: {int(bad)} key span(s) (key_start, seqused_k) reach outside their sequence")
+    return dense(key_start), dense(seqused_k)
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,
@@ -883,11 +967,13 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          dropout_p: float = 0.0, softmax_scale: float | None = None,
                          keep: torch.Tensor | None = None,
                          position_bias: RelativePositionBias | None = None,
-                         window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+                         window_size: tuple[int, int] = (-1, -1), seqused_k: torch.Tensor | None = None,
+                         key_start: torch.Tensor | None = None) -> torch.Tensor:
     """`varlen_attention` in plain PyTorch, for checks: each sequence's softmax(q k^T * scale + bias) v in turn,
     in the inputs' dtype, the [seq, seq] probabilities (and bias) formed, k and v repeated for grouped-query
-    heads, the scores outside the window -inf. Dropout applies `keep` (bool [heads, total_tokens, max_seqlen],
-    `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get zeros."""
+    heads, the scores outside the window or the key span -inf. Dropout applies `keep` (bool [heads, total_tokens,
+    max_seqlen], `attention_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1], and queries that see no
+    key, get zeros."""
     if dropout_p > 0 and keep is None:
         raise ValueError("varlen_attention_ref: dropout needs the keep-mask (attention_dropout_mask)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -900,8 +986,13 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         scores = qq @ kk.transpose(-1, -2) * scale
         if position_bias is not None:
             scores = scores + relative_bias(position_bias, torch.arange(end - start, device=q.device)).to(scores)
-        scores = scores.masked_fill(~window_mask(end - start, window_size, q.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        seen = window_mask(end - start, window_size, q.device)
+        if seqused_k is not None:
+            first = 0 if key_start is None else int(key_start[len(outs)])
+            pos = torch.arange(end - start, device=q.device)
+            seen = seen & ((pos >= first) & (pos < first + int(seqused_k[len(outs)])))[None, :]
+        sees = seen.any(-1, keepdim=True)  # a query that sees no key: probabilities 0 (no NaN, forward or back)
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")).masked_fill(~sees, 0.0), dim=-1) * sees
         if dropout_p > 0:
             probs = probs * keep[:, start:end, :end - start].to(probs.dtype) / (1 - dropout_p)
         outs.append((probs @ vv).transpose(0, 1))

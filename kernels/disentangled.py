@@ -46,8 +46,9 @@ import triton.language as tl
 from . import launches, targets, tuned
 from ._common import (FLOAT_DTYPES, check_device, dense, dot_precision, dropout_keep, interpreter_upcast, seed_tensor,
                       unit_stride)
-from .attention import (LOG2E, MAX_HEAD_DIM, _mask_rows, _row_stats, _seed, _sequence, _span, _store_tile, _tile,
-                        _tile_t, _validate, attention_dropout_mask, block_d, row_deltas)
+from .attention import (LOG2E, MAX_HEAD_DIM, _is_key, _key_span, _key_spans, _key_tiles, _mask_rows, _row_stats,
+                        _seed, _sequence, _span, _store_tile, _tile, _tile_t, _validate, attention_dropout_mask,
+                        block_d, row_deltas)
 
 __all__ = ["disentangled_attention", "disentangled_attention_ref", "DisentangledPositions",
            "relative_position_rows", "disentangled_dropout_mask"]
@@ -277,11 +278,13 @@ def _disentangled_fwd_kernel(
     Seed,               # [1] int64 Philox seed (HAS_DROPOUT)
     PosKey, PosQuery,   # [2 span, H, D] projected relative tables (C2P, P2C)
     Rows,               # [2 far + 1] int32 table row of each distance -far .. far
+    KeyStart, KeyCount,  # [B] int32: each sequence's keys, as kernels.attention's (HAS_KEY_SPAN)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
     stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, p_drop, far,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KEY_SPAN: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0) * BLOCK, tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -294,8 +297,11 @@ def _disentangled_fwd_kernel(
     m_i = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK,), dtype=tl.float32)
     acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK):
+    k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
+    lo, hi = _key_tiles(0, seq_len, k_lo, k_hi, BLOCK, HAS_KEY_SPAN)
+    for start_n in range(lo, hi, BLOCK):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
+        n_ok = _is_key(n_ok, start_n + tl.arange(0, BLOCK), k_lo, k_hi, HAS_KEY_SPAN)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         s = _tile_scores(q, kt, (Q, q_rows, m_ok, stride_q_t, h * stride_q_h),
                          (K, k_rows, n_ok, stride_k_t, h * stride_k_h), PosKey, PosQuery, Rows,
@@ -312,6 +318,8 @@ def _disentangled_fwd_kernel(
         v = _tile(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if HAS_KEY_SPAN:  # a sequence with no key: its queries' output 0
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if HAS_DROPOUT:
         out = out / (1.0 - p_drop)
@@ -324,12 +332,13 @@ def _disentangled_bwd_dq_kernel(
     Q, K, V, DO,        # [T, H, D]
     DQ,                 # [T, H, D] output
     LSE, Delta,         # [H, T] float32
-    CuSeqlens, Seed, PosKey, PosQuery, Rows,   # as in the forward
+    CuSeqlens, Seed, PosKey, PosQuery, Rows, KeyStart, KeyCount,   # as in the forward
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dq_t, stride_dq_h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, far,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KEY_SPAN: tl.constexpr,
 ):
     start_m, b, h = tl.program_id(0) * BLOCK, tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
@@ -342,8 +351,11 @@ def _disentangled_bwd_dq_kernel(
     do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
     lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
     dq = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK):
+    k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
+    lo, hi = _key_tiles(0, seq_len, k_lo, k_hi, BLOCK, HAS_KEY_SPAN)
+    for start_n in range(lo, hi, BLOCK):
         n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
+        n_ok = _is_key(n_ok, start_n + tl.arange(0, BLOCK), k_lo, k_hi, HAS_KEY_SPAN)
         kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
         vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
         d_min = start_m - start_n - (BLOCK - 1)
@@ -367,20 +379,23 @@ def _disentangled_bwd_dkdv_kernel(
     Q, K, V, DO,        # [T, H, D]
     DK, DV,             # [T, H, D] outputs
     LSE, Delta,         # [H, T] float32
-    CuSeqlens, Seed, PosKey, PosQuery, Rows,   # as in the forward
+    CuSeqlens, Seed, PosKey, PosQuery, Rows, KeyStart, KeyCount,   # as in the forward
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
     stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h, stride_pk_r, stride_pk_h, stride_pq_r, stride_pq_h,
     total_tokens, max_seqlen, qk_scale, softmax_scale, p_drop, far,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KEY_SPAN: tl.constexpr,
 ):
     start_n, b, h = tl.program_id(0) * BLOCK, tl.program_id(1), tl.program_id(2)
     seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
-    if start_n >= seq_len:
+    k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
+    if (start_n >= k_hi) | (start_n + BLOCK <= k_lo):  # no key here: dK and dV stay 0
         return
     offs_d = tl.arange(0, BLOCK_D)
     seed = _seed(Seed, HAS_DROPOUT)
     n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
+    n_ok = _is_key(n_ok, start_n + tl.arange(0, BLOCK), k_lo, k_hi, HAS_KEY_SPAN)
     kt = _tile_t(K, k_rows, n_ok, stride_k_t, h * stride_k_h, offs_d, HEAD_DIM, BLOCK_D)
     vt = _tile_t(V, k_rows, n_ok, stride_v_t, h * stride_v_h, offs_d, HEAD_DIM, BLOCK_D)
     dk = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
@@ -413,7 +428,7 @@ def _disentangled_bwd_dkdv_kernel(
 def _disentangled_bwd_tables_kernel(
     Q, K, V, DO,        # [T, H, D]
     LSE, Delta,         # [H, T] float32
-    CuSeqlens, Seed, PosKey, PosQuery, Rows,   # as in the forward
+    CuSeqlens, Seed, PosKey, PosQuery, Rows, KeyStart, KeyCount,   # as in the forward
     SumKey, SumQuery,   # [splits, diagonals, H, 2 BLOCK, D] float32 outputs: per distance of each block
                         # diagonal's window, sum dS_ij q_i (C2P) and sum dS_ij k_j (P2C)
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_do_t, stride_do_h,
@@ -421,6 +436,7 @@ def _disentangled_bwd_tables_kernel(
     total_tokens, max_seqlen, qk_scale, p_drop, far, batch, blocks,
     C2P: tl.constexpr, P2C: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KEY_SPAN: tl.constexpr,
 ):
     diag, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     shift = diag - (blocks - 1)          # query block - key block along this diagonal
@@ -435,11 +451,13 @@ def _disentangled_bwd_tables_kernel(
     d_min = shift * BLOCK - (BLOCK - 1)  # the same in every tile of this diagonal
     for b in range(split, batch, tl.num_programs(2)):
         seq_start, seq_len = _sequence(CuSeqlens, b, total_tokens)
+        k_lo, k_hi = _key_span(KeyStart, KeyCount, b, seq_len, HAS_KEY_SPAN)
         n_blocks = tl.cdiv(seq_len, BLOCK)
         for block_m in range(tl.maximum(shift, 0), tl.minimum(n_blocks, n_blocks + shift)):
             start_m, start_n = block_m * BLOCK, (block_m - shift) * BLOCK
             m_ok, q_rows = _span(seq_start, seq_len, start_m, BLOCK)
             n_ok, k_rows = _span(seq_start, seq_len, start_n, BLOCK)
+            n_ok = _is_key(n_ok, start_n + tl.arange(0, BLOCK), k_lo, k_hi, HAS_KEY_SPAN)  # else dS is 0
             q = _tile(Q, q_rows, m_ok, stride_q_t, h * stride_q_h, offs_d, HEAD_DIM, BLOCK_D)
             do = _tile(DO, q_rows, m_ok, stride_do_t, h * stride_do_h, offs_d, HEAD_DIM, BLOCK_D)
             lse, delta = _row_stats(LSE, Delta, h, total_tokens, q_rows, m_ok)
@@ -589,10 +607,11 @@ def _args(q, pos_key, pos_query, buckets, max_rel, dropout_p) -> _Args:
 @torch.library.custom_op("bertfuse::disentangled_attention_fwd", mutates_args=())
 def _disentangled_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                       pos_key: torch.Tensor | None, pos_query: torch.Tensor | None, position_buckets: int,
-                      max_relative_positions: int, dropout_p: float, softmax_scale: float, seed: torch.Tensor | None
+                      max_relative_positions: int, dropout_p: float, softmax_scale: float, seed: torch.Tensor | None,
+                      key_start: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, H, D], lse [H, T] float32) for q, k, v [T, H, D] and tables [2 span, H, D] with unit stride along
-    D (None: no such term)."""
+    D (None: no such term); each sequence's keys the seqused_k positions from key_start (both None: all)."""
     dtype = q.dtype
     q, k, v, pos_key, pos_query = interpreter_upcast(q, k, v, pos_key, pos_query)
     total, heads, dim = q.shape
@@ -603,20 +622,21 @@ def _disentangled_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     c = _config("fwd", dim, q.dtype, targets.of(q.device), max_seqlen)
     if total and batch and max_seqlen:
         _FWD.launch((triton.cdiv(max_seqlen, c.BLOCK), batch, heads),
-            q, k, v, o, lse, cu_seqlens, seed, a.pos_key, a.pos_query, a.rows,
+            q, k, v, o, lse, cu_seqlens, seed, a.pos_key, a.pos_query, a.rows, key_start, seqused_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
             *a.strides, total, max_seqlen, softmax_scale * LOG2E, dropout_p, a.far,
-            BLOCK=c.BLOCK, num_warps=c.num_warps, num_stages=c.num_stages, **a.flags)
+            BLOCK=c.BLOCK, num_warps=c.num_warps, num_stages=c.num_stages, HAS_KEY_SPAN=seqused_k is not None,
+            **a.flags)
     return o.to(dtype), lse
 
 
 @_disentangled_fwd.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, dropout_p,
-      softmax_scale, seed):
+      softmax_scale, seed, key_start=None, seqused_k=None):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def _table_grads(q, k, v, do, lse, delta, cu_seqlens, seed, a: _Args, max_seqlen, scalars, strides
+def _table_grads(q, k, v, do, lse, delta, cu_seqlens, seed, a: _Args, max_seqlen, scalars, strides, spans
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dPosKey, dPosQuery), float32 [2 span, H, D] (empty where that table is absent): the tables kernel's
     per-diagonal sums, their overlapping windows added, each distance's sum folded onto its table row."""
@@ -630,8 +650,9 @@ def _table_grads(q, k, v, do, lse, delta, cu_seqlens, seed, a: _Args, max_seqlen
     sums = [torch.zeros((splits, diagonals, heads, 2 * block, dim), dtype=torch.float32, device=q.device)
             if t is not None else None for t in (a.pos_key, a.pos_query)]
     _TABLES.launch((diagonals, heads, splits),
-        q, k, v, do, lse, delta, cu_seqlens, seed, a.pos_key, a.pos_query, a.rows, *sums, *strides, *a.strides,
-        *scalars, batch, blocks, BLOCK=block, num_warps=c.num_warps, num_stages=c.num_stages, **a.flags)
+        q, k, v, do, lse, delta, cu_seqlens, seed, a.pos_key, a.pos_query, a.rows, *spans, *sums, *strides,
+        *a.strides, *scalars, batch, blocks, BLOCK=block, num_warps=c.num_warps, num_stages=c.num_stages,
+        HAS_KEY_SPAN=spans[1] is not None, **a.flags)
     span2 = next(t for t in (a.pos_key, a.pos_query) if t is not None).shape[0]
     # Distance of window column e of diagonal g: (g - blocks + 1) * block - block + 1 + e; column e >= block of
     # diagonal g is column e - block of diagonal g + 1's first half.
@@ -656,10 +677,11 @@ def _table_grads(q, k, v, do, lse, delta, cu_seqlens, seed, a: _Args, max_seqlen
 def _disentangled_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, pos_key: torch.Tensor | None,
                       pos_query: torch.Tensor | None, position_buckets: int, max_relative_positions: int,
-                      dropout_p: float, softmax_scale: float, seed: torch.Tensor | None
+                      dropout_p: float, softmax_scale: float, seed: torch.Tensor | None,
+                      key_start: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dpos_key, dpos_query); zero at filler tokens; a table's gradient is empty where it is
-    None."""
+    """(dq, dk, dv, dpos_key, dpos_query); zero at filler tokens and keys outside their span; a table's gradient
+    is empty where it is None."""
     dtype, table_dtype = q.dtype, next((t.dtype for t in (pos_key, pos_query) if t is not None), q.dtype)
     do, q, k, v, o, pos_key, pos_query = interpreter_upcast(unit_stride(do), q, k, v, o, pos_key, pos_query)
     total, heads, dim = q.shape
@@ -673,42 +695,45 @@ def _disentangled_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     a = _args(q, pos_key, pos_query, position_buckets, max_relative_positions, dropout_p)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
     scalars = (total, max_seqlen, softmax_scale * LOG2E, softmax_scale, dropout_p, a.far)
-    common = (lse, delta, cu_seqlens, seed, a.pos_key, a.pos_query, a.rows)
+    common = (lse, delta, cu_seqlens, seed, a.pos_key, a.pos_query, a.rows, key_start, seqused_k)
+    spanned = seqused_k is not None
     c = _config("dq", dim, q.dtype, target, max_seqlen)
     _DQ.launch((triton.cdiv(max_seqlen, c.BLOCK), batch, heads), q, k, v, do, dq, *common, *strides,
                dq.stride(0), dq.stride(1), *a.strides, *scalars, BLOCK=c.BLOCK, num_warps=c.num_warps,
-               num_stages=c.num_stages, **a.flags)
+               num_stages=c.num_stages, HAS_KEY_SPAN=spanned, **a.flags)
     c = _config("dkdv", dim, q.dtype, target, max_seqlen)
     _DKDV.launch((triton.cdiv(max_seqlen, c.BLOCK), batch, heads), q, k, v, do, dk, dv, *common, *strides,
                  dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *a.strides, *scalars, BLOCK=c.BLOCK,
-                 num_warps=c.num_warps, num_stages=c.num_stages, **a.flags)
+                 num_warps=c.num_warps, num_stages=c.num_stages, HAS_KEY_SPAN=spanned, **a.flags)
     if pos_key is not None or pos_query is not None:
         grads = _table_grads(q, k, v, do, lse, delta, cu_seqlens, seed, a, max_seqlen,
-                             (total, max_seqlen, softmax_scale * LOG2E, dropout_p, a.far), strides)
+                             (total, max_seqlen, softmax_scale * LOG2E, dropout_p, a.far), strides,
+                             (key_start, seqused_k))
         dtables = [g * softmax_scale if g.numel() else g for g in grads]
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), *(t.to(table_dtype) for t in dtables)
 
 
 @_disentangled_bwd.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
-      dropout_p, softmax_scale, seed):
+      dropout_p, softmax_scale, seed, key_start=None, seqused_k=None):
     tables = [torch.empty_like(t) if t is not None else q.new_empty(0) for t in (pos_key, pos_query)]
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *tables
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, buckets, max_rel, dropout_p, softmax_scale, seed = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, pos_key, pos_query, seed)
+    (q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, buckets, max_rel, dropout_p, softmax_scale, seed, key_start,
+     seqused_k) = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, pos_key, pos_query, seed, key_start, seqused_k)
     ctx.meta = (max_seqlen, buckets, max_rel, dropout_p, softmax_scale)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, cu_seqlens, pos_key, pos_query, seed = ctx.saved_tensors
+    q, k, v, o, lse, cu_seqlens, pos_key, pos_query, seed, key_start, seqused_k = ctx.saved_tensors
     max_seqlen, buckets, max_rel, dropout_p, softmax_scale = ctx.meta
     dq, dk, dv, dpk, dpq = _disentangled_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, buckets,
-                                             max_rel, dropout_p, softmax_scale, seed)
+                                             max_rel, dropout_p, softmax_scale, seed, key_start, seqused_k)
     return (dq, dk, dv, None, None, dpk if pos_key is not None else None, dpq if pos_query is not None else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 _disentangled_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -717,7 +742,8 @@ _disentangled_fwd.register_autograd(_backward, setup_context=_setup_context)
 def disentangled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, positions: DisentangledPositions, dropout_p: float = 0.0,
                            softmax_scale: float | None = None, seed: int | torch.Tensor | None = None,
-                           validate: bool = True) -> torch.Tensor:
+                           validate: bool = True, seqused_k: torch.Tensor | None = None,
+                           key_start: torch.Tensor | None = None) -> torch.Tensor:
     """DeBERTa's attention within each packed sequence: softmax((q k^T + c2p + p2c) * scale) v, a tensor of q's
     shape, the position terms read from `positions`' tables inside the kernels (no [seq, seq] or [tokens, 2 span]
     tensor formed), forward and backward; the tables get gradients.
@@ -727,18 +753,22 @@ def disentangled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     counted from each sequence's first token. softmax_scale: default 1 / sqrt(head_dim * (1 + number of position
     terms)), DeBERTa's. Dropout on the probabilities uses Philox with `seed` (an int or a one-element device
     tensor; default: drawn on q's device), the same mask as kernels.varlen_attention's for the same seed
-    (`disentangled_dropout_mask`). Tokens at or past cu_seqlens[-1] get zero output and gradients. validate=False
+    (`disentangled_dropout_mask`). Tokens at or past cu_seqlens[-1] get zero output and gradients. seqused_k and
+    key_start: each sequence's keys, as kernels.varlen_attention's (every token a query; distances counted from
+    the sequence's first token). validate=False
     skips the checks of cu_seqlens' values (a device sync); the kernels still never read or write outside the
     tensors. Runs as the custom ops bertfuse::disentangled_attention_fwd / _bwd, which torch.compile traces
     through."""
     max_seqlen = int(max_seqlen)
     _check(q, k, v, cu_seqlens, max_seqlen, positions, float(dropout_p), validate)
+    key_start, seqused_k = _key_spans(cu_seqlens, seqused_k, key_start, validate)
     terms = (positions.pos_key is not None) + (positions.pos_query is not None)
     scale = 1.0 / math.sqrt(q.shape[-1] * (1 + terms)) if softmax_scale is None else float(softmax_scale)
     tables = [None if t is None else unit_stride(t) for t in (positions.pos_key, positions.pos_query)]
     out, _ = _disentangled_fwd(unit_stride(q), unit_stride(k), unit_stride(v), dense(cu_seqlens), max_seqlen,
                                *tables, positions.position_buckets, positions.max_relative_positions,
-                               float(dropout_p), scale, seed_tensor(seed, q.device, dropout_p > 0))
+                               float(dropout_p), scale, seed_tensor(seed, q.device, dropout_p > 0), key_start,
+                               seqused_k)
     return out
 
 
@@ -751,11 +781,13 @@ def disentangled_dropout_mask(cu_seqlens: torch.Tensor, heads: int, max_seqlen: 
 
 def disentangled_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                positions: DisentangledPositions, dropout_p: float = 0.0,
-                               softmax_scale: float | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+                               softmax_scale: float | None = None, keep: torch.Tensor | None = None,
+                               seqused_k: torch.Tensor | None = None, key_start: torch.Tensor | None = None
+                               ) -> torch.Tensor:
     """`disentangled_attention` in plain PyTorch, for checks and for paths without the kernels: per sequence,
     DeBERTa's way: q Kr^T and k Qr^T against every table row, gathered at each pair's row, the [seq, seq] scores
-    formed. Dropout applies `keep` (`disentangled_dropout_mask`'s) and needs it. Tokens past cu_seqlens[-1] get
-    zeros."""
+    formed, those outside the key span -inf. Dropout applies `keep` (`disentangled_dropout_mask`'s) and needs it.
+    Tokens past cu_seqlens[-1], and queries of a sequence with no key, get zeros."""
     if dropout_p > 0 and keep is None:
         raise ValueError("disentangled_attention_ref: dropout needs the keep-mask (disentangled_dropout_mask)")
     pos_key, pos_query = positions.pos_key, positions.pos_query
@@ -775,7 +807,11 @@ def disentangled_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if pos_query is not None:  # key j's row r(i - j), then transposed to [query, key]
             by_key = torch.gather(kk @ pos_query.transpose(0, 1).transpose(-1, -2), -1, index.transpose(-1, -2))
             scores = scores + by_key.transpose(-1, -2)
-        probs = torch.softmax(scores * scale, dim=-1)
+        if seqused_k is not None:
+            first = 0 if key_start is None else int(key_start[len(outs)])
+            seen = (pos >= first) & (pos < first + int(seqused_k[len(outs)]))
+            scores = scores.masked_fill(~seen, float("-inf")) if seen.any() else scores * 0
+        probs = torch.softmax(scores * scale, dim=-1) * (seqused_k is None or bool(seen.any()))
         if dropout_p > 0:
             probs = probs * keep[:, start:end, :end - start].to(probs.dtype) / (1 - dropout_p)
         outs.append((probs @ vv).transpose(0, 1))

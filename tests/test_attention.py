@@ -186,9 +186,11 @@ def test_bad_inputs(change, err, match):
         kernels.varlen_attention(**kw)
 
 
-def run_window_case(lengths, heads, kv_heads, dim, dtype, device, window=(-1, -1), p=0.0, filler=2, bias=False):
-    """varlen_attention with grouped-query heads and/or a sliding window (and MPNet's bias) against
-    varlen_attention_ref: the output and the gradients of q, k, v (k and v with kv_heads heads)."""
+def run_window_case(lengths, heads, kv_heads, dim, dtype, device, window=(-1, -1), p=0.0, filler=2, bias=False,
+                    spans=None):
+    """varlen_attention with grouped-query heads and/or a sliding window (and MPNet's bias), and/or key spans
+    (`spans`: (key_start, seqused_k) per sequence), against varlen_attention_ref: the output and the gradients of
+    q, k, v (k and v with kv_heads heads)."""
     from bertfuse.kernels.attention import RelativePositionBias, varlen_attention_ref
 
     g = torch.Generator().manual_seed(case_seed(tuple(lengths), heads, kv_heads, dim, str(dtype), window, p))
@@ -199,10 +201,16 @@ def run_window_case(lengths, heads, kv_heads, dim, dtype, device, window=(-1, -1
     cu, max_len = cu_of(lengths, device), max(lengths)
     keep = attention_dropout_mask(cu, heads, max_len, p, 7, total) if p > 0 else None
 
+    if spans is not None:
+        start, used = (torch.tensor(t, dtype=torch.int32, device=device) for t in zip(*spans))
+        kw_spans = dict(key_start=start, seqused_k=used)
+    else:
+        kw_spans = {}
+
     def run(cast, fn, **kw):
         leaves = [t.to(dtype).to(cast).requires_grad_() for t in (q, k, v)]
         rel = RelativePositionBias(table.to(dtype).to(cast)) if bias else None
-        out = fn(*leaves, cu, dropout_p=p, window_size=window, position_bias=rel, **kw)
+        out = fn(*leaves, cu, dropout_p=p, window_size=window, position_bias=rel, **kw_spans, **kw)
         return [out, *torch.autograd.grad(out, leaves, do.to(dtype).to(cast))]
 
     ours = run(dtype, kernels.varlen_attention, max_seqlen=max_len, seed=7)
@@ -212,6 +220,7 @@ def run_window_case(lengths, heads, kv_heads, dim, dtype, device, window=(-1, -1
         assert a.dtype == dtype and a.shape == r.shape, name
         check_against_reference(name, a, r, s, dtype, floor=1.0)
     assert not ours[0][sum(lengths):].any()  # filler: zero output
+    return ours
 
 
 @pytest.mark.parametrize("heads, kv_heads, window", [
@@ -233,6 +242,46 @@ def test_grouped_heads_and_window_half_precision(device, dtype):
 @SLOW
 def test_window_with_dropout_and_relative_bias(device):
     run_window_case([23, 0, 9, 40], 4, 2, 16, torch.float32, device, (6, 11), p=0.2, bias=True)
+
+
+# Per sequence of LENGTHS (37, 0, 1, 16, 50): the keys a prefix (right padding), none of an empty sequence, none
+# at all (a query with no key: output 0), a suffix (left padding), a run in the middle across tile edges.
+SPANS = [(0, 20), (0, 0), (0, 0), (5, 11), (9, 30)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, window, bias, p", [
+    (2, 2, (-1, -1), False, 0.0),
+    (4, 2, (6, 11), False, 0.0),                 # grouped heads and a window cut by the span
+    pytest.param(2, 2, (-1, -1), True, 0.2, marks=SLOW),   # MPNet's bias and dropout
+])
+def test_key_spans(device, heads, kv_heads, window, bias, p):
+    """seqused_k and key_start: every token a query, only each sequence's span of keys attended to; keys outside
+    the spans get no gradient, and a sequence with no key gives 0 (its queries' gradients 0 too)."""
+    out, dq, dk, dv = run_window_case(LENGTHS, heads, kv_heads, 16, torch.float32, device, window, p=p, bias=bias,
+                                      spans=SPANS)
+    cu = [0, 37, 37, 38, 54, 104]
+    assert not out[37].any() and not dq[37].any()  # the length-1 sequence with no key
+    outside = torch.ones(out.shape[0], dtype=torch.bool)
+    for first, (start, used) in zip(cu, SPANS):
+        outside[first + start:first + start + used] = False
+    assert not dk[outside.to(dk.device)].any() and not dv[outside.to(dv.device)].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=SLOW)])
+def test_key_spans_half_precision(device, dtype):
+    run_window_case(LENGTHS, 2, 2, 32, dtype, device, spans=SPANS)
+
+
+def test_key_spans_checked(device):
+    q = torch.randn(10, 2, 16, device=device)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    used = torch.tensor([4, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="key span"):
+        kernels.varlen_attention(q, q, q, cu, 6, seqused_k=used, key_start=used)  # 4 + 3 > 6 in the second
+    with pytest.raises(ValueError, match="seqused_k must be an int32"):
+        kernels.varlen_attention(q, q, q, cu, 6, seqused_k=used.long())
+    with pytest.raises(ValueError, match="pass seqused_k"):
+        kernels.varlen_attention(q, q, q, cu, 6, key_start=used)
 
 
 def test_tiles_outside_the_window_are_never_read(device):

@@ -20,9 +20,9 @@ def cu_of(lengths, device):
 
 
 def run_case(lengths, heads, dim, dtype, device, buckets=8, max_rel=20, terms=("c2p", "p2c"), p=0.0, seed=0,
-             filler=0, scale=None):
+             filler=0, scale=None, spans=None):
     """Ours in `dtype` against the float64 reference on the same rounded inputs, and against PyTorch's own error
-    in `dtype` (half precision); returns (out, grads)."""
+    in `dtype` (half precision); `spans`: (key_start, seqused_k) per sequence; returns (out, grads)."""
     g = torch.Generator().manual_seed(case_seed(tuple(lengths), heads, dim, str(dtype), buckets, max_rel, terms))
     total = sum(lengths) + filler
     span = buckets if buckets > 0 else max_rel
@@ -32,6 +32,8 @@ def run_case(lengths, heads, dim, dtype, device, buckets=8, max_rel=20, terms=("
     cu = cu_of(lengths, device)
     max_len = max(lengths) if lengths else 0
     keep = disentangled_dropout_mask(cu, heads, max_len, p, seed, total) if p else None
+    kw = {} if spans is None else dict(zip(("key_start", "seqused_k"), (
+        torch.tensor(t, dtype=torch.int32, device=device) for t in zip(*spans))))
 
     def leaves(dt):
         out = [t.to(device=device, dtype=dt).requires_grad_() for t in (q, k, v, pk, pq)]
@@ -39,7 +41,7 @@ def run_case(lengths, heads, dim, dtype, device, buckets=8, max_rel=20, terms=("
                                           buckets, max_rel)
 
     ours, pos = leaves(dtype)
-    out = disentangled_attention(*ours[:3], cu, max_len, pos, dropout_p=p, seed=seed, softmax_scale=scale)
+    out = disentangled_attention(*ours[:3], cu, max_len, pos, dropout_p=p, seed=seed, softmax_scale=scale, **kw)
     assert out.shape == q.shape and out.dtype == dtype
     used = [t for t in ours[:3]] + [t for t in (pos.pos_key, pos.pos_query) if t is not None]
     grads = torch.autograd.grad(out, used, do.to(device=device, dtype=dtype))
@@ -47,7 +49,7 @@ def run_case(lengths, heads, dim, dtype, device, buckets=8, max_rel=20, terms=("
     for dt in (torch.float64, dtype):
         leaves_dt, pos_dt = leaves(dt)
         ref = disentangled_attention_ref(*[t.to(dtype).to(dt) if dt == torch.float64 else t for t in leaves_dt[:3]],
-                                         cu, pos_dt, p, scale, keep)
+                                         cu, pos_dt, p, scale, keep, **kw)
         used_dt = leaves_dt[:3] + [t for t in (pos_dt.pos_key, pos_dt.pos_query) if t is not None]
         results.append((ref, torch.autograd.grad(ref, used_dt, do.to(device=device, dtype=dt))))
     (out64, grads64), (out_same, grads_same) = results
@@ -61,6 +63,24 @@ def run_case(lengths, heads, dim, dtype, device, buckets=8, max_rel=20, terms=("
 # Lengths: 0, 1, non-multiples of the tiles (16 in the interpreter), and 4 and 5 around the 8-bucket rule's exact
 # range (distances up to 4 keep their value), 19 and 21 around max_relative_positions = 20.
 LENGTHS = [37, 0, 1, 5, 21, 4, 19]
+
+
+# Per sequence of LENGTHS: a prefix of keys (right padding), none in an empty one, none at all (output 0), a
+# suffix (left padding), a run inside, every token, a prefix again.
+SPANS = [(0, 20), (0, 0), (0, 0), (2, 3), (3, 12), (0, 4), (0, 11)]
+
+
+@pytest.mark.parametrize("p", [0.0, pytest.param(0.2, marks=SLOW)])
+def test_key_spans(device, p):
+    """seqused_k and key_start (padded positions kept as queries only): the keys outside each span unread (and
+    their gradients 0), a sequence with no key 0, the tables' gradients over the spans' pairs only."""
+    out, grads = run_case(LENGTHS, 2, 16, torch.float32, device, p=p, filler=2, spans=SPANS)
+    assert not out[37].any() and not grads[0][37].any()
+    starts = cu_of(LENGTHS, "cpu").tolist()
+    outside = torch.ones(out.shape[0], dtype=torch.bool)
+    for first, (start, used) in zip(starts, SPANS):
+        outside[first + start:first + start + used] = False
+    assert not grads[1][outside.to(out.device)].any() and not grads[2][outside.to(out.device)].any()
 
 
 @pytest.mark.parametrize("buckets, max_rel", [(8, 20), (-1, 12), pytest.param(32, 64, marks=SLOW),

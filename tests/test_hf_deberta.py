@@ -77,9 +77,10 @@ def run_deberta(family, changes, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["deberta-v2", pytest.param("deberta", marks=SLOW)])
-def test_deberta_dropouts_reach_the_kernels_and_hidden_states_run_the_original(family, monkeypatch):
+def test_deberta_dropouts_reach_the_kernels_and_padded_hidden_states_run_the_original(family, monkeypatch):
     """In training the attention dropout goes into the kernel, pos_dropout (a module, its hooks firing) onto the
-    relative embeddings each layer reads; a call asking for hidden states runs the original encoder code."""
+    relative embeddings each layer reads; a call asking for hidden states at padded positions runs the original
+    encoder code (DeBERTa masks padded queries: tests/test_hf_meaning.py)."""
     ref = build(family, "Model", attention_probs_dropout_prob=0.25, hidden_dropout_prob=0.125)
     fused = fuse(copy.deepcopy(ref)).train()
     ids, mask, _ = batch(family)

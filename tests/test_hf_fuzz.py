@@ -42,9 +42,10 @@ def test_every_family_and_head_is_drawn():
 
 
 def test_the_fuzzer_finds_a_planted_error_and_prints_its_rerun_line(monkeypatch):
-    """With the rule that sends question answering over padding to the original code switched off, the
-    fuzzer finds a case whose answers differ, shrunk by hypothesis, and names the line that reruns it."""
-    monkeypatch.setattr(hf.encoder, "_padded_read_problems", lambda reads, keys: [])
+    """With the padded positions heads read (question answering's, a left-padded classifier's) dropped from the
+    layout, the fuzzer finds a case whose answers differ, shrunk by hypothesis, and names the line that reruns
+    it."""
+    monkeypatch.setattr(hf.encoder, "_read_mask", lambda reads, keys: None)
     with pytest.raises(AssertionError) as e:
         hf_fuzz.fuzz(300, 0, families=["bert"])
     message = str(e.value).splitlines()[0]

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from hf_utils import TOL, flattened, rel_err
+from hf_utils import TOL, assert_same_gradients, flattened, rel_err
 
 transformers = pytest.importorskip("transformers")
 from bertfuse.bench.hf_parity import batch, build  # noqa: E402
@@ -243,37 +243,118 @@ def test_relative_position_type_that_transformers_5_no_longer_reads_runs_fused()
 QA = dict(start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 2]))
 
 
-@pytest.mark.parametrize("family", ["bert", "distilbert", "modernbert"])
-def test_question_answering_over_padded_positions_gets_transformers_loss(family):
-    """The start and end logits, and their loss, span every position, padded ones too: such calls run the
-    original code; padded_positions="zero" runs them fused, with 0 there (another loss)."""
+# Families of each family module but DeBERTa's (below): ModernBERT's sliding windows and MPNet's relative positions
+# read distances, which the layout keeps; ESM and RoFormer rotate by each token's own position.
+READERS = ["bert", "distilbert", "albert", "mpnet", "modernbert", "eurobert", "esm", "roformer"]
+QA_READERS = [f for f in READERS if f not in ("esm", "eurobert")]  # they have no question-answering head
+
+
+def _train_pair(family, head, fuse_args=None):
+    """(unfused, fused) in training mode, every dropout module at 0 (the heads' own too: qa_dropout...)."""
+    ref, fused = pair(family, head, fuse_args=fuse_args)
+    for model in (ref, fused):
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    return ref.train(), fused.train()
+
+
+def _same_step(ref, fused, check, **call):
+    """One training step of each (dropout 0): loss, the outputs `check` names at every position, and every
+    parameter gradient the same; the fused one ran no original code."""
+    a, b = ref(**call), fused(**call)
+    for name in ("loss", *check):
+        assert rel_err(getattr(b, name), getattr(a, name)) <= TOL, name
+    assert_same_gradients(fused, ref, b.loss, a.loss)
+    assert calls(fused) == {}
+
+
+@pytest.mark.parametrize("family", QA_READERS)
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_question_answering_over_padded_positions_runs_fused_and_exact(family, padding):
+    """The start and end logits, and their loss, span every position, padded ones too: the fused encoder keeps
+    padded positions as queries over their row's real tokens, so every logit, the loss and every gradient are
+    transformers', in training and in eval, on the kernels."""
+    ids, keys = ids_keys()
+    mask = (keys if padding == "right" else keys.flip(-1)).long()
+    ref, fused = _train_pair(family, "ForQuestionAnswering")
+    _same_step(ref, fused, ("start_logits", "end_logits"), input_ids=ids, attention_mask=mask, **QA)
+    ref.eval(), fused.eval()
+    a, b = ref(ids, attention_mask=mask), fused(ids, attention_mask=mask)
+    assert rel_err(b.end_logits, a.end_logits) <= TOL and calls(fused) == {}
+
+
+def test_padded_positions_zero_leaves_them_zero():
+    """padded_positions="zero" removes padding entirely: those heads read 0 there (another loss), for speed."""
+    ids, keys = ids_keys()
+    ref, fast = pair("bert", "ForQuestionAnswering", fuse_args={"padded_positions": "zero"})
+    a, c = ref(ids, attention_mask=keys.long(), **QA), fast(ids, attention_mask=keys.long(), **QA)
+    assert calls(fast) == {} and rel_err(c.loss, a.loss) > 1e-4
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert", "roformer"])
+def test_question_answering_with_holes_in_the_mask(family):
+    """Padding between tokens: the real tokens are one run of keys in the layout, the padded ones queries after
+    them, each rotated by its own position (ModernBERT's sliding windows count the padded slots: its original
+    code runs, as for any mask with holes)."""
+    ids, keys = ids_keys()
+    mask = keys.long()
+    mask[0, 2] = 0
+    ref, fused = pair(family, "ForQuestionAnswering")
+    a, b = ref(ids, attention_mask=mask, **QA), fused(ids, attention_mask=mask, **QA)
+    assert rel_err(b.start_logits, a.start_logits) <= TOL and rel_err(b.loss, a.loss) <= TOL
+    assert calls(fused) == ({} if family != "modernbert" else {next(iter(calls(fused))): 1})
+
+
+def test_a_row_without_a_real_token_runs_the_original_code():
+    """Eager and sdpa attend uniformly over the masked keys of a row with no real token: the original code runs
+    for such a call, named in fuse_report."""
+    ids, keys = ids_keys()
+    mask = keys.long()
+    mask[1] = 0
+    ref, fused = pair("bert", "ForQuestionAnswering")
+    a, b = ref(ids, attention_mask=mask, **QA), fused(ids, attention_mask=mask, **QA)
+    assert rel_err(b.start_logits, a.start_logits) <= TOL
+    assert any("without a real token" in why for why in calls(fused))
+
+
+@pytest.mark.parametrize("family", READERS)
+def test_a_classifier_reading_a_left_padded_first_position_runs_fused_and_exact(family):
+    """Left padding pads the first position, which a pooler or classifier reads: the layout keeps it (alone of
+    the padding, or with every position up to the real tokens where the layers read distances) as a query."""
+    ids, keys = ids_keys()
+    left = keys.flip(-1).long()
+    ref, fused = _train_pair(family, "ForSequenceClassification")
+    _same_step(ref, fused, ("logits",), input_ids=ids, attention_mask=left, labels=torch.tensor([0, 1]))
+
+
+def test_a_left_padded_first_position_keeps_only_what_is_read():
+    """Only the first position of the padding joins the layout (BERT reads no distance), and the rest of the
+    padding stays 0 in the encoder's output, as padded_positions="exact" promises nothing there."""
+    ids, keys = ids_keys(lengths=(6, 2))
+    left = keys.flip(-1).long()
+    ref, fused = pair("bert")
+    a, b = ref(ids, attention_mask=left), fused(ids, attention_mask=left)
+    assert rel_err(b.pooler_output, a.pooler_output) <= TOL
+    assert rel_err(b.last_hidden_state[1, 0], a.last_hidden_state[1, 0]) <= TOL
+    assert not b.last_hidden_state[1, 1:4].any() and calls(fused) == {}
+
+
+@pytest.mark.parametrize("family", ["deberta-v2", "deberta"])
+def test_deberta_runs_its_original_code_where_padded_positions_are_read(family):
+    """DeBERTa masks padded queries as well as keys (every key of their row masked: uniform attention over the
+    row in transformers 5, zero before), which no key span expresses: QA over padding, a left-padded classifier
+    and hidden states at padded positions run its original code, named in fuse_report; without padding they
+    run fused, hidden states too."""
     ids, keys = ids_keys()
     ref, fused = pair(family, "ForQuestionAnswering")
     a, b = ref(ids, attention_mask=keys.long(), **QA), fused(ids, attention_mask=keys.long(), **QA)
     assert rel_err(b.loss, a.loss) <= TOL and rel_err(b.start_logits, a.start_logits) <= TOL
-    assert any("every position" in why for why in calls(fused))
-    _, fast = pair(family, "ForQuestionAnswering", fuse_args={"padded_positions": "zero"})
-    fast.load_state_dict(ref.state_dict())
-    c = fast(ids, attention_mask=keys.long(), **QA)
-    assert calls(fast) == {} and rel_err(c.loss, a.loss) > 1e-4
-    full = torch.ones_like(keys)  # no padding: fused
-    assert rel_err(fused(ids, attention_mask=full.long(), **QA).loss, ref(ids, attention_mask=full.long(),
-                                                                            **QA).loss) <= TOL
-    assert sum(calls(fused).values()) == 1
-
-
-@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert", "esm"])
-def test_a_classifier_reading_a_left_padded_first_position_gets_transformers_answer(family):
-    ids, keys = ids_keys()
-    left = keys.flip(-1).long()
-    ref, fused = pair(family, "ForSequenceClassification")
-    labels = torch.tensor([0, 1])
-    a, b = ref(ids, attention_mask=left, labels=labels), fused(ids, attention_mask=left, labels=labels)
-    assert rel_err(b.logits, a.logits) <= TOL and rel_err(b.loss, a.loss) <= TOL
-    assert any("the first" in why for why in calls(fused))
-    right = fused(ids, attention_mask=keys.long(), labels=labels)  # right padding: fused
-    assert rel_err(right.logits, ref(ids, attention_mask=keys.long(), labels=labels).logits) <= TOL
-    assert sum(calls(fused).values()) == 1
+    assert any("masks every key of a padded query" in why for why in calls(fused))
+    full = torch.ones_like(keys).long()
+    ref, fused = pair(family)
+    a, b = (m(ids, attention_mask=full, output_hidden_states=True) for m in (ref, fused))
+    assert all(rel_err(x, y) <= TOL for x, y in zip(b.hidden_states, a.hidden_states)) and calls(fused) == {}
 
 
 def test_a_bare_models_pooler_reads_the_first_position():
@@ -365,3 +446,74 @@ def test_backend_for_picks_the_pytorch_path_for_float64_tensors():
         warnings.simplefilter("ignore")
         assert backend_for(torch.zeros(2, dtype=torch.float64)) == "torch"
         assert backend_for(torch.zeros(2)) == "triton"  # the interpreter, on CPU
+
+
+def test_a_read_padded_position_outside_every_real_tokens_window_runs_the_original_code():
+    """ModernBERT's sliding layers: a padded position farther from the real tokens than the window sees none of
+    them, and eager and sdpa give such a row different values of their own: the original code runs."""
+    ref, fused = pair("modernbert", "ForQuestionAnswering")
+    ids = torch.randint(5, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(20)[None] < torch.tensor([[20], [4]])).long()
+    a, b = ref(ids, attention_mask=mask, **QA), fused(ids, attention_mask=mask, **QA)
+    assert rel_err(b.start_logits, a.start_logits) <= TOL
+    assert any("sliding window" in why for why in calls(fused))
+
+
+# ---- every layer's hidden states ----------------------------------------------------------------------------
+def _hidden_case():
+    """A batch with right and left padding and a full row."""
+    ids = torch.randint(5, 99, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    mask[1, :3] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", READERS)
+def test_output_hidden_states_runs_fused_at_every_position(family):
+    """output_hidden_states=True (BERTScore, layer pooling): every layer's states as transformers returns them,
+    padded positions included, and last_hidden_state at every position too, with the gradients of a loss over
+    all of them; fused (the layers handed padded states for the hooks recording them)."""
+    ids, mask = _hidden_case()
+    ref, fused = _train_pair(family, "Model")
+    a = ref(ids, attention_mask=mask, output_hidden_states=True)
+    b = fused(ids, attention_mask=mask, output_hidden_states=True)
+    assert len(b.hidden_states) == len(a.hidden_states) == ref.config.num_hidden_layers + 1
+    for mine, theirs in zip(b.hidden_states, a.hidden_states):
+        assert rel_err(mine, theirs) <= TOL
+    assert rel_err(b.last_hidden_state, a.last_hidden_state) <= TOL
+    weights = torch.randn(a.last_hidden_state.shape, generator=torch.Generator().manual_seed(3))
+    loss = [sum((h * weights).sum() for h in out.hidden_states) for out in (b, a)]
+    assert_same_gradients(fused, ref, *loss)
+    assert calls(fused) == {}
+    c = fused(ids, attention_mask=mask, output_hidden_states=True, return_dict=False)
+    assert rel_err(c[-1][-1], a.hidden_states[-1]) <= TOL
+
+
+@pytest.mark.parametrize("selected", [2, -1, [0, 2]])
+def test_output_hidden_states_selecting_layers(selected):
+    """transformers 5's selection of layers by index, as this release reads it (where it takes no such value,
+    both raise or both return the same)."""
+    ids, mask = _hidden_case()
+    for family in ("bert", "modernbert"):
+        ref, fused = pair(family)
+        try:
+            a = ref(ids, attention_mask=mask, output_hidden_states=selected)
+        except Exception as error:
+            with pytest.raises(type(error)):
+                fused(ids, attention_mask=mask, output_hidden_states=selected)
+            continue
+        b = fused(ids, attention_mask=mask, output_hidden_states=selected)
+        assert len(b.hidden_states) == len(a.hidden_states)
+        for mine, theirs in zip(b.hidden_states, a.hidden_states):
+            assert (mine is None) == (theirs is None) and (mine is None or rel_err(mine, theirs) <= TOL)
+        assert calls(fused) == {}
+
+
+def test_output_hidden_states_with_a_row_without_a_real_token_runs_the_original_code():
+    ids, mask = _hidden_case()
+    mask[2] = 0
+    ref, fused = pair("bert")
+    a, b = (m(ids, attention_mask=mask, output_hidden_states=True) for m in (ref, fused))
+    assert rel_err(b.hidden_states[1], a.hidden_states[1]) <= TOL
+    assert any("without a real token" in why for why in calls(fused))

@@ -220,3 +220,38 @@ def test_torch_masked_lm_loss_ignores_unused_and_out_of_vocab_rows():
     none = ops.masked_lm_loss(h, w, b, torch.full((4,), -100))
     none.loss.backward()
     assert none.loss.item() == 0 and (h.grad == 0).all()
+
+
+@pytest.mark.parametrize("window, bias", [((-1, -1), False), ((2, 1), False), ((-1, -1), True)])
+def test_torch_attention_with_key_spans(window, bias):
+    """Key spans (padded positions kept as queries only, Packed.keys): the PyTorch path means what the kernels'
+    reference does, with a window or MPNet's bias, a span in the middle, a prefix, a suffix and an empty one
+    (whose queries get 0); the Triton path agrees; DeBERTa's PyTorch path too."""
+    from bertfuse.bert.data.batch import KeySpans
+
+    kernels = pytest.importorskip("bertfuse.kernels")
+    total = 24
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(total, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 7, 12, 19, 22], dtype=torch.int32)
+    spans = dict(key_start=torch.tensor([2, 0, 3, 0], dtype=torch.int32),
+                 seqused_k=torch.tensor([3, 4, 4, 0], dtype=torch.int32))
+    p = packed_layout(cu, total, 7)._replace(keys=KeySpans(spans["key_start"], spans["seqused_k"]))
+    rel = kernels.RelativePositionBias(torch.randn(16, 2, generator=g, dtype=torch.float64), 16, 9) if bias else None
+    out = ops.varlen_attention(q, k, v, p, backend="torch", window_size=window, position_bias=rel)
+    want = kernels.varlen_attention_ref(q, k, v, cu, window_size=window, position_bias=rel, **spans)
+    torch.testing.assert_close(out, want)
+    assert not out[19:].any()  # the sequence without keys, and the filler
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got, expected = (torch.autograd.grad((t * w).sum(), (q, k, v)) for t in (out, want))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    rel32 = None if rel is None else rel._replace(table=rel.table.float())
+    fused = ops.varlen_attention(*(t.detach().float() for t in (q, k, v)), p, backend="triton", window_size=window,
+                                 position_bias=rel32)
+    torch.testing.assert_close(fused.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    pk, pq = (torch.randn(8, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    positions = kernels.DisentangledPositions(pk, pq, 4, 6)
+    deberta = ops.disentangled_attention(q, k, v, p, positions, 0.25)
+    plain = ops.disentangled_attention(q, k, v, packed_layout(cu, total, 7), positions, 0.25)
+    assert not deberta[19:22].any() and not torch.allclose(deberta[:7], plain[:7])

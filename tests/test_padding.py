@@ -46,3 +46,29 @@ def test_static_layout_has_value_independent_shapes_and_the_kept_tokens_in_order
     # It is the layout packed_layout gives those cu_seqlens (the one every consumer reads).
     ref = packed_layout(p.cu_seqlens, p.tokens, 5)
     assert torch.equal(ref.seq, p.seq) and torch.equal(ref.pos, p.pos)
+
+
+def test_read_layout_keeps_read_padded_positions_as_queries():
+    """read_layout: each row one sequence of its real tokens as one run of keys and the padded positions a head
+    reads as queries; right padding, left padding (the first position alone, or with every position up to the
+    real tokens where the layers read distances), and holes (the padded query after the keys)."""
+    from bertfuse.bert.model.padding import read_layout
+
+    keys = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 0]]).bool()
+    first = torch.zeros_like(keys)
+    first[:, 0] = True
+    p = read_layout(keys, first).layout
+    assert p.cu_seqlens.tolist() == [0, 3, 7, 10] and p.max_seqlen == 4
+    assert p.origin.indices.tolist() == [0, 1, 2, 5, 7, 8, 9, 10, 12, 13]
+    assert p.keys.start.tolist() == [0, 1, 0] and p.keys.count.tolist() == [3, 3, 3]
+    near = read_layout(keys, first, distances=True).layout  # row 2: positions 0 .. 4, the keys from 2
+    assert near.origin.indices.tolist()[3:8] == [5, 6, 7, 8, 9] and near.keys.start.tolist()[1] == 2
+    every = read_layout(keys, torch.ones_like(keys)).layout
+    assert every.cu_seqlens.tolist() == [0, 5, 10, 15]
+    assert every.origin.indices.tolist()[10:] == [10, 12, 13, 11, 14]  # the hole at 11 after the keys
+    assert every.keys.start.tolist() == [0, 2, 0] and every.keys.count.tolist() == [3, 3, 3]
+    x = torch.arange(15.0).view(3, 5, 1)
+    assert torch.equal(pad(unpad(x, every), every), x)  # every position back in its place
+    keys[1] = False
+    empty = read_layout(keys, first)
+    assert empty.layout is None and "without a real token" in empty.why

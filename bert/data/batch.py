@@ -37,6 +37,14 @@ class Origin(NamedTuple):
     seqlen: int
 
 
+class KeySpans(NamedTuple):
+    """Which tokens of each sequence are keys, where not all are: the `count` positions from `start`. The others
+    are queries only (a padded position a head reads: it attends to its sequence's real tokens, as the model's own
+    code computes it)."""
+    start: torch.Tensor        # [S] int32, the first key's position in its sequence
+    count: torch.Tensor        # [S] int32, the number of keys (the attention's seqused_k)
+
+
 class Packed(NamedTuple):
     """The layout of T packed tokens in S sequences; built without a host sync (`packed_layout`)."""
     cu_seqlens: torch.Tensor   # [S + 1] int32, sequence s is tokens [cu_seqlens[s], cu_seqlens[s + 1])
@@ -45,6 +53,7 @@ class Packed(NamedTuple):
     pos: torch.Tensor          # [T] int64, its position in that sequence
     rows: int = 0              # > 0: the tokens are `rows` rows of max_seqlen that no sequence crosses
     origin: Origin | None = None   # the padded input the tokens came from; None for a packed input
+    keys: KeySpans | None = None   # None: every token is a key of its sequence
 
     @property
     def sequences(self) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from torch import nn
 
 from bertfuse.bert.hf.compute import _add_norm, _attend, _forward_parameters, _linear_gelu, _original
-from bertfuse.bert.hf.records import Family, GeluBlock, Group, Layers, MLMHead, PairHead, Stack, _module_list
+from bertfuse.bert.hf.records import (Family, GeluBlock, Group, Layers, MLMHead, PairHead, Stack, _module_list,
+                                      passes_padded)
 
 
 def _albert_attention_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
@@ -43,6 +44,7 @@ def _albert_layer_forward(self, hidden_states, *args, packed=None, position=None
     return _add_norm(self.full_layer_layer_norm, None, ffn, attended)
 
 
+@passes_padded
 def _albert_group_forward(self, hidden_states, *args, packed=None, position=None, **kwargs):
     """AlbertLayerGroup: its albert_layers in turn."""
     if packed is None:

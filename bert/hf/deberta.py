@@ -90,12 +90,13 @@ def _deberta_model_forward(self, input_ids=None, attention_mask=None, token_type
                            inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None,
                            **kwargs):
     """DebertaModel and DebertaV2Model, whose code asks its encoder for every layer's hidden states on every call:
-    asked for none (nor for attentions, nor z_steps), the fused encoder is asked for the last one only, the rest
-    as its code does. Otherwise its own code runs, and the encoder's own code with it (counted in fuse_report)."""
+    the fused encoder is asked for them only where the call asks (output_hidden_states), the rest as its code
+    does. Asked for attentions, or with z_steps, its own code runs, and the encoder's own code with it (counted in
+    fuse_report)."""
     cfg = self.config
-    wants = (cfg.output_attentions if output_attentions is None else output_attentions) or \
-        (cfg.output_hidden_states if output_hidden_states is None else output_hidden_states)
-    if wants or self.z_steps > 1 or (input_ids is None) == (inputs_embeds is None):
+    hidden = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+    if (cfg.output_attentions if output_attentions is None else output_attentions) or self.z_steps > 1 or \
+            (input_ids is None) == (inputs_embeds is None):
         return _original(self).forward(input_ids=input_ids, attention_mask=attention_mask,
                                        token_type_ids=token_type_ids, position_ids=position_ids,
                                        inputs_embeds=inputs_embeds, output_attentions=output_attentions,
@@ -108,8 +109,8 @@ def _deberta_model_forward(self, input_ids=None, attention_mask=None, token_type
     segments = torch.zeros(shape, dtype=torch.long, device=device) if token_type_ids is None else token_type_ids
     x = self.embeddings(input_ids=input_ids, token_type_ids=segments, position_ids=position_ids, mask=mask,
                         inputs_embeds=inputs_embeds)
-    out = BaseModelOutput(last_hidden_state=self.encoder(x, mask, output_hidden_states=False,
-                                                         output_attentions=False, return_dict=True)[0])
+    encoded = self.encoder(x, mask, output_hidden_states=bool(hidden), output_attentions=False, return_dict=True)
+    out = BaseModelOutput(last_hidden_state=encoded.last_hidden_state, hidden_states=encoded.hidden_states)
     return out if (cfg.return_dict if return_dict is None else return_dict) else out.to_tuple()
 
 
@@ -147,7 +148,7 @@ DEBERTA_V2_LAYERS = Layers(
      ("..", ("{P}Encoder",)), ("...", ("{P}Model",)), ("attention.output", ("{P}SelfOutput",)),
      ("intermediate", ("{P}Intermediate",)), ("output", ("{P}Output",))), _DEBERTA_V2_MODELS,
     problems=_deberta_problems, call_problems=_relative_call_problems, relative=_deberta_relative,
-    model_forward=_deberta_model_forward, mask_reading=NONZERO,
+    model_forward=_deberta_model_forward, mask_reading=NONZERO, padded_queries=False,
     fused="attention (varlen, padding removed once; DeBERTa's c2p and p2c terms formed inside the disentangled "
           "kernel from each layer's projections of the relative embeddings, whose LayerNorm is a kernel)")
 

@@ -14,21 +14,26 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import types
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from bertfuse.bert.hf.compute import _dropout_rate, _forward_parameters, _get, _original, _warn
-from bertfuse.bert.hf.records import EncoderReport, Layers
+from bertfuse.bert.hf.records import EncoderReport, Layers, Padded
+from bertfuse.bert.data.batch import Packed
 from bertfuse.bert.masks import FLASH_PACKING, packed_rows
 from bertfuse.bert.model import ops
-from bertfuse.bert.model.padding import pad, static_layout, unpad, unpad_mask
+from bertfuse.bert.model.padding import pad, read_layout, static_layout, unpad, unpad_mask
 
-# Which padded positions of the encoder's output the heads over it read (the fused encoder leaves them 0): none;
-# the first (a pooler, a sequence or multiple-choice classifier: left padding pads it); every one (question
-# answering: the start and end logits and their loss span every position, padded ones included).
-NO_PADDING, FIRST_POSITION, EVERY_POSITION = "none", "first", "every"
+# Which padded positions of the encoder's output the heads over it read (the fused encoder computes them where
+# they are read, and leaves the others 0): none; the first (a pooler, a sequence or multiple-choice classifier:
+# left padding pads it); the last (RoFormer's multiple-choice summary: right padding pads it); every one
+# (question answering: the start and end logits and their loss span every position, padded ones included; a
+# summary taking the mean).
+NO_PADDING, FIRST_POSITION, LAST_POSITION, EVERY_POSITION = "none", "first", "last", "every"
+_SUMMARY_READS = {"first": FIRST_POSITION, "last": LAST_POSITION}  # a sequence summary's type (else every one)
 
 PADDED_POSITIONS = ("exact", "zero")
 
@@ -50,28 +55,56 @@ def padded_reads(root: nn.Module, enc_model: nn.Module, padded_positions: str) -
     names = {c.__name__ for m in readers for c in type(m).__mro__}
     if any(n.endswith("ForQuestionAnswering") for n in names):
         return EVERY_POSITION
+    summaries = {getattr(c, "summary_type", None) for m in readers for c in m.children()} - {None}
+    if summaries:  # a sequence summary (RoFormer's multiple choice) reads what its type says
+        return _SUMMARY_READS.get(summaries.pop(), EVERY_POSITION) if len(summaries) == 1 else EVERY_POSITION
     if getattr(enc_model, "pooler", None) is not None or \
             any(n.endswith(("ForSequenceClassification", "ForMultipleChoice")) for n in names):
         return FIRST_POSITION
     return NO_PADDING
 
 
-def _padded_read_problems(reads: str, keys) -> list[str]:
-    """[why] where this call's heads read a padded position (`padded_reads`), which only the original code
-    computes. Compiled, where no value can be read: every position read, the original code always (returned as a
-    reason); the first, the program checks it when it runs and stops rather than compute something else."""
-    if reads == NO_PADDING or keys is None:
+def _read_mask(reads: str, keys: torch.Tensor) -> torch.Tensor | None:
+    """[batch, seq] bool: the positions a call's heads read (`padded_reads`), None where they read no padded one
+    by rule."""
+    if reads == EVERY_POSITION:
+        return torch.ones_like(keys, dtype=torch.bool)
+    if reads in (FIRST_POSITION, LAST_POSITION):
+        read = torch.zeros_like(keys, dtype=torch.bool)
+        read[:, 0 if reads == FIRST_POSITION else -1] = True
+        return read
+    return None
+
+
+def _padded_read_problems(state: _EncoderState, keys, segments, hidden: bool = False) -> list[str]:
+    """[why] where this call's heads read a padded position (`padded_reads`; `hidden`: the call records every
+    layer's hidden states, every position) that the fused encoder does not compute: on packed tokens, the layout
+    keeps such positions as queries over their row's real tokens (`_call_layout`), except in rows holding several
+    sequences (padding-free) and where the family's code gives padded queries no key (`Layers.padded_queries`).
+    Compiled, where no value can be read and the layout's shapes are fixed: every
+    position read, the original code always (returned as a reason); the first, the program checks it when it runs
+    and stops rather than compute something else."""
+    reads = EVERY_POSITION if hidden else state.reads
+    read = None if keys is None else _read_mask(reads, keys)
+    if read is None:
         return []
-    where = "every position: question answering" if reads == EVERY_POSITION else "the first: a pooler or classifier"
-    why = (f"padding at a position its heads read ({where}), which the fused encoder leaves 0 "
-           "(fuse(..., padded_positions='zero') accepts that)")
-    read = keys if reads == EVERY_POSITION else keys[:, :1]
+    where = "padding in every layer's hidden states (output_hidden_states)" if hidden else \
+        "padding at a position its heads read (" + {EVERY_POSITION: "every position: question answering",
+                                                    FIRST_POSITION: "the first: a pooler or classifier",
+                                                    LAST_POSITION: "the last: a sequence summary"}[reads] + ")"
+    what = "which the compiled fused encoder does not compute" if torch.compiler.is_compiling() else \
+        "in a row of several sequences (padding-free)" if segments is not None else \
+        f"where {state.layers.name}'s own code masks every key of a padded query (its releases differ there)" \
+        if not state.layers.padded_queries else None
+    if what is None:
+        return []
+    why = f"{where}, {what}" + ("" if hidden else " (fuse(..., padded_positions='zero') leaves 0 there)")
     if torch.compiler.is_compiling():
         if reads == EVERY_POSITION:
             return [why]
-        torch._assert_async(read.all(), f"bert.hf.fuse: {why}")
+        torch._assert_async((keys | ~read).all(), f"bert.hf.fuse: {why}")
         return []
-    return [] if bool(read.all()) else [why]
+    return [] if bool((keys | ~read).all()) else [why]
 
 
 # Token-level labels on padded positions: that call runs the original encoder code.
@@ -107,7 +140,7 @@ def _distilbert_encoder_forward(self, *args, **kwargs):
     out = _fused_encoder(self, x, mask, None, call, lambda: _original(self).forward(*args, **kwargs))
     if isinstance(out, tuple) or call.get("return_dict"):  # the original code's answer, or asked for as a dict
         return out
-    return (out.last_hidden_state,)
+    return out.to_tuple()
 
 
 def _fused_encoder(self, hidden_states, attention_mask, encoder_hidden_states, kwargs: dict, original: Callable):
@@ -121,20 +154,71 @@ def _fused_encoder(self, hidden_states, attention_mask, encoder_hidden_states, k
         batch, seqlen, _ = hidden_states.shape
         rows = packed_rows(state.config, attention_mask, kwargs, kwargs.get("position_ids"), batch, seqlen,
                            hidden_states.device, kind.mask_reading)
-        why = rows.why or _original_code_reason(self, state, rows.keys, encoder_hidden_states, kwargs)
-    if why:
-        return _run_original(state, why, original)
+        why = rows.why or _original_code_reason(self, state, rows.keys, encoder_hidden_states, kwargs,
+                                                segments=rows.segments)
+    every = _wants_hidden_states(state, kwargs)
+    p = None if why else _call_layout(self, state, rows, every)
+    if not isinstance(p, Packed):
+        return _run_original(state, why or p, original)
     from transformers import modeling_outputs as outputs
 
-    keys = rows.keys
-    p = _layout(keys, rows.segments)
-    x = unpad(hidden_states, p)
     position = kind.relative(self) if kind.relative else \
         kind.rotary(self, kwargs, batch, seqlen, p) if kind.rotary else None
-    x = kind.stack.run(self, x, p, position)
-    out = _padded(getattr(self, kind.final_norm)(x) if kind.final_norm else x, p, keys)
+    x, states = _run_stack(self, state, hidden_states, p, position, every)
+    out = _padded(getattr(self, kind.final_norm)(x) if kind.final_norm else x, p, rows.keys, every)
     # What the original encoder returns: BERT-like models read `.cache` from it too.
-    return getattr(outputs, state.layers.output)(last_hidden_state=out)
+    return getattr(outputs, state.layers.output)(last_hidden_state=out, hidden_states=states)
+
+
+def _wants_hidden_states(state: _EncoderState, kwargs: dict) -> bool:
+    """Whether this call records every layer's hidden states (output_hidden_states: True, or in transformers 5 the
+    layers it selects, an int or a list; the config's where not given)."""
+    return bool(kwargs.get("output_hidden_states", getattr(state.config, "output_hidden_states", False)))
+
+
+def _with_recording(cls: type, run: Callable) -> Callable | None:
+    """`run` (called as the model's forward) inside the code with which the installed transformers records the
+    hidden states around the forward of the model class `cls` (transformers 5: a wrapper over the forward,
+    holding its function and `tie_last_hidden_states`), that code's own function object made anew around `run`;
+    None where the forward has no such wrapper (its code returns the hidden states itself)."""
+    wrapper = getattr(cls, "_bertfuse_base", cls).forward
+    while wrapper is not None:
+        free = wrapper.__code__.co_freevars
+        if {"func", "tie_last_hidden_states"} <= set(free):
+            cells = tuple(types.CellType(run) if name == "func" else cell
+                          for name, cell in zip(free, wrapper.__closure__))
+            return types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__,
+                                      cells)
+        wrapper = getattr(wrapper, "__wrapped__", None)
+    return None
+
+
+def _run_stack(encoder, state: _EncoderState, hidden_states, p, position, every: bool):
+    """(the layers' output, the hidden states the encoder's own code returns or None): every layer on the packed
+    tokens of `hidden_states` ([batch, seq, hidden]); where the call records hidden states (`every`: each
+    position in the layout), each layer handed padded states (`Padded`), so that transformers' hooks or wrappers
+    recording them see what they see unfused, and the output padded. An encoder whose own code returns the
+    hidden states (transformers 4: `output_hidden_states` among its forward's parameters) gets them from hooks of
+    its own on each layer (ALBERT's: each pass of a layer group): the first one's input, then each one's output."""
+    kind = state.layers
+    if not every:
+        return kind.stack.run(encoder, unpad(hidden_states, p), p, position), None
+    if "output_hidden_states" not in _forward_parameters(type(encoder)):
+        return kind.stack.run(encoder, hidden_states, Padded(p), position), None
+    states = []
+
+    def record(module, args, output):
+        states.extend([args[0]] if not states else [])
+        states.append(output[0] if isinstance(output, tuple) else output)
+
+    units = kind.stack.groups(encoder) or kind.stack.layers(encoder)
+    hooks = [unit.register_forward_hook(record) for unit in units]
+    try:
+        x = kind.stack.run(encoder, hidden_states, Padded(p), position)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return x, tuple(states)
 
 
 def _run_original(state: _EncoderState, why: str, original: Callable):
@@ -151,17 +235,61 @@ def _layout(keys: torch.Tensor, segments: torch.Tensor | None = None):
     return static_layout(keys, segments) if torch.compiler.is_compiling() else unpad_mask(keys, segments=segments)
 
 
-def _padded(x: torch.Tensor, p, keys: torch.Tensor) -> torch.Tensor:
-    """Packed tokens back to [batch, seq, ...], padded positions 0 (the static layout computes them: zeroed)."""
+def _call_layout(encoder, state: _EncoderState, rows, every: bool = False) -> Packed | str:
+    """The packed layout of a call the fused encoder computes (`_original_code_reason` found none to refuse), or
+    why the original code runs instead. Where the heads read padded positions (`padded_reads`: question answering
+    every one, a pooler or classifier the first; `every`: the call records every layer's hidden states) and some
+    are padded, those positions stay in the layout as queries over their row's real tokens (`read_layout`), so
+    their values are the original code's; where none is, padding is removed. One sync more than removing padding
+    alone (whether a read position is padded)."""
+    keys = rows.keys
+    reads = EVERY_POSITION if every else state.reads
+    read = None if torch.compiler.is_compiling() or rows.segments is not None else _read_mask(reads, keys)
+    if read is None or not bool((read & ~keys).any()):
+        return _layout(keys, rows.segments)
+    kind = state.layers
+    windows = kind.windows(encoder) if kind.windows else []
+    if windows and _outside_windows(keys, read, windows):
+        return ("padding at a position its heads read that sees no real token inside a sliding window, where the "
+                "original attention gives what its implementation makes of a row with every key masked")
+    found = read_layout(keys, read, distances=kind.relative is not None or bool(windows))
+    return found.layout if found.layout is not None else found.why
+
+
+def _outside_windows(keys: torch.Tensor, read: torch.Tensor, windows) -> bool:
+    """Whether a read padded position sees no real token of its row inside one of the (left, right) windows (-1:
+    unbounded), the real tokens one run (holes refused before). One sync."""
+    position = torch.arange(keys.shape[1], device=keys.device)
+    first = torch.where(keys, position, keys.shape[1]).min(1, keepdim=True).values
+    last = torch.where(keys, position, -1).max(1, keepdim=True).values
+    far = torch.zeros_like(keys, dtype=torch.bool)
+    for left, right in windows:
+        far |= (position < first) & (right >= 0) & (position + right < first)
+        far |= (position > last) & (left >= 0) & (position - left > last)
+    return bool((far & read & ~keys).any())
+
+
+def _padded(x: torch.Tensor, p, keys: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    """Packed tokens back to [batch, seq, ...], padded positions 0 (the static layout computes them: zeroed);
+    `padded`: x is [batch, seq, ...] already (`_run_stack` recording hidden states)."""
+    if padded:
+        return x
     return torch.where(keys[..., None], pad(x, p), 0.0) if torch.compiler.is_compiling() else pad(x, p)
 
 
 def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_states, kwargs,
-                          windowed: bool = True) -> str | None:
+                          windowed: bool = True, segments=None) -> str | None:
     """Why this encoder call must run the original code, or None (`windowed`: whether local layers keep their
-    windows in this call)."""
-    wants = {k for k in ("output_attentions", "output_hidden_states")
-             if kwargs.get(k, getattr(state.config, k, False))}
+    windows in this call; `segments`: the sequences of each row, None where a row is one)."""
+    wants = {"output_attentions"} if kwargs.get("output_attentions", getattr(state.config, "output_attentions",
+                                                                             False)) else set()
+    # Every layer's hidden states: computed at every position (`_run_stack`); compiled, or in rows of several
+    # sequences with padding, the original code computes them.
+    hidden = _wants_hidden_states(state, kwargs)
+    if hidden and torch.compiler.is_compiling():
+        wants.add("output_hidden_states")
+    elif hidden:
+        wants.update(_padded_read_problems(state, keys, segments, hidden=True))
     unread = _unread_arguments({k: v for k, v in kwargs.items() if k not in state.layers.reads})
     if unread:
         wants.add(f"{', '.join(unread)}, which the fused encoder does not read")
@@ -178,7 +306,7 @@ def _original_code_reason(encoder, state: _EncoderState, keys, encoder_hidden_st
         wants.add("attention dropout in training, which flex attention refuses (the original code raises)")
     if state.layers.call_problems and windowed:
         wants.update(state.layers.call_problems(encoder, keys))
-    wants.update(_padded_read_problems(state.reads, keys))
+    wants.update(_padded_read_problems(state, keys, segments))
     if not torch.compiler.is_compiling() and _PADDED_LABELS.get():
         wants.add("labels at padded positions, which the fused encoder leaves 0")
     # use_cache means a cache only in a decoder (ESM's encoder is handed its config's use_cache and ignores it).

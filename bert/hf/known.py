@@ -18,6 +18,7 @@ from typing import Callable
 from torch import nn
 
 from bertfuse.bert.hf.code import code_problem
+from bertfuse.bert.hf.records import Padded, _padded_call
 from bertfuse.bert.model import ops
 
 
@@ -42,7 +43,11 @@ def fused_class(base: type, forward: Callable) -> type:
             # unfused since this bound forward was taken: a wrapper transformers 4.57's output capturing left on
             # the instance when a call raised holds it. The module's own class's code runs, as unfused.
             return type(self).forward(self, *args, **kwargs)
-        return (base.forward if ops.exporting_onnx() else forward)(self, *args, **kwargs)
+        if ops.exporting_onnx():
+            return base.forward(self, *args, **kwargs)
+        if isinstance(kwargs.get("packed"), Padded):  # a call recording hidden states: padded in and out
+            return _padded_call(forward, self, args, kwargs)
+        return forward(self, *args, **kwargs)
 
     def reduce(self, protocol):
         return _new_fused, (base, forward), self.__dict__

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bertfuse.bert.hf.compute import _warn
+from bertfuse.bert.model.padding import pad, unpad
 
 
 class Rotary(NamedTuple):
@@ -28,6 +29,33 @@ class Rotary(NamedTuple):
 
 # A rotary model with one kind of layer (NomicBERT, EuroBERT) has this layer type; ModernBERT's config lists its own.
 GLOBAL = "full_attention"
+
+
+class Padded(NamedTuple):
+    """The `packed` argument of a call that records every layer's hidden states: the fused encoder hands each
+    layer the padded [batch, seq, hidden] states transformers' code would (so that the hooks and wrappers
+    recording them, transformers' or the encoder's own, see those), and the layer's fused forward runs on the
+    packed tokens in between (`_padded_call`). Every position is in the layout then (`padded_reads`)."""
+    layout: object                 # the call's bert.data.batch.Packed
+
+
+def passes_padded(forward: Callable) -> Callable:
+    """Marks a fused forward of a module between the encoder and its layers (ALBERT's layer groups): given
+    `Padded`, it passes the padded states on to its layers as they are."""
+    forward._bertfuse_passes_padded = True
+    return forward
+
+
+def _padded_call(forward: Callable, module: nn.Module, args, kwargs):
+    """forward(module, ...) given padded states and `Padded`: the states packed on entry, the output (or its
+    first element) padded on exit; a module marked `passes_padded` gets them as they are."""
+    if getattr(forward, "_bertfuse_passes_padded", False):
+        return forward(module, *args, **kwargs)
+    p = kwargs["packed"].layout
+    out = forward(module, unpad(args[0], p), *args[1:], **dict(kwargs, packed=p))
+    if isinstance(out, tuple):
+        return (pad(out[0], p), *out[1:])
+    return pad(out, p)
 
 
 # ---- how an encoder holds its layers, and runs them on packed tokens ----------------------------------------
@@ -148,6 +176,15 @@ class Layers(NamedTuple):
     # How the attention reads a 3-D/4-D mask where the family's own code reads it one way whatever the configured
     # implementation (bert.masks.mask_reading): MPNet and RoFormer add it, DeBERTa reads mask.bool().
     mask_reading: str | None = None
+    # (encoder) -> the (left, right) windows its local layers attend within ([] where none: ModernBERT's sliding
+    # windows): like `relative` positions, they read the distance between two tokens of a sequence, which padded
+    # positions a head reads then keep in the layout (bert.model.padding.read_layout).
+    windows: Callable | None = None
+    # Whether a padded query attends to its row's real tokens in the family's own code (eager and sdpa mask keys
+    # only). DeBERTa's masks padded queries too: every key of their row masked, which its releases compute
+    # differently (uniform over the row from transformers 5, zero before): padded positions its heads read run its
+    # original code.
+    padded_queries: bool = True
 
 
 class MLMHead(NamedTuple):

@@ -21,9 +21,11 @@ import torch
 
 from bertfuse.bert.hf.compute import (_add_norm, _add_then_norm, _forward_parameters, _gate, _linear_gelu, _original,
                                       _rms_norm_forward, _unique)
-from bertfuse.bert.hf.encoder import _EncoderState, _holes, _layout, _original_code_reason, _padded, _run_original
+from bertfuse.bert.hf.encoder import (_call_layout, _EncoderState, _holes, _original_code_reason, _padded,
+                                      _run_original, _run_stack, _wants_hidden_states, _with_recording)
 from bertfuse.bert.hf.records import (GLOBAL, MODEL_LAYERS, Family, FamilyNorm, GeluBlock, Group, Layers, MLMHead,
                                       Rotary)
+from bertfuse.bert.data.batch import Packed
 from bertfuse.bert.masks import packed_rows
 from bertfuse.bert.model import ops
 from bertfuse.bert.model.padding import unpad
@@ -237,19 +239,30 @@ def _rotary_model_run(self, call: _ModelCall, final_norm: str | None):
     # alone): only a flash call's cu_seq_lens split a row.
     rows = packed_rows(self.config, mask, call.kwargs, None, batch, seqlen, call.given.device)
     windowed = not (isinstance(mask, torch.Tensor) and mask.dim() == 4)
-    if why := rows.why or _original_code_reason(self, state, rows.keys, None, call.kwargs, windowed):
-        return _run_original(state, why, call.original)
+    why = rows.why or _original_code_reason(self, state, rows.keys, None, call.kwargs, windowed, rows.segments)
+    every = _wants_hidden_states(state, call.kwargs)
+    p = None if why else _call_layout(self, state, rows, every)
+    if not isinstance(p, Packed):
+        return _run_original(state, why or p, call.original)
     from transformers import modeling_outputs as outputs
 
-    keys, p = rows.keys, _layout(rows.keys, rows.segments)
-    x = unpad(call.embed(), p)
-    ids = torch.arange(seqlen, device=x.device) if call.position_ids is None else call.position_ids
-    x = state.layers.stack.run(self, x, p, _rope_positions(self, unpad(ids.expand(batch, seqlen), p), windowed))
-    out = _padded(x if final_norm is None else getattr(self, final_norm)(x), p, keys)
-    fields = {"last_hidden_state": out}
-    if getattr(self, "pooler", None) is not None:
-        fields["pooler_output"] = self.pooler(out)
-    result = getattr(outputs, state.layers.output)(**fields)
+    ids = torch.arange(seqlen, device=call.given.device) if call.position_ids is None else call.position_ids
+    position = _rope_positions(self, unpad(ids.expand(batch, seqlen), p), windowed)
+
+    def run(model, **_):
+        x, states = _run_stack(self, state, call.embed(), p, position, every)
+        out = _padded(x if final_norm is None else getattr(self, final_norm)(x), p, rows.keys, every)
+        fields = {"last_hidden_state": out, "hidden_states": states}
+        if getattr(self, "pooler", None) is not None:
+            fields["pooler_output"] = self.pooler(out)
+        return getattr(outputs, state.layers.output)(**fields)
+
+    # transformers 5 records the hidden states around the model's forward, which the fused one replaces: its
+    # recording code runs around this one.
+    recording = _with_recording(type(self), run) if every else None
+    if recording is not None:
+        return recording(self, **call.kwargs)
+    result = run(self)
     return result.to_tuple() if as_tuple else result
 
 
@@ -355,13 +368,17 @@ def _rope_problems(model) -> list[str]:
     return why
 
 
+def _modernbert_windows(encoder) -> list[tuple[int, int]]:
+    """The (left, right) windows its local layers attend within (which count positions within a sequence)."""
+    if _modernbert_before_5_1(encoder):
+        return list({tuple(layer.attn.local_attention) for layer in encoder.layers} - {(-1, -1)})
+    local = "sliding_attention" in encoder.config.layer_types
+    return [(encoder.config.sliding_window,) * 2] if local else []
+
+
 def _modernbert_call_problems(encoder, keys) -> list[str]:
     """Local layers' windows count positions within the packed sequence; the original code, padded slots too."""
-    if _modernbert_before_5_1(encoder):
-        local = any(tuple(layer.attn.local_attention) != (-1, -1) for layer in encoder.layers)
-    else:
-        local = "sliding_attention" in encoder.config.layer_types
-    return _holes(keys, "sliding windows") if local else []
+    return _holes(keys, "sliding windows") if _modernbert_windows(encoder) else []
 
 
 _ROTARY_FUSED = "attention (varlen, padding removed once; RoPE by each token's position id in the kernels{}), the " \
@@ -375,6 +392,10 @@ MODERNBERT_LAYERS = Layers("modernbert", ("attn_norm", "attn.Wqkv", "attn.Wo", "
                             ("mlp", ("{P}MLP",))), _MODERNBERT_MODELS, stack=MODEL_LAYERS,
                            probs_dropout="attention_dropout", encoder_forward=_modernbert_model_forward,
                            problems=_modernbert_problems, call_problems=_modernbert_call_problems,
+                           windows=_modernbert_windows,
+                           # the shape its task models pass before transformers 5.1, read by flash attention's
+                           # repadding only (flash is refused there)
+                           reads=("batch_size", "seq_len"),
                            fused=_ROTARY_FUSED.format(", local windows skipping the tiles outside them",
                                                       "each residual add before mlp_norm in its LayerNorm kernel"))
 

@@ -210,7 +210,8 @@ def self_attention(x, p: Packed, query, key, value, heads: int, head_dim: int, d
 def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", position_bias=None, window_size=(-1, -1)):
     """q: [total_tokens, heads, head_dim], k and v: [total_tokens, kv_heads, head_dim] (kv_heads dividing heads:
     grouped-query attention); each token attends to the tokens of its own sequence, within window_size = (left,
-    right) positions of it (-1: unbounded); filler tokens (past cu_seqlens[-1]) get zeros. position_bias: a
+    right) positions of it (-1: unbounded), and only to its sequence's keys where the layout says which those are
+    (`p.keys`; a query that sees none gets zeros); filler tokens (past cu_seqlens[-1]) get zeros. position_bias: a
     kernels.RelativePositionBias added to the scores by the distance of two tokens within their sequence (only
     fused Hugging Face models pass one; they have imported the kernels already), or None."""
     if backend == "triton" and (why := attention_refusal(q.shape[-1], q.device, q.dtype)):
@@ -218,11 +219,12 @@ def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", positio
         backend = "torch"
     if backend == "triton":
         # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.
+        spans = {} if p.keys is None else dict(key_start=p.keys.start, seqused_k=p.keys.count)
         return _triton("attention")(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False,
-                                    position_bias=position_bias, window_size=tuple(window_size))
+                                    position_bias=position_bias, window_size=tuple(window_size), **spans)
     if k.shape[1] != q.shape[1]:  # SDPA's grouped heads need torch 2.5: the k/v heads repeated instead
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    if p.rows:
+    if p.rows:  # a packed pre-training batch: every token a key
         return _torch_rows_attention(q, k, v, p, dropout_p, position_bias, window_size)
     return _torch_sequence_attention(q, k, v, p, dropout_p, position_bias, window_size)
 
@@ -231,14 +233,16 @@ def disentangled_attention(q, k, v, p: Packed, positions, softmax_scale: float, 
     """DeBERTa's attention of packed tokens q, k, v [total_tokens, heads, head_dim] within their sequences, the
     content-to-position and position-to-content terms read from `positions` (a kernels.DisentangledPositions:
     only fused Hugging Face models pass one, and they have imported the kernels already); filler tokens get
-    zeros. The PyTorch path forms DeBERTa's [sequences, heads, L, L] scores, as its own code does."""
+    zeros, and so do the queries of a sequence with no key (`p.keys`). The PyTorch path forms DeBERTa's
+    [sequences, heads, L, L] scores, as its own code does."""
     if backend == "triton" and (why := kernels_package().refusal("disentangled", q.device, q.dtype,
                                                                  head_dim=q.shape[-1])):
         warn_once(f"{why}; this model's attention runs in PyTorch instead")
         backend = "torch"
     if backend == "triton":
+        spans = {} if p.keys is None else dict(key_start=p.keys.start, seqused_k=p.keys.count)
         return _triton("disentangled")(q, k, v, p.cu_seqlens, p.max_seqlen, positions, dropout_p=dropout_p,
-                                       softmax_scale=softmax_scale, validate=False)
+                                       softmax_scale=softmax_scale, validate=False, **spans)
     s = _Sequences.of(p)
     qb, kb, vb = s.batched(q), s.batched(k), s.batched(v)
     pos = torch.arange(s.length, device=q.device)
@@ -251,7 +255,7 @@ def disentangled_attention(q, k, v, p: Packed, positions, softmax_scale: float, 
         scores = scores + torch.gather(kb @ positions.pos_query.permute(1, 2, 0), -1, rows.transpose(-1, -2)
                                        ).transpose(-1, -2)
     scores = (scores * softmax_scale).masked_fill(~s.keys(pos), torch.finfo(scores.dtype).min)
-    return s.packed(F.dropout(torch.softmax(scores, dim=-1), dropout_p) @ vb)
+    return s.packed(F.dropout(torch.softmax(scores, dim=-1), dropout_p) @ vb * s.sees_keys())
 
 
 def _window_keep(keep, positions, window_size):
@@ -280,14 +284,17 @@ class _Sequences(NamedTuple):
     batch: int
     length: int
     slot: torch.Tensor             # [total_tokens] each token's row in the [batch * length + 1] layout
-    seqlens: torch.Tensor          # [sequences] their lengths
+    first: torch.Tensor            # [sequences] the position of each one's first key
+    end: torch.Tensor              # [sequences] past its last key (its length where every token is a key)
 
     @classmethod
     def of(cls, p: Packed) -> "_Sequences":
         batch, length = p.sequences, max(p.max_seqlen, 1)
         inside = (p.seq < batch) & (p.pos >= 0) & (p.pos < length)
-        return cls(batch, length, torch.where(inside, p.seq * length + p.pos, batch * length),
-                   p.cu_seqlens[1:] - p.cu_seqlens[:-1])
+        slot = torch.where(inside, p.seq * length + p.pos, batch * length)
+        if p.keys is None:
+            return cls(batch, length, slot, torch.zeros_like(p.cu_seqlens[1:]), p.cu_seqlens[1:] - p.cu_seqlens[:-1])
+        return cls(batch, length, slot, p.keys.start, p.keys.start + p.keys.count)
 
     def batched(self, t: torch.Tensor) -> torch.Tensor:
         """[total, heads, dim] -> [sequences, heads, length, dim], zeros at padding."""
@@ -302,8 +309,12 @@ class _Sequences(NamedTuple):
         return torch.cat([rows, rows.new_zeros(1, heads, dim)])[self.slot]
 
     def keys(self, positions: torch.Tensor) -> torch.Tensor:
-        """bool [sequences, 1, 1, length]: the positions (arange(length)) inside each sequence."""
-        return (positions[None, :] < self.seqlens[:, None])[:, None, None, :]
+        """bool [sequences, 1, 1, length]: the positions (arange(length)) that are keys of each sequence."""
+        return ((positions[None, :] >= self.first[:, None]) & (positions[None, :] < self.end[:, None]))[:, None, None]
+
+    def sees_keys(self) -> torch.Tensor:
+        """[sequences, 1, 1, 1]: 1 where a sequence has a key, else 0 (its queries' output, as the kernels')."""
+        return (self.end > self.first)[:, None, None, None]
 
 
 def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):
@@ -316,8 +327,9 @@ def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None,
         mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, torch.finfo(q.dtype).min)
     else:
         mask = _bias_mask(keep, position_bias, positions, q.dtype)
+    # A query that sees no key (an empty key span, or none inside its window) gets 0, as from the kernels.
     return s.packed(F.scaled_dot_product_attention(s.batched(q), s.batched(k), s.batched(v), attn_mask=mask,
-                                                   dropout_p=dropout_p))
+                                                   dropout_p=dropout_p) * keep.any(-1, keepdim=True))
 
 
 def _torch_rows_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):

@@ -7,9 +7,12 @@ any valid cu_seqlens gives the padded call's results.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from bertfuse.bert.data.batch import (
+    KeySpans,
     Origin,
     Packed,
     Tokens,
@@ -41,6 +44,48 @@ def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None,
     if max_seqlen is None:
         max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
     return packed_layout(cu_seqlens, indices.numel(), max_seqlen, origin=Origin(indices, batch, seqlen))
+
+
+class ReadLayout(NamedTuple):
+    """`read_layout`'s answer: the layout, or why none can be built for this call (`layout` None)."""
+    layout: Packed | None
+    why: str | None = None
+
+
+def read_layout(keys: torch.Tensor, read: torch.Tensor, distances: bool = False) -> ReadLayout:
+    """The layout of a [batch, seqlen] key mask (True = a real token) whose padded positions in `read` ([batch,
+    seqlen] bool) are read by a head: one sequence per row holding its real tokens as keys and those padded
+    positions as queries only (`Packed.keys`), each attending to its row's real tokens as the model's own code
+    computes it. A row's padded queries before its first real token come first, its real tokens next, the rest
+    after, each group in order: the real tokens are one run of keys (`KeySpans`), even where the mask has holes.
+    With `distances` (layers that read the distance between two tokens of a sequence: windows, relative
+    positions), a row keeps every position from the first it needs to the last, so that distances within the
+    sequence are those of the row (where the real tokens are one run: the caller refuses holes for such layers).
+    A row that reads a padded position but has no real token gets no layout (the original attention attends
+    uniformly over its masked keys there). Two syncs, as unpad_mask."""
+    batch, seqlen = keys.shape
+    keys = keys != 0
+    kept = keys | read
+    if distances:  # every position between the first kept and the last
+        kept = (kept.cummax(1).values & kept.flip(1).cummax(1).values.flip(1))
+    real = keys.sum(1, dtype=torch.int32)
+    empty = ((real == 0) & read.any(1)).any()
+    before = ~keys.cummax(1).values                     # positions before the row's first real token
+    group = torch.where(keys, 1, torch.where(before, 0, 2))
+    position = torch.arange(seqlen, device=keys.device)
+    order = (torch.arange(batch, device=keys.device)[:, None] * 3 + group) * seqlen + position
+    ranked = order.reshape(-1)[kept.reshape(-1)].sort().values  # one sync: the kept count
+    indices = ranked // (3 * seqlen) * seqlen + ranked % seqlen     # each one's flat index in [batch * seqlen]
+    seqlens = kept.sum(1, dtype=torch.int32)
+    start = (kept & before).sum(1, dtype=torch.int32)
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=keys.device)
+    torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
+    longest, empty = torch.stack([seqlens.max() if batch else seqlens.new_zeros(()), empty.int()]).tolist()
+    if empty:
+        return ReadLayout(None, "a row without a real token whose padded positions a head reads, where the original "
+                                "attention attends uniformly over its masked keys")
+    layout = packed_layout(cu_seqlens, indices.numel(), longest, origin=Origin(indices, batch, seqlen))
+    return ReadLayout(layout._replace(keys=KeySpans(start, real)))
 
 
 def static_layout(keep: torch.Tensor, segments: torch.Tensor | None = None) -> Packed:
