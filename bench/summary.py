@@ -2,9 +2,10 @@
 
 Reads what the stages left in RAW_DIR, each part optional (a stage cut short or not run leaves less):
 environment.json, stages.tsv (stage, status, seconds, allowed seconds), smoke.json, tests/*.log (pytest),
-e2e/, kernels/ and encode/results.json (bert-bench), tune.log and configs/*.json (bench.tune). Writes the
+e2e/, kernels/, encode/ and qa/results.json (bert-bench), tune.log and configs/*.json (bench.tune). Writes the
 targets table (bench/targets.py) with the measured value and met / not met, the pre-training step's table
-(ours against transformers padded, padding-free, compiled, with flex and flash attention), every kernel row
+(ours against transformers padded, padding-free, compiled, with flex and flash attention), the question-answering
+fine-tuning step's (unfused, fused exact, fused with padding removed), every kernel row
 beside its peers' (time, extra memory, error to float64), every smoke and test failure, the environment and the
 stages that were cut.
 """
@@ -30,14 +31,15 @@ def _json(path, default):
 
 def _results(raw: str) -> dict:
     """The e2e and kernel rows of both bench stages, as one results.json would hold them."""
-    merged = {"e2e": [], "kernels": [], "encode": [], "meta": {}}
-    for stage in ("e2e", "kernels", "encode"):
+    merged = {"e2e": [], "kernels": [], "encode": [], "qa": [], "meta": {}}
+    for stage in ("e2e", "kernels", "encode", "qa"):
         part = _json(os.path.join(raw, stage, "results.json"), {})
-        for suite in ("e2e", "kernels", "encode"):
+        for suite in ("e2e", "kernels", "encode", "qa"):
             merged[suite] += part.get(suite, [])
         merged["meta"] = merged["meta"] or part.get("meta", {})
     add_e2e_speedups(merged["e2e"])  # a cut stage saved its rows but not the speedups
     add_speedups(merged["encode"], keys=("model", "batch", "seq_len", "dtype"), metric="sentences_per_s")
+    add_speedups(merged["qa"], keys=("model", "batch", "seq_len", "dtype"), metric="tokens_per_s")
     return merged
 
 
@@ -87,6 +89,10 @@ def render(raw: str) -> str:
         lines += ([meta["padding_free"], ""] if meta.get("padding_free") else []) + [e2e_table(e2e, meta)]
     else:
         lines.append("not run")
+    qa = results.get("qa", [])
+    lines += ["", "## Question answering: one fine-tuning step on SQuAD-shaped padded batches", "",
+              markdown(qa, ["variant", "model", "batch", "seq_len", "dtype", "padding", "step_ms", "tokens_per_s",
+                            "speedup_vs_hf-eager", "status"]) if qa else "not run"]
     kernels = results.get("kernels", [])
     lines += ["", "## Kernels and their peers", "", "Each row's time, extra memory and error to the float64 "
               "reference (where there is one), so a fast row can be seen to be right.", "",

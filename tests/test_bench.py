@@ -292,6 +292,28 @@ def test_encode_suite_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert "## Encoding (forward only, no gradients)" in text and (tmp_path / "encode.csv").exists()
 
 
+def test_qa_suite_plan(capsys):
+    from bertfuse.bench import qa
+
+    (plan,) = qa.specs(False, False, None, None)
+    assert plan["seq_len"] == 384 and plan["variants"] == list(qa.VARIANTS) and plan["model"] == "minilm"
+    assert main(["--suite", "qa", "--device", "cpu", "--dry-run"]) == 0
+    assert "qa: hf-eager, hf-fused, hf-fused-zero on minilm s384 b8" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_qa_step_rows_unfused_fused_exact_and_zero():
+    """The question-answering suite's rows on a short row, each in a fresh process (the fused model's PyTorch
+    path on this CPU): each variant ok, the exact fused one running every call fused, SQuAD-shaped padding."""
+    from bertfuse.bench import qa
+
+    spec = {"model": "minilm", "batch": 2, "seq_len": 48, "device": "cpu", "dtype": "float32", "warmup": 0,
+            "steps": 1}
+    rows = [e2e.in_fresh_process(qa.run_variant, v, spec) for v in qa.VARIANTS]
+    assert [(r["variant"], r["status"]) for r in rows] == [(v, "ok") for v in qa.VARIANTS]
+    assert all(r["tokens_per_s"] > 0 and 0 <= r["padding"] < 1 for r in rows)
+
+
 @pytest.mark.slow
 def test_roberta_family_step_runs_eager_and_fused():
     spec = {"family": "roberta", "config": "tiny", "seq_len": 32, "batch": 4, "padding": "wiki",

@@ -1,14 +1,16 @@
-"""The fused encoder: padding removed once, every layer on packed tokens, padding restored, and the rules
-for when a call runs the original code instead.
+"""The fused encoder: padding removed once (but for the padded positions a head reads, kept as queries over their
+row's real tokens), every layer on packed tokens, padding restored, and the rules for when a call runs the
+original code instead.
 
 An encoder given hidden states (BERT's, DistilBERT's, ALBERT's, MPNet's, ESM's, RoFormer's, DeBERTa's) gets
 `_encoder_forward`; a model holding its layers itself runs its family module's model forward, which uses the
-same pieces (`_layout`, `_original_code_reason`, `_run_original`, `_padded`). A call asking for what the fused
-layers do not compute (output_attentions or output_hidden_states, cross-attention or a cache, a mask the kernel
-cannot express as the attention implementation reads it, padding where a head reads it, labels at padded
-positions, a hooked or replaced attention dropout, or a family's own call rules) runs the original encoder
-code, and fuse_report counts it; compiled, such a mask stops the call with an error instead (its values cannot
-choose the code inside a graph).
+same pieces (`_call_layout`, `_original_code_reason`, `_run_original`, `_run_stack`, `_padded`). A call recording
+every layer's hidden states runs fused at every position, each layer handed padded states (`_run_stack`). A call
+asking for what the fused layers do not compute (output_attentions, cross-attention or a cache, a mask the
+kernel cannot express as the attention implementation reads it, a padded position read where the layout cannot
+keep it, labels at padded positions, a hooked or replaced attention dropout, or a family's own call rules) runs
+the original encoder code, and fuse_report counts it; compiled, such a mask stops the call with an error instead
+(its values cannot choose the code inside a graph).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from bertfuse.bert.data.batch import Packed
 from bertfuse.bert.hf.compute import _dropout_rate, _forward_parameters, _get, _original, _warn
 from bertfuse.bert.hf.records import EncoderReport, Layers, Padded
-from bertfuse.bert.data.batch import Packed
 from bertfuse.bert.masks import FLASH_PACKING, packed_rows
 from bertfuse.bert.model import ops
 from bertfuse.bert.model.padding import pad, read_layout, static_layout, unpad, unpad_mask
@@ -81,9 +83,9 @@ def _padded_read_problems(state: _EncoderState, keys, segments, hidden: bool = F
     layer's hidden states, every position) that the fused encoder does not compute: on packed tokens, the layout
     keeps such positions as queries over their row's real tokens (`_call_layout`), except in rows holding several
     sequences (padding-free) and where the family's code gives padded queries no key (`Layers.padded_queries`).
-    Compiled, where no value can be read and the layout's shapes are fixed: every
-    position read, the original code always (returned as a reason); the first, the program checks it when it runs
-    and stops rather than compute something else."""
+    Compiled, where no value can be read and the layout's shapes are fixed: every position read, the original code
+    always (returned as a reason); the first or the last, the program checks it when it runs and stops rather than
+    compute something else."""
     reads = EVERY_POSITION if hidden else state.reads
     read = None if keys is None else _read_mask(reads, keys)
     if read is None:

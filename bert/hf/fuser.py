@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 from typing import Callable, NamedTuple
 
 from torch import nn
@@ -178,15 +179,22 @@ def _fuse_encoder(fuser: _Fuser, path: str, model: nn.Module, child: str, reads:
 
 
 def _register_recorded_outputs(model: nn.Module) -> None:
-    """transformers 5 looks up which submodules' outputs a model records (output_hidden_states, output_attentions,
-    answered by the original code) by the name of the model's class, registered when a model is built: a model
-    fused whole has its fused class's name, registered here to the same answer."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # transformers 4: the models return what they record themselves
+    """transformers looks up which submodules' outputs a model records (output_hidden_states, output_attentions) by
+    the name of the model's class, registered when a model is built: a model fused whole has its fused class's
+    name, registered here to the same answer, in every registry the installed release has (transformers.utils
+    .generic's before 5.2, output_capturing's from 5.2: a dict keyed by the class's name, or from 5.24 a registry
+    taking the model)."""
+    if not getattr(model, "_can_record_outputs", None):
         return
-    if getattr(model, "_can_record_outputs", None):
-        _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    for where in ("transformers.utils.generic", "transformers.utils.output_capturing"):
+        try:
+            registry = importlib.import_module(where)._CAN_RECORD_REGISTRY
+        except (ImportError, AttributeError):  # not in this release
+            continue
+        if type(registry) is dict:
+            registry[str(type(model))] = model._can_record_outputs
+        else:
+            registry[model] = model._can_record_outputs
 
 
 def _fuse_heads(fuser: _Fuser, model: nn.Module, encoders, reports, mlm_logits: bool) -> list:
