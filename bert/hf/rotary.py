@@ -19,13 +19,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from bertfuse.bert.data.batch import Packed
 from bertfuse.bert.hf.compute import (_add_norm, _add_then_norm, _forward_parameters, _gate, _linear_gelu, _original,
                                       _rms_norm_forward, _unique)
-from bertfuse.bert.hf.encoder import (_call_layout, _EncoderState, _holes, _original_code_reason, _padded,
-                                      _run_original, _run_stack, _wants_hidden_states, _with_recording)
 from bertfuse.bert.hf.records import (GLOBAL, MODEL_LAYERS, Family, FamilyNorm, GeluBlock, Group, Layers, MLMHead,
                                       Rotary)
-from bertfuse.bert.data.batch import Packed
+from bertfuse.bert.hf.encoder import (_call_layout, _EncoderState, _holes, _original_code_reason, _padded,
+                                      _run_original, _run_stack, _wants_hidden_states, _with_recording)
 from bertfuse.bert.masks import packed_rows
 from bertfuse.bert.model import ops
 from bertfuse.bert.model.padding import unpad

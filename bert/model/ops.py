@@ -219,9 +219,8 @@ def varlen_attention(q, k, v, p: Packed, dropout_p=0.0, backend="torch", positio
         backend = "torch"
     if backend == "triton":
         # The model checked cu_seqlens (or was told not to); the kernels clamp every sequence to the tokens.
-        spans = {} if p.keys is None else dict(key_start=p.keys.start, seqused_k=p.keys.count)
         return _triton("attention")(q, k, v, p.cu_seqlens, p.max_seqlen, dropout_p=dropout_p, validate=False,
-                                    position_bias=position_bias, window_size=tuple(window_size), **spans)
+                                    position_bias=position_bias, window_size=tuple(window_size), **_key_spans(p))
     if k.shape[1] != q.shape[1]:  # SDPA's grouped heads need torch 2.5: the k/v heads repeated instead
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if p.rows:  # a packed pre-training batch: every token a key
@@ -240,9 +239,8 @@ def disentangled_attention(q, k, v, p: Packed, positions, softmax_scale: float, 
         warn_once(f"{why}; this model's attention runs in PyTorch instead")
         backend = "torch"
     if backend == "triton":
-        spans = {} if p.keys is None else dict(key_start=p.keys.start, seqused_k=p.keys.count)
         return _triton("disentangled")(q, k, v, p.cu_seqlens, p.max_seqlen, positions, dropout_p=dropout_p,
-                                       softmax_scale=softmax_scale, validate=False, **spans)
+                                       softmax_scale=softmax_scale, validate=False, **_key_spans(p))
     s = _Sequences.of(p)
     qb, kb, vb = s.batched(q), s.batched(k), s.batched(v)
     pos = torch.arange(s.length, device=q.device)
@@ -254,8 +252,14 @@ def disentangled_attention(q, k, v, p: Packed, positions, softmax_scale: float, 
     if positions.pos_query is not None:  # k_j . Qr[r(i - j)]: gathered per key, then transposed
         scores = scores + torch.gather(kb @ positions.pos_query.permute(1, 2, 0), -1, rows.transpose(-1, -2)
                                        ).transpose(-1, -2)
-    scores = (scores * softmax_scale).masked_fill(~s.keys(pos), torch.finfo(scores.dtype).min)
-    return s.packed(F.dropout(torch.softmax(scores, dim=-1), dropout_p) @ vb * s.sees_keys())
+    keys = s.keys(pos)
+    scores = (scores * softmax_scale).masked_fill(~keys, torch.finfo(scores.dtype).min)
+    return s.packed(F.dropout(torch.softmax(scores, dim=-1), dropout_p) @ vb * keys.any(-1, keepdim=True))
+
+
+def _key_spans(p: Packed) -> dict:
+    """The kernels' key-span arguments of a layout (none where every token is a key)."""
+    return {} if p.keys is None else dict(key_start=p.keys.start, seqused_k=p.keys.count)
 
 
 def _window_keep(keep, positions, window_size):
@@ -311,10 +315,6 @@ class _Sequences(NamedTuple):
     def keys(self, positions: torch.Tensor) -> torch.Tensor:
         """bool [sequences, 1, 1, length]: the positions (arange(length)) that are keys of each sequence."""
         return ((positions[None, :] >= self.first[:, None]) & (positions[None, :] < self.end[:, None]))[:, None, None]
-
-    def sees_keys(self) -> torch.Tensor:
-        """[sequences, 1, 1, 1]: 1 where a sequence has a key, else 0 (its queries' output, as the kernels')."""
-        return (self.end > self.first)[:, None, None, None]
 
 
 def _torch_sequence_attention(q, k, v, p: Packed, dropout_p, position_bias=None, window_size=(-1, -1)):
