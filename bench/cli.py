@@ -44,11 +44,16 @@ def device_name(device: torch.device) -> str:
 
 # The command's options, declared once (bert.common.commands.flag): the parser and the number checks come from them.
 OPTIONS = (
-    flag("--suite", choices=["all", "e2e", "kernels", "encode", "qa", "data"], default="all",
+    flag("--suite", choices=["all", "e2e", "kernels", "encode", "qa", "data", "pretrain"], default="all",
          help="what to run (default: all = e2e and kernels; the kernel suite needs a GPU, except the "
               "MLM-loss table; encode: forward-only inference of Hugging Face models, eager, compiled "
               "and fused; qa: a question-answering fine-tuning step on SQuAD-shaped padded batches, "
-              "transformers unfused and fused; data: the pre-training input pipeline, stage by stage, on the CPU)"),
+              "transformers unfused and fused; data: the pre-training input pipeline, stage by stage, on the CPU; "
+              "pretrain: nothing measured, only --pretrain-runs read into the report)"),
+    flag("--pretrain-runs", nargs="+", metavar="RUN",
+         help="bert-pretrain output directories whose summary.json (steps, sequences, tokens, training seconds, "
+              "time to --target-mlm-accuracy) and held-out accuracy against tokens join the report: pretrain.csv, "
+              "pretrain.png"),
     flag("--corpus", help="--suite data: the corpus (any bert-pretrain --data source; default: a "
                           "synthetic ~10 MB corpus generated in the output directory)"),
     flag("--scale", type=int, nargs="+", default=[1], metavar="N",
@@ -150,6 +155,7 @@ class Plan(NamedTuple):
     encode: list       # encode-suite specs (empty unless --suite encode)
     data: bool = False  # the input-pipeline suite
     qa: tuple = ()     # qa-suite specs (empty unless --suite qa)
+    pretrain: tuple = ()  # bert-pretrain run directories read into the report
 
 
 def make_plan(args, cuda: bool) -> Plan:
@@ -165,7 +171,7 @@ def make_plan(args, cuda: bool) -> Plan:
         if args.suite == "encode" else []
     qa_specs = tuple(qa.specs(cuda, args.full, args.batch, None)) if args.suite == "qa" else ()
     return Plan(variants, specs, args.suite in ("all", "kernels"), args.suite in ("all", "e2e"), encode_specs,
-                args.suite == "data", qa_specs)
+                args.suite == "data", qa_specs, tuple(args.pretrain_runs or ()))
 
 
 def describe(plan: Plan, cuda: bool, full: bool) -> str:
@@ -189,7 +195,9 @@ def describe(plan: Plan, cuda: bool, full: bool) -> str:
     if plan.data:
         lines.append("data: tokenise, instances, packing, collation and time to the first batch, each stage in a "
                      "fresh process (minutes per 100 MB of text tokenised)")
-    if not (runs or plan.kernels):  # the data suite alone: its time is the corpus's, said above
+    if plan.pretrain:
+        lines.append(f"pretrain: the summaries of {len(plan.pretrain)} bert-pretrain run(s) read, nothing measured")
+    if not (runs or plan.kernels):  # the data suite or the runs alone: nothing timed here
         return "Plan: " + "; ".join(lines) + ".\n"
     per_run = (60 if full else 25) if cuda else (40 if full else 20)
     minutes = (runs * per_run + (120 if plan.kernels else 0)) / 60
@@ -348,6 +356,20 @@ def run_data(args, results: dict, save) -> None:
     print("\n" + data.table(results["data"]) + "\n\n" + data.workers_needed(results["data"]))
 
 
+def read_pretrain_runs(plan: Plan, results: dict, out_dir: str, save) -> set:
+    """--pretrain-runs: each run's summary as a row of the report, and its accuracy against tokens as a plot."""
+    if not plan.pretrain:
+        return set()
+    from . import pretrain_runs
+
+    print("\n## Pre-training runs\n")
+    results["pretrain"] = pretrain_runs.read_runs(plan.pretrain)
+    print(pretrain_runs.table(results["pretrain"]))
+    save()
+    return {"pretrain.png"} if pretrain_runs.plot(results["pretrain"], os.path.join(out_dir, "pretrain.png")) \
+        else set()
+
+
 def run_metadata(device, argv) -> dict:
     cuda = device.type == "cuda"
     command = "bert-bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -397,6 +419,12 @@ def check_args(args) -> torch.device:
         raise ValueError(f"--families applies to the end-to-end suite, not --suite {args.suite}")
     if args.encode_models and args.suite != "encode":
         raise ValueError(f"--encode-models applies to --suite encode, not --suite {args.suite}")
+    if args.suite == "pretrain" and not args.pretrain_runs:
+        raise ValueError("--suite pretrain reads bert-pretrain runs: give --pretrain-runs RUN...")
+    for run in args.pretrain_runs or ():
+        if not os.path.isfile(os.path.join(run, "summary.json")):
+            raise FileNotFoundError(f"--pretrain-runs {run}: no summary.json (a bert-pretrain run writes it when it "
+                                    "ends)")
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise ValueError(f"--device {name}: use cuda (or cuda:N) or cpu")
@@ -407,8 +435,8 @@ def check_args(args) -> torch.device:
 
 
 OUTPUTS = ("results.json", "e2e.csv", "kernels.csv", "encode.csv", "qa.csv", "packing.csv", "data.csv",
-           "speedup.png", "padding.png")
-TABLES = ("e2e", "kernels", "encode", "qa", "packing", "data")
+           "pretrain.csv", "speedup.png", "padding.png", "pretrain.png")
+TABLES = ("e2e", "kernels", "encode", "qa", "packing", "data", "pretrain")
 
 
 def remove_stale(out_dir: str, written: set) -> None:
@@ -449,11 +477,12 @@ def bench(args, argv) -> int:
 
     try:
         peaks = {}
-        if not plan.data:  # the input pipeline's rates are not fractions of a device peak
+        if not plan.data and args.suite != "pretrain":  # neither rate is a fraction of a device peak
             meta["peaks"] = peaks = measure_peaks(device)
             print(f"Measured peaks: copy {peaks['copy_GBps']:.0f} GB/s, {peaks['matmul_dtype']} matmul "
                   f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s\n")
         run_suites(args, plan, peaks, device, results, save)
+        written |= read_pretrain_runs(plan, results, out_dir, save)
     except KeyboardInterrupt:
         save()
         written |= set(plot(results["e2e"], out_dir, meta))

@@ -30,7 +30,7 @@ from bertfuse.bert.tasks.readers import Features
 from bertfuse.bert.tasks.task import TASKS, Task
 from bertfuse.bert.train.distributed import micro_batch, setup_device
 from bertfuse.bert.train.loop import Job, Trainer
-from bertfuse.bert.train.rundir import output_dir_lock, prepare_output_dir
+from bertfuse.bert.train.rundir import output_dir_lock, prepare_output_dir, saved_run_settings
 from bertfuse.bert.train.settings import Settings
 
 logger = logging.getLogger("bert")
@@ -51,10 +51,12 @@ OPTIONS = (
     flag("--batch-size", type=int, default=32, check="positive", resumed=True,
          help="examples per optimizer step, over all ranks and accumulation steps (default 32)"),
     flag("--eval-batch-size", type=int, default=64, check="positive", help="evaluation batch size (default 64)"),
-    flag("--max-seq-len", type=int, default=128, check="positive", resumed=True,
-         help="tokens per input, specials included (default 128; 384 is usual for qa)"),
-    flag("--doc-stride", type=int, default=128, check="non_negative", resumed=True,
-         help="qa: tokens shared by adjacent windows (default 128; 0: windows that do not overlap)"),
+    flag("--max-seq-len", type=int, default=None, check="positive", resumed=True,
+         help="tokens per input, specials included (default 384 for qa, 128 for the others; with --resume the "
+              "saved run's)"),
+    flag("--doc-stride", type=int, default=None, check="non_negative", resumed=True,
+         help="qa: tokens shared by adjacent windows (default 128, with --resume the saved run's; 0: windows that "
+              "do not overlap)"),
     flag("--max-answer-len", type=int, default=30, check="positive", help="qa: longest answer in tokens (default 30)"),
     flag("--n-best", type=int, default=20, check="positive", help="qa: start/end candidates per window (default 20)"),
     flag("--max-train-examples", type=int, check="positive", resumed=True,
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_args(args) -> None:
     """Everything that can be checked before loading a model or reading data."""
     Settings.check_arguments(args)
+    fill_defaults(args)
     check_flags(args, OPTIONS)
     if not args.train and not args.eval:
         raise ValueError("give --train and/or --eval data")
@@ -98,6 +101,15 @@ def validate_args(args) -> None:
     if isinstance(positions, int) and args.max_seq_len > positions:
         raise ValueError(f"--max-seq-len {args.max_seq_len} is longer than the model's max_position_embeddings "
                          f"({positions}, {config_path}); use {positions} or less")
+
+
+def fill_defaults(args) -> None:
+    """The task's defaults for the options left unset (Task.defaults: 384 tokens for qa); a resumed run takes its
+    saved settings instead, so a run saved under other defaults continues as it started."""
+    saved = saved_run_settings(args.output_dir, args.resume) if args.resume else {}
+    for name, default in TASKS[args.task].defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, saved.get(name, default))
 
 
 class FinetuneJob(Job):

@@ -1,4 +1,11 @@
-"""BERT pre-training (MLM + NSP): `bert-pretrain` / `python -m bertfuse.bert.pretrain`.
+"""BERT pre-training: `bert-pretrain` / `python -m bertfuse.bert.pretrain`.
+
+Two objectives: the paper's masked LM + next-sentence prediction on sentence pairs (`--objective mlm+nsp`, the
+default), or masked LM alone on documents cut into contiguous segments, as RoBERTa and MosaicBERT train
+(`--objective mlm`, BertForMaskedLM). A run starts from random weights or from the weights of another run or a
+published checkpoint (`--init-from`: a recipe's second phase, continued pre-training; bert.train.start), decays
+its learning rate polynomially after the warm-up (`--lr-decay-power`), and may stop at a held-out MLM accuracy
+(`--target-mlm-accuracy`), reporting the time, steps, sequences and tokens it took in OUTPUT_DIR/summary.json.
 
 One process on a CPU or GPU, or several GPUs and nodes through torchrun (DistributedDataParallel; NCCL on GPU,
 gloo on CPU). Instances are packed into micro-batches of fixed shapes (bert.data.packing; `--no-packing` lays
@@ -39,13 +46,16 @@ from bertfuse.bert.data.pipeline import EpochStream, Layout, Planner, held_out_b
 from bertfuse.bert.data.text import iter_documents
 from bertfuse.bert.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_digest, train_tokenizer
 from bertfuse.bert.model.config import BertConfig
-from bertfuse.bert.model.modeling import BertForPreTraining
+from bertfuse.bert.model.modeling import BertForMaskedLM, BertForPreTraining, BertForPreTrainingOutput
 from bertfuse.bert.train.distributed import Dist, setup_device
 from bertfuse.bert.train.loop import Job, Trainer
 from bertfuse.bert.train.rundir import output_dir_lock, prepare_output_dir
 from bertfuse.bert.train.settings import Settings
+from bertfuse.bert.train.start import ARCHITECTURE, StartingPoint, check_start, describe, load_start, starting_point
 
 PRESETS = ("tiny", "mini", "base", "large")
+DEFAULT_CONFIG = "mini"
+OBJECTIVES = ("mlm+nsp", "mlm")
 
 
 # This command's options. `resumed`: a setting that makes a run what it is, which --resume compares with the
@@ -54,9 +64,17 @@ PRESETS = ("tiny", "mini", "base", "large")
 # was made: the same vocabulary moved elsewhere, or the saved OUTPUT_DIR/tokenizer of a --train-tokenizer run,
 # continues the run.
 OPTIONS = (
-    flag("--config", default="mini", resumed=True,
-         help="model size: tiny | mini | base | large, or a config.json path (default: mini); vocab_size is taken "
-              "from the tokenizer"),
+    flag("--config", default=None, resumed=True,
+         help="model size: tiny | mini | base | large, or a config.json path (default: mini, or with --init-from the "
+              "architecture of its weights, which a --config given must match); vocab_size is taken from the "
+              "tokenizer"),
+    flag("--init-from", default=None, resumed=True, metavar="PATH",
+         help="start from these weights, with a fresh optimizer, schedule and step count: a run directory (its "
+              "final model, or its latest checkpoint), one of its checkpoints, or a Hugging Face BERT directory. "
+              "The tokenizer defaults to the one saved with them; heads they lack start fresh"),
+    flag("--objective", choices=OBJECTIVES, default="mlm+nsp", resumed=True,
+         help="mlm+nsp: masked LM and next-sentence prediction on sentence pairs, the paper's (default); mlm: "
+              "masked LM alone on documents cut into contiguous segments, no NSP head (RoBERTa, MosaicBERT)"),
     flag("--data", required=True, resumed=True,
          help="corpus: text file(s) (path, directory or glob; documents separated by blank lines, WikiText "
               "'= Title =' lines understood), a .jsonl file with a 'text' field, or a Hugging Face dataset streamed "
@@ -93,6 +111,10 @@ OPTIONS = (
     flag("--eval-fraction", type=float, default=0.05, check="fraction", resumed=True,
          help="documents held out for evaluation (default 0.05)"),
     flag("--eval-batches", type=int, default=20, check="positive", help="batches per evaluation (default 20)"),
+    flag("--target-mlm-accuracy", type=float, default=None, metavar="A",
+         help="stop once the held-out MLM accuracy, evaluated every --eval-every steps, reaches A (NVIDIA's and "
+              "MLPerf's BERT target: 0.720); the log row and OUTPUT_DIR/summary.json record the training seconds, "
+              "steps, sequences and tokens it took"),
     flag("--num-proc", type=int, default=1, check="positive",
          help="processes that tokenise the corpus (rank 0, once; cached; 1: in this process, its tokenizer using "
               "every core) and that plan each epoch's shards ahead of training in the background (every rank; at "
@@ -117,12 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate_args(args) -> None:
-    """Everything that can be checked before any work (tokenising a corpus can take hours)."""
+def validate_args(args) -> StartingPoint | None:
+    """Everything that can be checked before any work (tokenising a corpus can take hours); returns the weights
+    --init-from names (their config read and checked against --config and --max-seq-len). A run without it and
+    without --config gets the default preset here (so a saved run's settings read as they always have)."""
     Settings.check_arguments(args)
     check_flags(args, OPTIONS)
     if not 0 < args.mlm_probability <= 1:
         raise ValueError(f"--mlm-probability must be in (0, 1], got {args.mlm_probability}")
+    if args.target_mlm_accuracy is not None:
+        if not 0 < args.target_mlm_accuracy <= 1:
+            raise ValueError(f"--target-mlm-accuracy must be in (0, 1], got {args.target_mlm_accuracy}")
+        if not args.eval_every or not args.eval_fraction:
+            raise ValueError("--target-mlm-accuracy is checked at evaluations: give --eval-every N (> 0) and a "
+                             "held-out share, --eval-fraction (> 0)")
     if args.max_seq_len < 8:
         raise ValueError(f"--max-seq-len must be at least 8 ([CLS] A [SEP] B [SEP] needs room), got "
                          f"{args.max_seq_len}")
@@ -130,11 +160,21 @@ def validate_args(args) -> None:
     if args.packing and args.tokens_per_batch is not None and args.tokens_per_batch % args.max_seq_len:
         raise ValueError(f"--tokens-per-batch {args.tokens_per_batch} must be a multiple of --max-seq-len "
                          f"{args.max_seq_len} (packed micro-batches are rows of that length)")
-    if args.config not in PRESETS and not os.path.isfile(args.config):
+    if args.config is not None and args.config not in PRESETS and not os.path.isfile(args.config):
         raise ValueError(f"--config {args.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
     check_source("--data", args.data, hub_prefix="hf:")
     if args.tokenizer and not os.path.exists(args.tokenizer):
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    if not args.init_from:
+        args.config = args.config or DEFAULT_CONFIG
+        return None
+    if args.train_tokenizer:
+        raise ValueError("--train-tokenizer makes a new vocabulary, which the --init-from weights were not trained "
+                         "with; give their tokenizer (the default) or --tokenizer")
+    start = starting_point(args.init_from, args.backend)
+    given = config_from_flag(args.config, start.config.vocab_size, args.backend) if args.config else None
+    check_start(start, given, args.config, None, args.max_seq_len)
+    return start
 
 
 def check_batch(args, d: Dist) -> None:
@@ -179,6 +219,7 @@ class PretrainData:
     special: SpecialIds
     max_seqlen: int
     seed: int
+    nsp: bool = True      # the objective: MLM + NSP on pairs, or MLM alone on contiguous segments
 
 
 def cache_dir(args) -> str:
@@ -200,19 +241,25 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> PretrainData:
     n_eval = int(len(docs) * args.eval_fraction) if len(docs) > 1 else 0
     if args.eval_every and args.eval_fraction > 0 and len(docs) > 1:
         n_eval = max(1, n_eval)
-    if len(docs) - n_eval < 2:
+    nsp = args.objective == "mlm+nsp"
+    if len(docs) - n_eval < 1 + nsp:
         raise ValueError(f"the corpus at {args.data} has {len(docs) - n_eval} training document(s); "
-                         "next-sentence prediction needs at least 2")
-    skew = nsp_skew(docs, order[n_eval:])
+                         + ("next-sentence prediction needs at least 2" if nsp else "training needs at least 1"))
+    skew = nsp_skew(docs, order[n_eval:]) if nsp else None
     if skew and d.main:
         warnings.warn(f"{args.data}: {skew}")
-    return PretrainData(docs, order[n_eval:], order[:n_eval], special, args.max_seq_len, args.seed)
+    return PretrainData(docs, order[n_eval:], order[:n_eval], special, args.max_seq_len, args.seed, nsp)
 
 
 # ---- training ------------------------------------------------------------------------------------
-def resolve_tokenizer(args, d: Dist):
+def resolve_tokenizer(args, d: Dist, start: StartingPoint | None):
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
+    if start is not None:
+        if start.tokenizer is None:
+            raise ValueError(f"--init-from {args.init_from}: no tokenizer saved with the weights; give --tokenizer "
+                             "(the vocabulary they were trained with)")
+        return load_tokenizer(start.tokenizer)
     if not args.train_tokenizer:
         raise ValueError("give --tokenizer (an HF directory or vocab.txt) or --train-tokenizer VOCAB_SIZE")
     path = os.path.join(args.output_dir, "tokenizer")
@@ -231,15 +278,30 @@ def _train_tokenizer(task) -> None:
     train_tokenizer((" ".join(doc) for doc in iter_documents(data)), vocab_size=vocab_size, output_dir=path)
 
 
-def build_config(args, vocab_size: int) -> BertConfig:
-    if args.config in PRESETS:
-        cfg = BertConfig.preset(args.config, vocab_size=vocab_size, backend=args.backend)
-    else:
-        cfg = BertConfig.from_json_file(args.config, vocab_size=vocab_size, backend=args.backend)
+def config_from_flag(config: str, vocab_size: int, backend: str) -> BertConfig:
+    """--config's model: a preset or a config.json, with the tokenizer's vocabulary size."""
+    if config in PRESETS:
+        return BertConfig.preset(config, vocab_size=vocab_size, backend=backend)
+    return BertConfig.from_json_file(config, vocab_size=vocab_size, backend=backend)
+
+
+def build_config(args, vocab_size: int, start: StartingPoint | None) -> BertConfig:
+    """The model's config: the --init-from weights' (their vocabulary must be the tokenizer's), or --config's."""
+    if start is not None:
+        check_start(start, None, None, vocab_size, args.max_seq_len)
+        return start.config
+    cfg = config_from_flag(args.config, vocab_size, args.backend)
     if args.max_seq_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-seq-len {args.max_seq_len} is longer than the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     return cfg
+
+
+def mlm_sums(out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(MLM loss, correct predictions, labelled tokens) of a model output: BertForPreTraining's or, MLM-only,
+    BertForMaskedLM's."""
+    loss = out.mlm_loss if isinstance(out, BertForPreTrainingOutput) else out.loss
+    return loss, out.mlm_correct, out.mlm_count
 
 
 def evaluate(model, batches, device) -> dict:
@@ -248,11 +310,10 @@ def evaluate(model, batches, device) -> dict:
     loss_sum, hits, count = 0.0, 0, 0
     with torch.no_grad():
         for batch in batches:
-            out = model(**batch.to(device))
-            n = int(out.mlm_count)
-            loss_sum += float(out.mlm_loss) * n
-            hits += int(out.mlm_correct)
-            count += n
+            loss, correct, n = mlm_sums(model(**batch.to(device)))
+            loss_sum += float(loss) * int(n)
+            hits += int(correct)
+            count += int(n)
     model.train()
     if not count:
         return {}
@@ -261,21 +322,24 @@ def evaluate(model, batches, device) -> dict:
 
 
 class PretrainJob(Job):
-    """MLM + NSP on NSP instances drawn per epoch and shard, packed into micro-batches of fixed `shapes`, or
-    (shapes None) length-bucketed into global batches laid out one instance per row; either way a
-    micro-batch is a bert.data.batch.PackedBatch, streamed by bert.data.pipeline (see bert.train.loop.Job)."""
+    """MLM + NSP on NSP instances drawn per epoch and shard (or MLM alone on contiguous segments: data.nsp False),
+    packed into micro-batches of fixed `shapes`, or (shapes None) length-bucketed into global batches laid out one
+    instance per row; either way a micro-batch is a bert.data.batch.PackedBatch, streamed by bert.data.pipeline
+    (see bert.train.loop.Job). `about`: what summary.json says of the run beyond the trainer's totals."""
     name = "pre-training"
 
     def __init__(self, model, data: PretrainData, masker: Masker, tokenizer, device, *, batch_size: int,
-                 grad_accum: int, eval_batches: int, shapes: PackedShapes | None = None, num_proc: int = 1):
+                 grad_accum: int, eval_batches: int, shapes: PackedShapes | None = None, num_proc: int = 1,
+                 about: dict | None = None):
         self.model, self.data, self.masker, self.tokenizer = model, data, masker, tokenizer
         self.device, self.shapes, self.num_proc = device, shapes, num_proc
         self.batch_size, self.grad_accum, self.eval_batches = batch_size, grad_accum, eval_batches
+        self.about = about or {}
         self._planner: Planner | None = None
 
     def planner(self, d: Dist, accum: int) -> Planner:
         if self._planner is None:
-            layout = Layout(self.data.max_seqlen, d.world * accum, self.shapes, self.batch_size)
+            layout = Layout(self.data.max_seqlen, d.world * accum, self.shapes, self.batch_size, self.data.nsp)
             self._planner = Planner(self.data.corpus, self.data.train_ids, layout, self.data.seed)
         return self._planner
 
@@ -287,23 +351,33 @@ class PretrainJob(Job):
         return self.shapes is not None
 
     def counts(self, batch: PackedBatch):
-        return {"mlm": float(batch.labelled), "nsp": float((batch.next_sentence_label != -100).sum())}
+        mlm = {"mlm": float(batch.labelled)}
+        return {**mlm, "nsp": float((batch.next_sentence_label != -100).sum())} if self.data.nsp else mlm
 
     def sizes(self, batch: PackedBatch):
         lengths = batch.lengths  # the instances': not the rows' filler tails or unused slots
         return float(sum(lengths)), float(len(lengths)), float(batch.slots)
 
     def loss_terms(self, out, batch):
+        loss, _, count = mlm_sums(out)
+        if not self.data.nsp:
+            return {"mlm": loss * count}
         nsp_count = (batch["next_sentence_label"] != -100).sum()
-        return {"mlm": out.mlm_loss * out.mlm_count, "nsp": out.nsp_loss * nsp_count}
+        return {"mlm": loss * count, "nsp": out.nsp_loss * nsp_count}
 
     def stats(self, out, batch):
-        nsp_hits = (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()
-        return {"mlm_hits": out.mlm_correct, "nsp_hits": nsp_hits}
+        hits = {"mlm_hits": mlm_sums(out)[1]}
+        if not self.data.nsp:
+            return hits
+        return {**hits, "nsp_hits": (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()}
 
     def log_fields(self, sums, counts):
-        mlm, nsp = max(counts["mlm"], 1.0), max(counts["nsp"], 1.0)
-        return {"mlm_loss": sums["mlm"] / mlm, "nsp_loss": sums["nsp"] / nsp, "mlm_acc": sums["mlm_hits"] / mlm,
+        mlm = max(counts["mlm"], 1.0)
+        fields = {"mlm_loss": sums["mlm"] / mlm, "mlm_acc": sums["mlm_hits"] / mlm}
+        if not self.data.nsp:
+            return fields
+        nsp = max(counts["nsp"], 1.0)
+        return {"mlm_loss": fields["mlm_loss"], "nsp_loss": sums["nsp"] / nsp, "mlm_acc": fields["mlm_acc"],
                 "nsp_acc": sums["nsp_hits"] / nsp}
 
     def no_full_step(self):
@@ -319,8 +393,11 @@ class PretrainJob(Job):
             return {}
         d = self.data
         batches = held_out_batches(d.corpus, d.eval_ids, d.max_seqlen, d.seed, self.masker, self.shapes,
-                                   self.batch_size, self.eval_batches)
+                                   self.batch_size, self.eval_batches, d.nsp)
         return evaluate(model, batches, self.device)
+
+    def summary(self):
+        return self.about
 
 
 def packed_shapes(args, d: Dist) -> PackedShapes | None:
@@ -335,14 +412,15 @@ def packed_shapes(args, d: Dist) -> PackedShapes | None:
 def settings(args, identity: dict | None = None) -> Settings:
     """The trainer's settings; `identity` (data_identity) joins what --resume compares."""
     workers = default_num_workers() if args.num_workers is None else args.num_workers
+    target = ("eval_mlm_acc", args.target_mlm_accuracy) if args.target_mlm_accuracy is not None else None
     return Settings.from_arguments(args, args.steps, {**run_settings(args), **(identity or {})},
-                                   num_workers=workers, adam_eps=1e-6,
-                                   compile=args.compile, cuda_graphs=args.cuda_graphs)
+                                   num_workers=workers, adam_eps=1e-6, compile=args.compile,
+                                   cuda_graphs=args.cuda_graphs, target=target)
 
 
 class TrainResult(NamedTuple):
     metrics: dict                 # the last logged step (plus evaluation, when it ran)
-    model: BertForPreTraining     # the trained model (unwrapped from DDP)
+    model: torch.nn.Module        # the trained model (unwrapped from DDP): BertForPreTraining, MLM-only BertForMaskedLM
 
 
 def train(args) -> TrainResult:
@@ -352,32 +430,54 @@ def train(args) -> TrainResult:
         # and renamed, so nothing half-built is kept (and nothing needs saving yet).
         with stop.interruptible("while preparing the run (tokenising the corpus, building the model); "
                                 "nothing needed saving yet"):
-            validate_args(args)
+            start = validate_args(args)
             device, d = setup_device(args.dist_timeout)
             check_batch(args, d)
             held.enter_context(output_dir_lock(args.output_dir, d))
-            trainer = _prepare(args, device, d)
+            trainer = _prepare(args, start, device, d)
         return TrainResult(trainer.fit(), trainer.model)
 
 
-def _prepare(args, device, d: Dist) -> Trainer:
+def _prepare(args, start: StartingPoint | None, device, d: Dist) -> Trainer:
+    # A tokenizer that is read (not trained into OUTPUT_DIR) and the config are checked before the output
+    # directory is touched: a vocabulary the --init-from weights were not trained with stops the run here.
+    tokenizer = None if args.train_tokenizer else resolve_tokenizer(args, d, start)
+    cfg = build_config(args, tokenizer.get_vocab_size(), start) if tokenizer else None
     if d.main:
         prepare_output_dir(args.output_dir, args.resume, args.overwrite)
     d.barrier()
     torch.manual_seed(args.seed)
-    tokenizer = resolve_tokenizer(args, d)
+    if tokenizer is None:
+        tokenizer = resolve_tokenizer(args, d, start)
+        cfg = build_config(args, tokenizer.get_vocab_size(), start)
     special = SpecialIds.from_tokenizer(tokenizer)
-    cfg = build_config(args, tokenizer.get_vocab_size())
     if d.main:  # where --resume finds it; PretrainJob.save also puts it next to every saved config.json
         save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))
     data = load_corpus(args, tokenizer, special, d)
     continuation = [i for t, i in tokenizer.get_vocab().items() if t.startswith("##")]
     collator = Masker(special, args.mlm_probability, whole_word=args.whole_word_masking,
                       continuation_ids=continuation, seed=args.seed)
-    job = PretrainJob(BertForPreTraining(cfg), data, collator, tokenizer, device, batch_size=args.batch_size,
+    model, about = build_model(args, cfg, start, d)
+    job = PretrainJob(model, data, collator, tokenizer, device, batch_size=args.batch_size,
                       grad_accum=args.grad_accum, eval_batches=args.eval_batches,
-                      shapes=packed_shapes(args, d), num_proc=args.num_proc)
+                      shapes=packed_shapes(args, d), num_proc=args.num_proc, about=about)
     return Trainer(job, settings(args, data_identity(args, tokenizer)), device, d)
+
+
+def build_model(args, cfg: BertConfig, start: StartingPoint | None, d: Dist) -> tuple[torch.nn.Module, dict]:
+    """The objective's model, with the --init-from weights loaded (not when resuming: the checkpoint's load
+    then), and what summary.json says of it."""
+    model = (BertForPreTraining if args.objective == "mlm+nsp" else BertForMaskedLM)(cfg)
+    about = {"objective": args.objective, "max_seq_len": args.max_seq_len, "mlm_probability": args.mlm_probability,
+             "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE}, "init_from": None}
+    if start is not None:
+        about["init_from"] = {"path": start.path}
+        if not args.resume:
+            info = load_start(model, start)
+            about["init_from"].update(initialised_fresh=info.missing_keys, left_out=info.unexpected_keys)
+            if d.main:
+                print(describe(start, info), flush=True)
+    return model, about
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ STAGES = [
     "bert.data.batch", "bert.data.packing", "bert.data.pipeline",
     "bert.model.config", "bert.model.checkpoint", "bert.model.ops", "bert.model.padding", "bert.model.modeling",
     "bert.train.optim", "bert.train.static", "bert.train.distributed", "bert.train.settings", "bert.train.rundir",
-    "bert.train.health", "bert.train.loop",
+    "bert.train.health", "bert.train.loop", "bert.train.start",
     "bert.tasks.metrics", "bert.tasks.readers", "bert.tasks.task",
     "bert.masks",
     # the drop-in: its computations and records, the encoder runner, one module per family group, the registry,

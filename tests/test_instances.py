@@ -49,3 +49,24 @@ def test_a_corpus_of_one_sentence_documents_is_named_for_its_skewed_nsp_labels()
     assert nsp_skew(mixed, np.arange(10)) is None
     spans = draw_spans(rows, np.arange(10), 32, seed=0)
     assert len(spans) and (spans["label"] == 1).all()  # what the warning is about
+
+
+def test_mlm_only_instances_are_each_document_cut_into_contiguous_runs():
+    """[CLS] A [SEP] with A max_seqlen - 2 tokens of one document (the last run shorter): every token of every
+    document once, in order, none across a document boundary, all of segment 0."""
+    from bertfuse.bert.data.instances import NO_NSP
+
+    c = corpus(12)
+    docs = np.array([3, 0, 7, 11])
+    spans = draw_spans(c, docs, 20, seed=0, nsp=False)
+    assert (spans["b_len"] == 0).all() and (spans["label"] == NO_NSP).all()
+    assert (spans["a_len"] <= 18).all() and (span_lengths(spans) == spans["a_len"] + 2).all()
+    covered = np.concatenate([np.arange(s["a_start"], s["a_start"] + s["a_len"]) for s in spans])
+    expected = np.concatenate([np.arange(c.sentence_bounds(d)[0], c.sentence_bounds(d)[-1]) for d in docs])
+    assert np.array_equal(covered, expected)
+    ids, types = gather(c, spans[:2], cls=2, sep=3)
+    t, (a, b) = c.tokens.tolist(), spans[:2]
+    assert ids.tolist() == [2, *t[a["a_start"]:a["a_start"] + a["a_len"]], 3,
+                            2, *t[b["a_start"]:b["a_start"] + b["a_len"]], 3]
+    assert not types.any()
+    assert np.array_equal(draw_spans(c, docs, 20, seed=5, nsp=False), spans)  # nothing drawn at random

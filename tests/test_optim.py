@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bertfuse import bert
-from bertfuse.bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
+from bertfuse.bert.train.optim import adamw, warmup_decay_schedule, param_groups, set_lr_types
 
 
 def test_no_weight_decay_on_biases_and_layer_norms_and_none_for_frozen_parameters():
@@ -41,7 +41,7 @@ def test_adamw_on_the_cpu_and_capturable_learning_rates():
     assert group["lr"].item() == 0.25 and isinstance(group["initial_lr"], float)
 
 
-def test_linear_schedule_shape():
-    f = linear_schedule(4, 10)
+def test_warmup_decay_schedule_shape():
+    f = warmup_decay_schedule(4, 10)
     assert [f(s) for s in (0, 2, 4, 7, 10, 12)] == [0.0, 0.5, 1.0, pytest.approx(0.5), 0.0, 0.0]
-    assert linear_schedule(0, 5)(0) == 1.0
+    assert warmup_decay_schedule(0, 5)(0) == 1.0

@@ -160,3 +160,46 @@ def test_closing_the_loader_with_planners_blocked_mid_send_returns_within_a_boun
     t0 = time.monotonic()
     del items
     assert time.monotonic() - t0 < 20 and _gone(started)
+
+
+def chosen_budget(lengths, specials: int, p: float) -> int:
+    """What exact masking chooses in instances of these lengths (no special token inside them)."""
+    return int(sum(max(1, np.round(p * (n - specials))) for n in lengths))
+
+
+@pytest.mark.parametrize("nsp", [True, False])
+@pytest.mark.parametrize("p", [0.3, 0.4])
+def test_the_chosen_share_stays_exact_at_30_and_40_percent(small_shards, nsp, p):
+    """MosaicBERT's masking rates: every micro-batch labels exactly what each instance chooses (max(1,
+    round(p x candidates))): the micro-batch's label bound R never drops a choice."""
+    c = corpus()
+    shapes = PackedShapes.for_rows(4, 64, 3, p)
+    plan = Planner(c, np.arange(len(c)), Layout(64, 1, shapes, 8, nsp), seed=2)
+    collator = StepCollator(c, DictMasker(SPECIAL, mlm_probability=p, seed=3), plan.layout)
+    checked = 0
+    for shard in range(plan.shards):
+        for step in range(plan.plan(0, shard).steps):
+            batch = collator[step_work(plan.plan(0, shard), step, 0, plan.layout, 0, 1)][0]
+            assert batch.labelled == chosen_budget(batch.lengths, 3 if nsp else 2, p) <= shapes.labels
+            checked += 1
+    assert checked > 10
+
+
+def test_an_mlm_only_layout_gives_batches_without_nsp_that_bert_for_masked_lm_takes(small_shards):
+    from bertfuse import bert
+
+    c = corpus()
+    p = Planner(c, np.arange(len(c)), Layout(64, 2, PackedShapes.for_rows(4, 64, 3, 0.15), 8, nsp=False), seed=5)
+    step = batches(p, 0, 0, 2)[0]
+    assert all("next_sentence_label" not in b for b in step)
+    b = StepCollator(c, DictMasker(SPECIAL, seed=3), p.layout)[step_work(p.plan(0, int(p.order(0)[0])), 0, 0,
+                                                                          p.layout, 0, 1)][0]
+    assert b.next_sentence_label is None and set(b) == set(step[0])
+    lengths = b.lengths
+    assert len(lengths) == int(b.instance.sum()) and sum(lengths) > 0.9 * b.slots  # filler tails are not instances
+    assert all(n <= 64 for n in lengths) and (b.input_ids[b.cu_seqlens[:-1][b.instance].long()] == SPECIAL.cls).all()
+    model = bert.BertForMaskedLM(bert.BertConfig.tiny(vocab_size=30_000, max_position_embeddings=64, backend="torch"))
+    out = model(**b, validate=True)
+    assert out.mlm_count == b.labelled and torch.isfinite(out.loss)
+    mlm_and_nsp = Planner(c, p.doc_ids, Layout(64, 2, p.layout.shapes, 8), seed=5)
+    assert "next_sentence_label" in batches(mlm_and_nsp, 0, 0, 2)[0][0]

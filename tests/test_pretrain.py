@@ -231,6 +231,10 @@ def test_output_dir_is_a_complete_model_with_a_deterministic_vocabulary(tmp_path
     (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be 0 or more, got -1"),
     (["--batch-size", "10", "--grad-accum", "3"], "--batch-size 10 must divide evenly over 1 rank(s) x 3 "
                                                   "accumulation step(s)"),
+    (["--target-mlm-accuracy", "1.5"], "--target-mlm-accuracy must be in (0, 1], got 1.5"),
+    (["--target-mlm-accuracy", "0.7", "--eval-every", "0"], "--target-mlm-accuracy is checked at evaluations"),
+    (["--lr-decay-power", "0"], "--lr-decay-power must be positive, got 0.0"),
+    (["--init-from", "no/such/run"], "--train-tokenizer makes a new vocabulary"),
 ])
 def test_arguments_are_checked_before_any_work_with_one_line(tmp_path, corpus, capsys, flags, message):
     from bertfuse.bert.pretrain import main
@@ -612,3 +616,110 @@ def test_a_corpus_of_one_sentence_documents_is_warned_of(tmp_path, corpus):
     rows.write_text("\n\n".join(" ".join(words[i:i + 9]).capitalize() + "." for i in range(0, 2000, 9)) + "\n")
     with pytest.warns(UserWarning, match=r"rows.txt: 100% of the training documents hold one sentence"):
         train(args_for(tmp_path, str(rows), "--steps", "1", "--num-workers", "0"))
+
+
+def test_init_from_settings_that_disagree_with_the_weights_are_one_line_before_any_work(tmp_path, corpus, capsys):
+    from bertfuse.bert.data.tokenizer import save_tokenizer, train_tokenizer
+    from bertfuse.bert.pretrain import main
+
+    weights = tmp_path / "weights"
+    tokenizer = train_tokenizer([open(corpus).read()], vocab_size=120)
+    vocab = tokenizer.get_vocab_size()
+    bert.BertForPreTraining(bert.BertConfig.tiny(vocab_size=vocab, max_position_embeddings=64)).save_pretrained(weights)
+    save_tokenizer(tokenizer, str(weights))
+    other = tmp_path / "other"
+    save_tokenizer(train_tokenizer(["apple river"] * 20, vocab_size=60), str(other))
+    argv = ["--data", corpus, "--init-from", str(weights), "--output-dir", str(tmp_path / "run"), "--no-progress",
+            "--max-seq-len", "32"]
+    for flags, message in (
+            (["--config", "mini"], "another architecture than --config: hidden_size 256 (--config mini) but 128"),
+            (["--tokenizer", str(other)], f"its vocabulary has {vocab} tokens, the tokenizer"),
+            (["--max-seq-len", "128"], "--max-seq-len 128 is longer than the 64 positions of the weights"),
+            ([], None)):
+        if message is None:  # the same settings pass: a short run from those weights
+            assert main(argv + flags + ["--steps", "1", "--batch-size", "4", "--eval-every", "0"]) == 0
+            assert "weights from" in capsys.readouterr().out
+            continue
+        assert main(argv + flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("bert-pretrain: error: ") and message in err and "Traceback" not in err, err
+        assert not (tmp_path / "run").exists() or os.listdir(tmp_path / "run") == [".lock"]  # nothing was done
+
+
+@pytest.mark.slow
+def test_a_second_phase_at_512_starts_from_the_first_phases_weights(tmp_path, corpus):
+    """The paper's phase 2: --init-from the phase-1 run at --max-seq-len 512, with the weights only (a fresh step
+    count, schedule and optimizer; the tokenizer saved with them); a learning rate too small to move a weight
+    leaves phase 1's model."""
+    train(args_for(tmp_path, corpus, "--steps", "6", out="phase1"))
+    args = build_parser().parse_args([
+        "--data", corpus, "--init-from", str(tmp_path / "phase1"), "--max-seq-len", "512", "--batch-size", "2",
+        "--steps", "3", "--lr", "1e-12", "--warmup", "0", "--output-dir", str(tmp_path / "phase2"),
+        "--eval-every", "0", "--no-progress"])
+    assert args.config is None
+    model = train(args).model
+    assert args.config is None  # the architecture is the weights': no preset stood in
+    log = read_log(tmp_path / "phase2" / "log.jsonl")
+    assert [r["step"] for r in log] == [1, 2, 3] and log[0]["lr"] == 1e-12
+    assert log[0]["packing_efficiency"] > 0 and all(math.isfinite(r["mlm_loss"]) for r in log)
+    first = bert.BertForPreTraining.from_pretrained(tmp_path / "phase1")
+    for (name, p), q in zip(first.named_parameters(), model.parameters()):
+        assert torch.allclose(p, q, atol=1e-8), name
+    summary = json.loads((tmp_path / "phase2" / "summary.json").read_text())
+    assert summary["init_from"] == {"path": str(tmp_path / "phase1"), "initialised_fresh": [], "left_out": []}
+    assert summary["max_seq_len"] == 512 and summary["steps"] == 3
+    assert (tmp_path / "phase2" / "tokenizer" / "tokenizer.json").read_text() == \
+        (tmp_path / "phase1" / "tokenizer" / "tokenizer.json").read_text()
+
+
+@pytest.mark.slow
+def test_mlm_only_trains_without_nsp_and_resumes_exactly(tmp_path, corpus):
+    """--objective mlm: BertForMaskedLM on contiguous segments, 30% masked: it learns, logs and saves no NSP,
+    transformers loads it whole, and a resumed run continues exactly."""
+    common = ("--objective", "mlm", "--mlm-probability", "0.3", "--save-every", "10")
+    metrics = train(args_for(tmp_path, corpus, *common, "--steps", "20", "--eval-every", "20", "--eval-fraction",
+                             "0.1", "--lr", "2e-3", out="a")).metrics
+    log = read_log(tmp_path / "a" / "log.jsonl")
+    assert not any("nsp" in k for r in log for k in r)
+    assert sum(r["mlm_loss"] for r in log[-5:]) < sum(r["mlm_loss"] for r in log[:5])
+    assert metrics["eval_mlm_acc"] > 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"]
+    transformers = pytest.importorskip("transformers")
+    _, info = transformers.BertForMaskedLM.from_pretrained(tmp_path / "a", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    b = tmp_path / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000010", b / "checkpoints" / "step-00000010")
+    shutil.copytree(tmp_path / "a" / "tokenizer", b / "tokenizer")
+    (b / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log[:10]))
+    train(args_for(tmp_path, corpus, *common, "--steps", "20", "--eval-every", "20", "--eval-fraction", "0.1",
+                   "--lr", "2e-3", "--resume", out="b"))
+    resumed = read_log(b / "log.jsonl")
+    for key in ("mlm_loss", "mlm_acc", "lr", "tokens_seen", "sequences_seen", "eval_mlm_acc"):
+        assert [r.get(key) for r in resumed] == [r.get(key) for r in log], key
+
+
+@pytest.mark.slow
+def test_a_target_accuracy_stops_the_run_and_records_the_time_to_it(tmp_path, corpus):
+    """--target-mlm-accuracy: evaluated every --eval-every steps, the run stops at the first evaluation that
+    reaches it, and its log row and summary.json say the step, seconds, sequences and tokens it took; a target
+    never reached runs every step and says so. The learning rate follows --lr-decay-power's formula."""
+    common = ("--eval-every", "4", "--eval-fraction", "0.1", "--warmup", "2", "--lr-decay-power", "0.5")
+    metrics = train(args_for(tmp_path, corpus, *common, "--target-mlm-accuracy", "0.001", out="hit")).metrics
+    log = read_log(tmp_path / "hit" / "log.jsonl")
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and log[-1]["target_reached"] is True
+    assert metrics["target_reached"] and metrics["eval_mlm_acc"] >= 0.001
+    summary = json.loads((tmp_path / "hit" / "summary.json").read_text())
+    target = summary["target"]
+    assert target["reached"] and target["step"] == 4 and target["score"] == log[-1]["eval_mlm_acc"]
+    assert target["tokens"] == log[-1]["tokens_seen"] > log[-2]["tokens_seen"] > 0
+    assert target["sequences"] == log[-1]["sequences_seen"] > 0 and target["train_seconds"] > 0
+    assert (tmp_path / "hit" / "model.safetensors").exists()  # saved like a finished run
+    for r in log:  # warm-up 2 steps, then ((20 - step) / 18) ** 0.5; a row's lr is its step's
+        step = r["step"] - 1
+        assert r["lr"] == pytest.approx(5e-4 * (step / 2 if step < 2 else ((20 - step) / 18) ** 0.5))
+    train(args_for(tmp_path, corpus, *common, "--steps", "8", "--target-mlm-accuracy", "1.0", out="missed"))
+    summary = json.loads((tmp_path / "missed" / "summary.json").read_text())
+    assert summary["target"] == {"metric": "eval_mlm_acc", "value": 1.0, "reached": False}
+    assert summary["steps"] == 8 and summary["last"]["step"] == 8

@@ -18,7 +18,7 @@ from bertfuse.bert.data.pipeline import StepList
 from bertfuse.bert.model.checkpoint import read_state_dict
 from bertfuse.bert.train.health import NonFiniteError
 from bertfuse.bert.train.loop import Job, Trainer, amp_precision, warmup_steps
-from bertfuse.bert.train.optim import linear_schedule
+from bertfuse.bert.train.optim import warmup_decay_schedule
 from bertfuse.bert.train.rundir import OutputDirBusy, latest_checkpoint, output_dir_lock
 from bertfuse.bert.train.settings import Settings
 
@@ -196,9 +196,28 @@ def test_warm_up_follows_transformers():
     for warmup, total in ((0, 10), (3, 10), (1, 2)):
         opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         ref = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
-        ours = linear_schedule(warmup, total)
+        ours = warmup_decay_schedule(warmup, total)
         for step in range(total + 1):
             assert ours(step) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12), (warmup, total, step)
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0])
+def test_polynomial_decay_follows_the_formula_and_transformers(power):
+    """((total - step) / (total - warmup)) ** power after the warm-up (NVIDIA's recipe: 0.5), as transformers'
+    polynomial schedule with lr_end 0; power 1 is the linear schedule, exactly."""
+    transformers = pytest.importorskip("transformers")
+    warmup, total = 28, 100
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=6e-3)
+    ref = transformers.get_polynomial_decay_schedule_with_warmup(opt, warmup, total, lr_end=0.0, power=power)
+    ours = warmup_decay_schedule(warmup, total, power)
+    linear = warmup_decay_schedule(warmup, total)
+    for step in range(total + 1):
+        expected = step / warmup if step < warmup else ((total - step) / (total - warmup)) ** power
+        assert ours(step) == pytest.approx(expected, abs=1e-15)
+        assert ours(step) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12), step
+        if power == 1.0:
+            assert ours(step) == linear(step)
+    assert ours(warmup) == 1.0 and ours(total) == 0.0
 
 
 LOCK_HOLDER = """
@@ -240,8 +259,8 @@ def test_both_commands_take_the_trainer_options_from_one_group():
     assert (pre.lr, pre.save_every, fine.lr, fine.save_every, fine.resume) == (2e-4, 500, 3e-5, 0, "latest")
     s = Settings.from_arguments(pre, 7, {"a": 1}, adam_eps=1e-6)
     assert (s.steps, s.lr, s.progress, s.adam_eps, s.output_dir) == (7, 2e-4, False, 1e-6, "runs/pretrain")
-    assert s.run_settings == {"lr": 2e-4, "warmup": 0.01, "weight_decay": 0.01, "grad_accum": 1,
-                              "max_grad_norm": 1.0, "precision": "auto", "seed": 0, "a": 1}
+    assert s.run_settings == {"lr": 2e-4, "warmup": 0.01, "lr_decay_power": 1.0, "weight_decay": 0.01,
+                              "grad_accum": 1, "max_grad_norm": 1.0, "precision": "auto", "seed": 0, "a": 1}
     for flag, value, message in (("lr", 0.0, "--lr must be positive"), ("warmup", -1.0, "--warmup must be 0 or more"),
                                  ("keep_checkpoints", 0, "--keep-checkpoints must be positive")):
         bad = parsers["finetune"].parse_args(["classify", "--model", "m"])

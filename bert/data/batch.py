@@ -14,9 +14,12 @@ A packed pre-training micro-batch (`PackedBatch`, bert.data.packing builds it) h
                                                       filler tail (a sequence nobody reads); unused slots are
                                                       empty sequences at the end
     mlm_positions, mlm_labels                 [R]     the labelled tokens (indices into [T]); -100 in unused slots
-    next_sentence_label                       [S]     -100 for filler sequences and unused slots
+    next_sentence_label                       [S]     -100 for filler sequences and unused slots; None in an
+                                                      MLM-only batch (BertForMaskedLM's arguments)
     max_seqlen                                int     L (a Python int, the same for every batch of the run)
     row_aligned                               True    no sequence crosses a row (the PyTorch attention's shortcut)
+    instance                                  [S]     bool, which sequences are instances (the data's bookkeeping:
+                                                      not a model argument, never moved to the device)
 Its values are checked where they cannot be trusted: the token side (`check_packed_values`) and the label side
 (`check_packed_labels`), each in one read of the device. Fine-tuning batches are padded (`pad_batch`).
 """
@@ -184,27 +187,29 @@ def check_packed_labels(config, p: Packed, positions, labels, nsp, check_values:
 @dataclass
 class PackedBatch(Mapping):
     """A packed pre-training micro-batch (the module docstring's layout), as the packer builds it and the job, the
-    trainer and the benchmark read it. A Mapping of BertForPreTraining's keyword arguments: `model(**batch)`."""
+    trainer and the benchmark read it. A Mapping of the model's keyword arguments, BertForPreTraining's (or
+    BertForMaskedLM's when next_sentence_label is None): `model(**batch)`."""
     input_ids: torch.Tensor            # [T]
     token_type_ids: torch.Tensor       # [T]
     position_ids: torch.Tensor         # [T]
     cu_seqlens: torch.Tensor           # [S + 1] int32
     mlm_positions: torch.Tensor        # [R]
     mlm_labels: torch.Tensor           # [R], -100 in unused slots
-    next_sentence_label: torch.Tensor  # [S], -100 for filler and unused slots
+    next_sentence_label: torch.Tensor | None  # [S], -100 for filler and unused slots; None: MLM-only
     max_seqlen: int
     row_aligned: bool = True           # no sequence crosses a row of max_seqlen tokens
+    instance: torch.Tensor | None = None  # [S] bool: an instance, not filler (not a model argument)
 
     def __getitem__(self, key):
-        if key not in self.__dataclass_fields__:
+        if key not in tuple(self):
             raise KeyError(key)
         return getattr(self, key)
 
     def __iter__(self):
-        return (f.name for f in fields(self))
+        return (f.name for f in fields(self) if f.name != "instance" and getattr(self, f.name) is not None)
 
     def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
+        return sum(1 for _ in self)
 
     def to(self, device, non_blocking: bool = False) -> "PackedBatch":
         return replace(self, **{k: v.to(device, non_blocking=non_blocking) for k, v in self.items()
@@ -216,9 +221,9 @@ class PackedBatch(Mapping):
 
     @property
     def lengths(self) -> list[int]:
-        """Of the instances: not the rows' filler tails or the unused slots (their NSP label is -100)."""
-        cu, nsp = self.cu_seqlens.tolist(), self.next_sentence_label.tolist()
-        return [b - a for a, b, label in zip(cu, cu[1:], nsp) if label != -100]
+        """Of the instances: not the rows' filler tails or the unused slots."""
+        cu, instance = self.cu_seqlens.tolist(), self.instance.tolist()
+        return [b - a for a, b, real in zip(cu, cu[1:], instance) if real]
 
     @property
     def labelled(self) -> int:

@@ -1,4 +1,6 @@
-"""NSP instances as spans of the flat tokenised corpus (bert.data.corpus), drawn document by document.
+"""Pre-training instances as spans of the flat tokenised corpus (bert.data.corpus), drawn document by document:
+NSP pairs (`iter_spans`) for the paper's MLM + NSP objective, or single segments of contiguous text
+(`iter_chunks`) for the MLM-only one.
 
 An instance, as in BERT, is [CLS] A [SEP] B [SEP]: a target length of max_seqlen - 3 tokens (10% of the time a
 shorter random one), A the first sentences of a chunk of consecutive sentences reaching the target, B the rest
@@ -9,6 +11,11 @@ A and B are each consecutive sentences of one document, and trimming a run of to
 so an instance is five numbers (`SPAN`): where A starts and how long it is, the same for B, and the label. Drawing
 them touches only sentence offsets, never a token; the tokens are gathered when a micro-batch is collated
 (bert.data.packing), so an epoch's instances cost 25 bytes each, not a Python list per token.
+
+MLM-only instances (RoBERTa's and MosaicBERT's objective) are [CLS] A [SEP]: each document's tokens cut in order
+into runs of max_seqlen - 2, the last one shorter, sentence boundaries ignored, so the text stays contiguous and
+no token is dropped. The same SPAN with no B (b_len 0) and no next-sentence label (NO_NSP); packing then puts the
+short runs of several documents into one row, each its own sequence.
 """
 from __future__ import annotations
 
@@ -30,11 +37,27 @@ def token_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 SPAN = np.dtype([("a_start", "<i8"), ("a_len", "<i4"), ("b_start", "<i8"), ("b_len", "<i4"), ("label", "i1")])
+NO_NSP = -1  # the label of an instance without B: no next-sentence prediction on it
 
 
 def span_lengths(spans: np.ndarray) -> np.ndarray:
-    """Tokens of each instance, specials included: A + B + [CLS] and two [SEP]."""
-    return spans["a_len"].astype(np.int64) + spans["b_len"] + 3
+    """Tokens of each instance, specials included: A + B + [CLS] and two [SEP]; A + [CLS] + [SEP] without B."""
+    b_len = spans["b_len"].astype(np.int64)
+    return spans["a_len"].astype(np.int64) + b_len + 2 + (b_len > 0)
+
+
+def iter_chunks(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, first: int = 0,
+                last: int | None = None) -> Iterator[tuple]:
+    """The MLM-only instances of documents doc_ids[first:last], in order: each document's tokens in runs of
+    max_seqlen - 2 (the last run shorter), as SPAN tuples without B."""
+    if max_seqlen < 3:
+        raise ValueError(f"max_seqlen must be at least 3 ([CLS] A [SEP]), got {max_seqlen}")
+    step = max_seqlen - 2
+    for d in range(first, len(doc_ids) if last is None else last):
+        bounds = corpus.sentence_bounds(int(doc_ids[d]))
+        start, end = int(bounds[0]), int(bounds[-1])
+        for a0 in range(start, end, step):
+            yield a0, min(step, end - a0), a0, 0, NO_NSP
 
 
 def iter_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, first: int = 0,
@@ -106,16 +129,20 @@ def _truncate(a0: int, la: int, b0: int, lb: int, max_tokens: int, rng: random.R
 
 
 def draw_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, first: int = 0,
-               last: int | None = None) -> np.ndarray:
-    """The instances of documents doc_ids[first:last] (iter_spans) as a SPAN array."""
-    return np.array(list(iter_spans(corpus, doc_ids, max_seqlen, seed, first, last)), dtype=SPAN)
+               last: int | None = None, nsp: bool = True) -> np.ndarray:
+    """The instances of documents doc_ids[first:last] as a SPAN array: NSP pairs (iter_spans), or with nsp False
+    single segments of contiguous text (iter_chunks, which draws nothing at random)."""
+    draws = iter_spans(corpus, doc_ids, max_seqlen, seed, first, last) if nsp else \
+        iter_chunks(corpus, doc_ids, max_seqlen, first, last)
+    return np.array(list(draws), dtype=SPAN)
 
 
 def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
     """The instances' input ids and token type ids, end to end (int64 [sum of span_lengths]): [CLS] A [SEP] B [SEP],
-    types 0 up to the first [SEP] and 1 after it. One gather from the (memory-mapped) token array."""
+    types 0 up to the first [SEP] and 1 after it ([CLS] A [SEP] without B, all type 0). One gather from the
+    (memory-mapped) token array."""
     la, lb = spans["a_len"].astype(np.int64), spans["b_len"].astype(np.int64)
-    inst, p = token_index(la + lb + 3)  # each token's instance, its position there
+    inst, p = token_index(span_lengths(spans))  # each token's instance, its position there
     la_t, lb_t = la[inst], lb[inst]
     in_a, in_b = (p >= 1) & (p <= la_t), (p >= la_t + 2) & (p < la_t + lb_t + 2)
     src = np.where(in_a, spans["a_start"][inst] + p - 1, np.where(in_b, spans["b_start"][inst] + p - la_t - 2, 0))

@@ -18,7 +18,9 @@ S = rows x (instances per row + 1). Masking chooses exactly round(p * candidates
 least one), as the original BERT code does, 80/10/10 as usual, keyed per instance (bert.data.masking). That is
 about p * (real tokens) per micro-batch; R = ceil(p * T) + rows leaves room for the rounding, and in the rare
 pack that still chooses more, the last instances' extra choices are undone (their tokens restored, unlabelled),
-as BERT's max_predictions_per_seq cap does.
+as BERT's max_predictions_per_seq cap does. From p = 0.25 on (MosaicBERT's 30%, 40%) that never happens with up to
+four instances a row: an instance of n tokens has at least two specials, so it chooses max(1, round(p (n - 2)))
+<= p n + max(1/2 - 2p, 1 - 3p) <= p n + 1/4 tokens, at most one more than p T in a row of four.
 
 Pre-training without packing (`--no-packing`) uses the same type: `one_per_row` lays a length-bucketed batch out
 as one instance per row, rows as long as its longest instance (rounded up to 8), so the job, the trainer and
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from bertfuse.bert.data.batch import PackedBatch
-from bertfuse.bert.data.instances import token_index
+from bertfuse.bert.data.instances import NO_NSP, token_index
 from bertfuse.bert.data.masking import Masker
 
 
@@ -141,12 +143,12 @@ class PackedShapes(NamedTuple):
 
 
 class FlatInstances(NamedTuple):
-    """Instances laid end to end, as a micro-batch is collated from: the dicts of a list (`from_dicts`) or the
-    spans of the tokenised corpus (bert.data.instances.gather)."""
+    """Instances laid end to end, as a micro-batch is collated from: the spans of the tokenised corpus
+    (bert.data.instances.gather)."""
     ids: np.ndarray          # int64 [tokens]
     types: np.ndarray        # int64 [tokens]
     lengths: np.ndarray      # int64 [instances]
-    nsp: np.ndarray          # int64 [instances]
+    nsp: np.ndarray          # int64 [instances]: 0 / 1, or NO_NSP (MLM-only instances)
 
 
 
@@ -154,11 +156,12 @@ class PackingCollator:
     """Rows of instances -> a packed micro-batch of fixed shapes (see the module docstring), every step over the
     whole micro-batch at once."""
 
-    def __init__(self, masker: Masker, shapes: PackedShapes):
+    def __init__(self, masker: Masker, shapes: PackedShapes, nsp: bool = True):
+        """nsp False: MLM-only batches (instances labelled NO_NSP; next_sentence_label None)."""
         if not getattr(masker, "exact", True):
             raise ValueError("packed batches need exact-count masking (Masker(exact=True)): their labelled "
                              "tokens must stay within a fixed bound")
-        self.masker, self.shapes = masker, shapes
+        self.masker, self.shapes, self.nsp = masker, shapes, nsp
 
     def _check(self, per_row: np.ndarray, row_tokens: np.ndarray) -> None:
         L, n = self.shapes.max_seqlen, self.shapes.per_row
@@ -178,7 +181,7 @@ class PackingCollator:
         row_tokens = np.bincount(row, weights=flat.lengths, minlength=len(per_row)).astype(np.int64)
         self._check(per_row, row_tokens)
         inst, position = token_index(flat.lengths)
-        _check_values(flat, self.masker.special.vocab_size, inst, row, per_row)
+        _check_values(flat, self.masker.special.vocab_size, inst, row, per_row, self.nsp)
         ends = np.cumsum(flat.lengths)
         start = row * L + (ends - flat.lengths) - (np.cumsum(row_tokens) - row_tokens)[row]  # in the batch
         at = start[inst] + position
@@ -186,7 +189,7 @@ class PackingCollator:
         chosen = np.flatnonzero(labels != -100)
         masked[chosen[R:]] = flat.ids[chosen[R:]]  # past R: undone (rare; see the module docstring)
         chosen = chosen[:R]
-        out = _empty(self.shapes, self.masker.special.pad)
+        out = _empty(self.shapes, self.masker.special.pad, self.nsp)
         for name, values in (("input_ids", masked), ("token_type_ids", flat.types), ("position_ids", position)):
             out[name][at] = torch.from_numpy(values)
         out.mlm_positions[:len(chosen)] = torch.from_numpy(at[chosen])
@@ -195,32 +198,36 @@ class PackingCollator:
         return out
 
 
-def _check_values(flat: FlatInstances, vocab: int, inst: np.ndarray, row: np.ndarray, per_row: np.ndarray) -> None:
-    """What check_instance checks, over the whole batch at once (instances from the corpus skip the per-dict
-    checks): at least one token, ids in [0, vocab), types 0/1, labels 0/1. inst: each token's instance."""
+def _check_values(flat: FlatInstances, vocab: int, inst: np.ndarray, row: np.ndarray, per_row: np.ndarray,
+                  nsp: bool) -> None:
+    """The instances' values, over the whole batch at once: at least one token, ids in [0, vocab), types 0/1,
+    next-sentence labels 0/1 (NO_NSP in an MLM-only batch). inst: each token's instance."""
     bad_ids = np.bincount(inst[(flat.ids < 0) | (flat.ids >= vocab)], minlength=len(flat.lengths)) > 0
     bad_types = np.bincount(inst[(flat.types < 0) | (flat.types > 1)], minlength=len(flat.lengths)) > 0
+    bad_nsp = ((flat.nsp != 0) & (flat.nsp != 1), "has a next_sentence_label that is not 0 or 1") if nsp else \
+        (flat.nsp != NO_NSP, "is a next-sentence pair in an MLM-only batch")
     for bad, message in ((flat.lengths == 0, "has no tokens"), (bad_ids, f"has ids outside [0, {vocab})"),
-                         (bad_types, "has token_type_ids that are not 0/1 for each token"),
-                         ((flat.nsp != 0) & (flat.nsp != 1), "has a next_sentence_label that is not 0 or 1")):
+                         (bad_types, "has token_type_ids that are not 0/1 for each token"), bad_nsp):
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             first = int(per_row[:row[i]].sum())
             raise ValueError(f"instance {i - first} of row {row[i]} {message}")
 
 
-def _empty(shapes: PackedShapes, pad: int) -> PackedBatch:
+def _empty(shapes: PackedShapes, pad: int, nsp: bool) -> PackedBatch:
     T, S, R, L, _ = shapes
     return PackedBatch(input_ids=torch.full((T,), pad, dtype=torch.long),
                        token_type_ids=torch.zeros(T, dtype=torch.long), position_ids=torch.zeros(T, dtype=torch.long),
                        cu_seqlens=torch.zeros(S + 1, dtype=torch.int32),
                        mlm_positions=torch.zeros(R, dtype=torch.long), mlm_labels=torch.full((R,), -100),
-                       next_sentence_label=torch.full((S,), -100, dtype=torch.long), max_seqlen=L, row_aligned=True)
+                       next_sentence_label=torch.full((S,), -100, dtype=torch.long) if nsp else None, max_seqlen=L,
+                       row_aligned=True, instance=torch.zeros(S, dtype=torch.bool))
 
 
 def _sequences(out: PackedBatch, ends: np.ndarray, nsp: np.ndarray, row_tokens: np.ndarray, L: int) -> None:
-    """cu_seqlens and the NSP labels: each instance a sequence, then each used row's filler tail (a sequence of its
-    own, so the next row starts aligned); the unused slots empty sequences at the end."""
+    """cu_seqlens, which sequences are instances, and the NSP labels: each instance a sequence, then each used
+    row's filler tail (a sequence of its own, so the next row starts aligned); the unused slots empty sequences at
+    the end."""
     rows = np.arange(len(row_tokens))
     filler = rows[row_tokens < L]
     all_ends = np.concatenate([ends, (filler + 1) * L])
@@ -229,15 +236,19 @@ def _sequences(out: PackedBatch, ends: np.ndarray, nsp: np.ndarray, row_tokens: 
     n = len(all_ends)
     out.cu_seqlens[1:n + 1] = torch.from_numpy(all_ends[order].astype(np.int32))
     out.cu_seqlens[n + 1:] = int(all_ends.max()) if n else 0
-    out.next_sentence_label[:n] = torch.from_numpy(labels[order])
+    out.instance[:n] = torch.from_numpy(order < len(ends))
+    if out.next_sentence_label is not None:
+        out.next_sentence_label[:n] = torch.from_numpy(labels[order])
 
 
 def one_per_row(masker: Masker, flat: FlatInstances, keys: np.ndarray, stream: str = "masking",
-                     multiple: int = 8) -> PackedBatch:
-    """`one_per_row` of instances laid end to end."""
+                multiple: int = 8, nsp: bool = True) -> PackedBatch:
+    """Instances laid end to end as a padded batch: one a row, rows as long as the longest (rounded up to
+    `multiple`)."""
     longest = int(flat.lengths.max())
     shapes = PackedShapes.for_rows(len(flat.lengths), -(-longest // multiple) * multiple, 1, masker.p)
-    return PackingCollator(masker, shapes).collate(flat, np.ones(len(flat.lengths), dtype=np.int64), keys, stream)
+    return PackingCollator(masker, shapes, nsp).collate(flat, np.ones(len(flat.lengths), dtype=np.int64), keys,
+                                                        stream)
 
 
 def bucket_rows(lengths: np.ndarray, batch: int, rng: np.random.Generator, pool: int = 50) -> np.ndarray:

@@ -7,8 +7,9 @@ ids, and nothing waits for a pass over the whole corpus:
   consecutive documents of at least `shard_tokens` tokens: at least 64 global steps' worth, so that what a shard
   leaves over (below) is little. An epoch visits the shards in an order of its own (the "order" stream, keyed
   by the epoch).
-- **Planning** a shard (`plan_shard`, a pure function of the shard, the epoch and the seed) draws its NSP spans
-  (bert.data.instances; a random B may come from any training document; the "nsp" stream keyed by epoch and shard),
+- **Planning** a shard (`Planner.plan`, a pure function of the shard, the epoch and the seed) draws its NSP spans
+  (bert.data.instances; a random B may come from any training document; the "nsp" stream keyed by epoch and shard)
+  or, MLM-only, cuts its documents into segments,
   packs them into rows (bert.data.packing.pack, linear time) or, without packing, buckets them into padded batches by
   length, shuffles (the "order" stream keyed by epoch and shard), and cuts the rows into global steps of
   P = ranks x accumulation steps micro-batches. The rows that do not fill a last step are left out (on average
@@ -39,7 +40,7 @@ import torch
 from bertfuse.bert.common import seeds
 from bertfuse.bert.common.workers import ordered_map, worker_init
 from bertfuse.bert.data.corpus import TokenisedCorpus
-from bertfuse.bert.data.instances import SPAN, draw_spans, gather, iter_spans, span_lengths
+from bertfuse.bert.data.instances import SPAN, draw_spans, gather, iter_chunks, iter_spans, span_lengths
 from bertfuse.bert.data.masking import Masker
 from bertfuse.bert.data.packing import FlatInstances, PackedShapes, PackingCollator, bucket_rows, epoch_rows, one_per_row, pack
 
@@ -53,11 +54,13 @@ STEPS_PER_SHARD = 64
 class Layout:
     """How an epoch's instances become steps. packed: `shapes` (rows of max_seqlen, `shapes.rows` a
     micro-batch); else length-bucketed global batches of `batch_size` instances, one per row. `parts` = ranks x
-    accumulation steps micro-batches a step."""
+    accumulation steps micro-batches a step. `nsp`: the instances are NSP pairs (MLM + NSP), else single segments
+    of contiguous text (MLM-only; bert.data.instances)."""
     max_seqlen: int
     parts: int
     shapes: PackedShapes | None = None
     batch_size: int = 0
+    nsp: bool = True
 
     @property
     def rows_per_micro(self) -> int:
@@ -111,7 +114,7 @@ class Planner:
     def plan(self, epoch: int, shard: int) -> ShardPlan:
         seed = seeds.integer(self.seed, "nsp", epoch, shard)
         spans = draw_spans(self.corpus, self.doc_ids, self.layout.max_seqlen, seed, int(self.starts[shard]),
-                           int(self.starts[shard + 1]))
+                           int(self.starts[shard + 1]), self.layout.nsp)
         rng = seeds.rng(self.seed, "order", epoch, shard)  # (the key epoch alone orders the shards)
         lengths = span_lengths(spans)
         if self.layout.shapes:
@@ -189,7 +192,7 @@ class StepCollator(torch.utils.data.Dataset):
 
     def __init__(self, corpus: TokenisedCorpus, masker: Masker, layout: Layout, stream: str = "masking"):
         self.corpus, self.masker, self.layout, self.stream = corpus, masker, layout, stream
-        self.packer = PackingCollator(masker, layout.shapes) if layout.shapes else None
+        self.packer = PackingCollator(masker, layout.shapes, layout.nsp) if layout.shapes else None
 
     def __getitem__(self, work: list[MicroBatchWork]):
         return [self.collate(w) for w in work]
@@ -200,18 +203,20 @@ class StepCollator(torch.utils.data.Dataset):
         flat = FlatInstances(ids, types, span_lengths(w.spans), w.spans["label"].astype(np.int64))
         if self.packer:
             return self.packer.collate(flat, w.per_row, w.keys.astype(np.uint64), self.stream)
-        return one_per_row(self.masker, flat, w.keys.astype(np.uint64), self.stream)
+        return one_per_row(self.masker, flat, w.keys.astype(np.uint64), self.stream, nsp=self.layout.nsp)
 
 
 def held_out_batches(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, masker: Masker,
-                     shapes: PackedShapes | None, batch_size: int, batches: int) -> Iterator:
-    """Evaluation's micro-batches: the held-out documents' first `batches` x `batch_size` instances (the run's
-    "eval_nsp" stream) collated as training collates them (StepCollator), one per row in batches of `batch_size`,
-    or packed into micro-batches of the run's fixed `shapes`. Each instance is masked by the "eval_masking" stream
-    keyed by its index: the same at every evaluation, and the same either way."""
-    draws = iter_spans(corpus, doc_ids, max_seqlen, seeds.integer(seed, "eval_nsp"))
+                     shapes: PackedShapes | None, batch_size: int, batches: int, nsp: bool = True) -> Iterator:
+    """Evaluation's micro-batches: the held-out documents' first `batches` x `batch_size` instances (NSP pairs of
+    the run's "eval_nsp" stream, or with nsp False single segments) collated as training collates them
+    (StepCollator), one per row in batches of `batch_size`, or packed into micro-batches of the run's fixed
+    `shapes`. Each instance is masked by the "eval_masking" stream keyed by its index: the same at every
+    evaluation, and the same either way."""
+    draws = iter_spans(corpus, doc_ids, max_seqlen, seeds.integer(seed, "eval_nsp")) if nsp else \
+        iter_chunks(corpus, doc_ids, max_seqlen)
     spans = np.array(list(itertools.islice(draws, batches * batch_size)), dtype=SPAN)
-    layout = Layout(max_seqlen, 1, shapes, batch_size)
+    layout = Layout(max_seqlen, 1, shapes, batch_size, nsp)
     collator = StepCollator(corpus, masker, layout, "eval_masking")
     rows = (np.arange(len(spans))[:, None] if shapes is None  # a row per instance
             else pack(span_lengths(spans), shapes.max_seqlen, shapes.per_row))

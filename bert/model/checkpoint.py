@@ -37,9 +37,18 @@ def _load_file(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def has_weights(directory: str) -> bool:
+    """Whether `directory` holds model weights read_state_dict reads (a file or a sharded index)."""
+    return any(os.path.isfile(os.path.join(directory, name + suffix)) for name in WEIGHT_FILES
+               for suffix in ("", ".index.json"))
+
+
 def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
     """All tensors of an HF checkpoint directory, preferring safetensors."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
+    for name in WEIGHT_FILES:
         single, index = os.path.join(directory, name), os.path.join(directory, name + ".index.json")
         if os.path.isfile(single):
             return _load_file(single)

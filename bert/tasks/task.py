@@ -23,6 +23,8 @@ class Task:
     name = ""
     model_cls = None
     prediction_file = "predictions.txt"
+    # bert-finetune's defaults for this task (options left unset; a resumed run takes its saved values instead)
+    defaults = {"max_seq_len": 128, "doc_stride": 128}
 
     def __init__(self, tokenizer, max_seqlen: int, **options):
         self.tok, self.max_seqlen, self.options = tokenizer, max_seqlen, options
@@ -134,6 +136,7 @@ class QATask(Task):
     name = "qa"
     prediction_file = "predictions.json"
     model_cls = BertForQuestionAnswering
+    defaults = {"max_seq_len": 384, "doc_stride": 128}  # BERT's SQuAD settings
 
     @classmethod
     def check_arguments(cls, args):

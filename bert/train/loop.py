@@ -3,10 +3,12 @@ each supplies.
 
 The trainer owns everything the two have in common: the device and torchrun/DDP set-up, mixed precision
 (bf16 autocast, or fp16 with a gradient scaler), gradient accumulation and clipping, AdamW (fused on CUDA; no
-decay on biases and LayerNorm) with linear warm-up and decay, evaluation cadence, atomic checkpoints with exact
+decay on biases and LayerNorm) with linear warm-up and polynomial (by default linear) decay, evaluation cadence and
+a target score that ends the run (time to target, as MLPerf scores training), atomic checkpoints with exact
 resume (model, optimizer, scheduler, scaler, RNG states, data position; a changed setting is refused unless
 allowed; log rows after the checkpoint are dropped), SIGTERM/SIGINT (checkpoint, then stop), and logging
-(console, OUTPUT_DIR/log.jsonl, TensorBoard when installed, tqdm) with real tokens/s and sequences/s.
+(console, OUTPUT_DIR/log.jsonl, TensorBoard when installed, tqdm) with real tokens/s and sequences/s, and the
+tokens, sequences and seconds of training so far (carried over a resume); OUTPUT_DIR/summary.json at the end.
 
 Nothing non-finite is trained on or saved: a step whose loss or gradient norm is not finite never changes the
 weights (the fused optimizer skips it on the device, as a gradient scaler's step does; the CPU one reads the flag,
@@ -35,9 +37,10 @@ import warnings
 import torch
 
 from bertfuse.bert.common.errors import ExpectedError, StopRun, StopSignals, first_line, stop_signals
+from bertfuse.bert.common.files import atomic_write_text
 from bertfuse.bert.train.distributed import Dist
 from bertfuse.bert.train.health import HEALTH, NonFiniteError, Window, grad_norm, say, worker_deaths
-from bertfuse.bert.train.optim import adamw, linear_schedule, param_groups, set_lr_types
+from bertfuse.bert.train.optim import adamw, param_groups, set_lr_types, warmup_decay_schedule
 from bertfuse.bert.train.rundir import (
     check_resumed_settings,
     checkpoint_dir,
@@ -91,12 +94,23 @@ class Job:
     def evaluate(self, model) -> dict:
         return {}
 
+    def summary(self) -> dict:
+        """The job's fields of OUTPUT_DIR/summary.json (what it trained: objective, starting weights...)."""
+        return {}
+
     def no_full_step(self) -> str:
         """The error when an epoch's data fills no global step: what to change."""
         return "the data yields no full batch; lower the batch size"
 
     def save(self, model, path: str) -> None:
         save_model(model, getattr(self, "tokenizer", None), path)
+
+
+def json_safe(value):
+    """`value` with every float that is not finite (a skipped step's loss) as None: JSON has no NaN or infinity."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def warmup_steps(warmup: float, steps: int) -> int:
@@ -134,8 +148,13 @@ class Trainer:
         self.optimizer = adamw(param_groups(self.model, settings.weight_decay), settings.lr, device,
                                capturable=graphs, betas=(0.9, 0.999), eps=settings.adam_eps)
         warmup = warmup_steps(settings.warmup, settings.steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_schedule(warmup, settings.steps))
-        self.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "steps_before_epoch": 0}
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_decay_schedule(warmup, settings.steps, settings.lr_decay_power))
+        # The position, and the totals a time-to-target is reported in (training seconds: the loop's wall time,
+        # evaluation included, summed over the runs a resume continues; tokens and sequences: real ones, all ranks).
+        self.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "steps_before_epoch": 0, "train_seconds": 0.0,
+                      "tokens_seen": 0.0, "sequences_seen": 0.0}
+        self.reached: dict | None = None  # the log row at which the target score was reached
         self._resume()
         self.ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None) if d.world > 1 else self.model
@@ -188,7 +207,7 @@ class Trainer:
         torch.set_rng_state(saved["rng_cpu"])
         if self.device.type == "cuda" and saved["rng_cuda"]:
             torch.cuda.set_rng_state_all(saved["rng_cuda"])
-        self.state = {k: saved[k] for k in self.state}
+        self.state = {k: saved.get(k, default) for k, default in self.state.items()}  # (totals: newer than some)
 
     def save_checkpoint(self) -> str:
         """Written into a temporary directory, then renamed: a checkpoint is either complete or absent. A failed
@@ -252,14 +271,33 @@ class Trainer:
             self._check_weights()
             self.job.save(self.model, s.output_dir)
             say(progress, f"saved to {s.output_dir}")
+        if d.main:
+            atomic_write_text(os.path.join(s.output_dir, "summary.json"),
+                              json.dumps(json_safe(self.summary(last)), indent=2) + "\n")
         d.barrier()
         return last
+
+    def summary(self, last: dict) -> dict:
+        """OUTPUT_DIR/summary.json: what the run trained on and for how long, its last log row, the job's own
+        fields (Job.summary), and with a target whether and when it was reached: the step, training seconds,
+        sequences and tokens it took."""
+        st = self.state
+        out = {"steps": st["step"], "train_seconds": st["train_seconds"], "sequences": st["sequences_seen"],
+               "tokens": st["tokens_seen"], "stopped": bool(last.get("stopped")), **self.job.summary()}
+        if self.s.target:
+            metric, value = self.s.target
+            hit = self.reached
+            out["target"] = {"metric": metric, "value": value, "reached": hit is not None,
+                             **({"step": hit["step"], "score": hit[metric], "train_seconds": hit["train_seconds"],
+                                 "sequences": hit["sequences_seen"], "tokens": hit["tokens_seen"]} if hit else {})}
+        return {**out, "last": last}
 
     def _loop(self, log, writer, progress) -> dict:
         last: dict = {}
         window = Window(self.state["step"] + 1)
         self.nonfinite_run, self.applied_steps, self.lr = 0, 0, self.scheduler.get_last_lr()[0]
-        while self.state["step"] < self.s.steps and not last.get("stopped"):
+        self._clock = (time.perf_counter(), self.state["train_seconds"])  # (started, seconds before: a resume's)
+        while self.state["step"] < self.s.steps and not last.get("stopped") and not self.reached:
             first, items, started = self.state["batch_in_epoch"], iter(self._loader()), False
             while True:
                 t0 = time.perf_counter()
@@ -283,7 +321,7 @@ class Trainer:
                 row = self._end_of_step(window, self.lr, stopping, log, writer, progress)
                 if row is not None:
                     last, window = row, Window(self.state["step"] + 1)
-                if row is not None and row.get("stopped") or self.state["step"] >= self.s.steps:
+                if row is not None and row.get("stopped") or self.state["step"] >= self.s.steps or self.reached:
                     break
             items = None  # the loader's workers and the planners are shut down here, not at some later collection
         return last
@@ -417,6 +455,9 @@ class Trainer:
         if evaluating and self.d.main and not failure and not stopping:
             scores, stopping = self._evaluate(progress)
             row.update(scores)
+        row.update(self._totals(tokens, seqs))
+        if evaluating and self.s.target and not failure and self._target_reached(row, progress):
+            saving = True
         if stopping:
             row["stopped"] = True
             saving = True
@@ -431,6 +472,32 @@ class Trainer:
         if stopping and self.d.main:
             say(progress, f"stopped by signal at step {step}; checkpoint saved")
         return row
+
+    def _totals(self, tokens: float, seqs: float) -> dict:
+        """The run's totals after this row's window (global: the window's sizes are summed over the ranks)."""
+        started, before = self._clock
+        st = self.state
+        st["tokens_seen"] += tokens
+        st["sequences_seen"] += seqs
+        st["train_seconds"] = before + time.perf_counter() - started
+        return {k: st[k] for k in ("tokens_seen", "sequences_seen", "train_seconds")}
+
+    def _target_reached(self, row: dict, progress) -> bool:
+        """Whether the evaluation of this row reached the target score (rank 0 evaluates and tells the others):
+        then the row records it and the run ends after this step's checkpoint."""
+        metric, value = self.s.target
+        hit = float(self.d.main and row.get(metric, -math.inf) >= value)
+        if self.d.world > 1:
+            hit = float(self.d.all_sum(torch.tensor([hit], device=self.device)).item())
+        if not hit:
+            return False
+        row["target_reached"] = True
+        self.reached = row
+        if self.d.main:
+            say(progress, f"step {row['step']}: {metric} {row[metric]:.4g} reached the target {value} after "
+                          f"{row['train_seconds']:.1f} s of training, {row['sequences_seen']:.0f} sequences, "
+                          f"{row['tokens_seen']:.0f} tokens")
+        return True
 
     def _evaluate(self, progress) -> tuple[dict, bool]:
         """(the job's scores, whether a signal came): in one process a signal abandons the evaluation at once."""
@@ -491,9 +558,7 @@ class Trainer:
                                  f"not finite ({bad[0]}...); nothing saved")
 
     def _write(self, row, log, writer, progress) -> None:
-        # JSON has no NaN or infinity: a non-finite value (a skipped step's loss) is written as null
-        log.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None
-                              for k, v in row.items()}) + "\n")
+        log.write(json.dumps(json_safe(row)) + "\n")
         log.flush()
         if writer:
             for k, v in row.items():

@@ -36,12 +36,15 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def linear_schedule(warmup: int, total: int):
-    """LambdaLR factor: linear warm-up over `warmup` steps, then linear decay to 0 at `total`; the same numbers as
-    transformers' get_linear_schedule_with_warmup (so step 0 of a warm-up has learning rate 0), so that curves
-    compare step for step."""
+def warmup_decay_schedule(warmup: int, total: int, power: float = 1.0):
+    """LambdaLR factor: linear warm-up over `warmup` steps, then polynomial decay to 0 at `total`,
+    ((total - step) / (total - warmup)) ** power. power 1 is linear decay, the same numbers as transformers'
+    get_linear_schedule_with_warmup (so step 0 of a warm-up has learning rate 0), and any power those of its
+    get_polynomial_decay_schedule_with_warmup with lr_end 0, so that curves compare step for step. (NVIDIA's BERT
+    recipe writes (1 - step / total) ** power after its warm-up: the same power, measured from step 0, so its rate
+    drops at the end of the warm-up; this one starts its decay from the peak.)"""
     def factor(step):
         if step < warmup:
             return step / max(1, warmup)
-        return max(0.0, (total - step) / max(1, total - warmup))
+        return max(0.0, (total - step) / max(1, total - warmup)) ** power
     return factor

@@ -42,6 +42,19 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, names[-1]) if names else None
 
 
+def saved_run_settings(output_dir: str, resume: str) -> dict:
+    """The settings a run's checkpoint was saved with ({} when there is none yet): what --resume ("latest", or a
+    checkpoint's path) compares, read before any work (memory-mapped: the optimizer's state is not read)."""
+    path = latest_checkpoint(output_dir) if resume == "latest" else resume
+    state = os.path.join(path, "training_state.pt") if path else ""
+    if not os.path.isfile(state):
+        return {}
+    import torch
+
+    saved = torch.load(state, map_location="cpu", weights_only=True, mmap=True)
+    return json.loads(saved.get("run_settings") or "null") or {}
+
+
 # Run settings that are digests of content: what a changed one means, in words.
 DIGESTS = {"data_sha256": "the content of the --data corpus", "tokenizer_sha256": "the tokenizer",
            "train_examples_sha256": "the training examples"}

@@ -29,6 +29,10 @@ class Settings:
     lr: float = option(1e-4, "peak learning rate (default %(default)s)", check="positive", resumed=True)
     warmup: float = option(0.0, "linear warm-up: a fraction of the steps if < 1, else a number of steps (default "
                                 "%(default)s)", check="non_negative", resumed=True)
+    lr_decay_power: float = option(1.0, "after the warm-up the learning rate decays to 0 at the last step as ((steps - "
+                                        "step) / (steps - warm-up)) ** P: 1 is linear decay, NVIDIA's BERT recipe "
+                                        "uses 0.5 (default %(default)s)", check="positive", resumed=True,
+                                   metavar="P")
     weight_decay: float = option(0.01, "AdamW weight decay, not on biases and LayerNorm (default %(default)s)",
                                  check="non_negative", resumed=True)
     grad_accum: int = option(1, "gradient accumulation steps (default 1)", check="positive", resumed=True)
@@ -65,6 +69,7 @@ class Settings:
     adam_eps: float = 1e-6
     compile: str | None = None         # a torch.compile backend ("inductor", "aot_eager"...), or None
     cuda_graphs: bool = False          # capture each step in a CUDA graph (static shapes, one GPU)
+    target: tuple[str, float] | None = None  # (an evaluation score, a value): stop once the score reaches it
     run_settings: dict = field(default_factory=dict)   # what --resume compares with the checkpoint's
 
     @classmethod
