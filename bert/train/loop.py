@@ -98,6 +98,10 @@ class Job:
         """The job's fields of OUTPUT_DIR/summary.json (what it trained: objective, starting weights...)."""
         return {}
 
+    def announce(self) -> dict:
+        """Fields for the first log row of a run that starts at step 0 (where its weights came from...)."""
+        return {}
+
     def no_full_step(self) -> str:
         """The error when an epoch's data fills no global step: what to change."""
         return "the data yields no full batch; lower the batch size"
@@ -253,6 +257,7 @@ class Trainer:
         if d.main:
             truncate_log(self.log_path, self.state["step"])
         writer, progress = self._sinks()
+        self._first_row = self.job.announce() if self.state["step"] == 0 else {}
         self.model.train()
         try:
             with stop_signals() as self.stop, open(self.log_path if d.main else os.devnull, "a", encoding="utf-8") \
@@ -558,6 +563,8 @@ class Trainer:
                                  f"not finite ({bad[0]}...); nothing saved")
 
     def _write(self, row, log, writer, progress) -> None:
+        row.update(self._first_row)
+        self._first_row = {}
         log.write(json.dumps(json_safe(row)) + "\n")
         log.flush()
         if writer:
