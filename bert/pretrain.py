@@ -51,7 +51,15 @@ from bertfuse.bert.train.distributed import Dist, setup_device
 from bertfuse.bert.train.loop import Job, Trainer
 from bertfuse.bert.train.rundir import output_dir_lock, prepare_output_dir
 from bertfuse.bert.train.settings import Settings
-from bertfuse.bert.train.start import ARCHITECTURE, StartingPoint, check_start, describe, load_start, starting_point
+from bertfuse.bert.train.start import (
+    ARCHITECTURE,
+    StartingPoint,
+    check_start,
+    check_tokenizer,
+    describe,
+    load_start,
+    starting_point,
+)
 
 PRESETS = ("tiny", "mini", "base", "large")
 DEFAULT_CONFIG = "mini"
@@ -173,7 +181,7 @@ def validate_args(args) -> StartingPoint | None:
                          "with; give their tokenizer (the default) or --tokenizer")
     start = starting_point(args.init_from, args.backend)
     given = config_from_flag(args.config, start.config.vocab_size, args.backend) if args.config else None
-    check_start(start, given, args.config, None, args.max_seq_len)
+    check_start(start, given, args.config, args.max_seq_len)
     return start
 
 
@@ -253,19 +261,16 @@ def load_corpus(args, tokenizer, special: SpecialIds, d: Dist) -> PretrainData:
 
 # ---- training ------------------------------------------------------------------------------------
 def resolve_tokenizer(args, d: Dist, start: StartingPoint | None):
-    if args.tokenizer:
-        tokenizer = load_tokenizer(args.tokenizer)
-        if start is not None and start.tokenizer and \
-                tokenizer_digest(load_tokenizer(start.tokenizer)) != tokenizer_digest(tokenizer):
-            raise ValueError(f"--tokenizer {args.tokenizer} is not the tokenizer saved with the --init-from weights "
-                             f"({start.tokenizer}): not the vocabulary they were trained with; leave --tokenizer "
-                             "out to use theirs")
-        return tokenizer
-    if start is not None:
-        if start.tokenizer is None:
+    """--tokenizer, or the one saved with the --init-from weights (either checked against them), or one trained
+    into OUTPUT_DIR/tokenizer by --train-tokenizer."""
+    if args.tokenizer or start is not None:
+        if not args.tokenizer and start.tokenizer is None:
             raise ValueError(f"--init-from {args.init_from}: no tokenizer saved with the weights; give --tokenizer "
                              "(the vocabulary they were trained with)")
-        return load_tokenizer(start.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer or start.tokenizer)
+        if start is not None:
+            check_tokenizer(start, tokenizer, args.tokenizer)
+        return tokenizer
     if not args.train_tokenizer:
         raise ValueError("give --tokenizer (an HF directory or vocab.txt) or --train-tokenizer VOCAB_SIZE")
     path = os.path.join(args.output_dir, "tokenizer")
@@ -292,9 +297,9 @@ def config_from_flag(config: str, vocab_size: int, backend: str) -> BertConfig:
 
 
 def build_config(args, vocab_size: int, start: StartingPoint | None) -> BertConfig:
-    """The model's config: the --init-from weights' (their vocabulary must be the tokenizer's), or --config's."""
+    """The model's config: the --init-from weights' (checked against the run's in validate_args and
+    resolve_tokenizer), or --config's."""
     if start is not None:
-        check_start(start, None, None, vocab_size, args.max_seq_len)
         return start.config
     cfg = config_from_flag(args.config, vocab_size, args.backend)
     if args.max_seq_len > cfg.max_position_embeddings:
@@ -378,13 +383,9 @@ class PretrainJob(Job):
         return {**hits, "nsp_hits": (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()}
 
     def log_fields(self, sums, counts):
-        mlm = max(counts["mlm"], 1.0)
-        fields = {"mlm_loss": sums["mlm"] / mlm, "mlm_acc": sums["mlm_hits"] / mlm}
-        if not self.data.nsp:
-            return fields
-        nsp = max(counts["nsp"], 1.0)
-        return {"mlm_loss": fields["mlm_loss"], "nsp_loss": sums["nsp"] / nsp, "mlm_acc": fields["mlm_acc"],
-                "nsp_acc": sums["nsp_hits"] / nsp}
+        heads = ("mlm", "nsp") if self.data.nsp else ("mlm",)
+        n = {h: max(counts[h], 1.0) for h in heads}
+        return {**{f"{h}_loss": sums[h] / n[h] for h in heads}, **{f"{h}_acc": sums[f"{h}_hits"] / n[h] for h in heads}}
 
     def no_full_step(self):
         layout = self._planner.layout
@@ -450,17 +451,15 @@ def train(args) -> TrainResult:
 
 
 def _prepare(args, start: StartingPoint | None, device, d: Dist) -> Trainer:
-    # A tokenizer that is read (not trained into OUTPUT_DIR) and the config are checked before the output
-    # directory is touched: a vocabulary the --init-from weights were not trained with stops the run here.
+    # A tokenizer that is read (not trained into OUTPUT_DIR) is checked before the output directory is touched: a
+    # vocabulary the --init-from weights were not trained with stops the run here.
     tokenizer = None if args.train_tokenizer else resolve_tokenizer(args, d, start)
-    cfg = build_config(args, tokenizer.get_vocab_size(), start) if tokenizer else None
     if d.main:
         prepare_output_dir(args.output_dir, args.resume, args.overwrite)
     d.barrier()
     torch.manual_seed(args.seed)
-    if tokenizer is None:
-        tokenizer = resolve_tokenizer(args, d, start)
-        cfg = build_config(args, tokenizer.get_vocab_size(), start)
+    tokenizer = tokenizer or resolve_tokenizer(args, d, start)
+    cfg = build_config(args, tokenizer.get_vocab_size(), start)
     special = SpecialIds.from_tokenizer(tokenizer)
     if d.main:  # where --resume finds it; PretrainJob.save also puts it next to every saved config.json
         save_tokenizer(tokenizer, os.path.join(args.output_dir, "tokenizer"))

@@ -128,13 +128,19 @@ def _truncate(a0: int, la: int, b0: int, lb: int, max_tokens: int, rng: random.R
     return a0, la, b0, lb
 
 
+def iter_instances(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, first: int = 0,
+                   last: int | None = None, nsp: bool = True) -> Iterator[tuple]:
+    """The instances of documents doc_ids[first:last], in order: NSP pairs (iter_spans), or with nsp False single
+    segments of contiguous text (iter_chunks, which draws nothing at random)."""
+    if nsp:
+        return iter_spans(corpus, doc_ids, max_seqlen, seed, first, last)
+    return iter_chunks(corpus, doc_ids, max_seqlen, first, last)
+
+
 def draw_spans(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: int, seed: int, first: int = 0,
                last: int | None = None, nsp: bool = True) -> np.ndarray:
-    """The instances of documents doc_ids[first:last] as a SPAN array: NSP pairs (iter_spans), or with nsp False
-    single segments of contiguous text (iter_chunks, which draws nothing at random)."""
-    draws = iter_spans(corpus, doc_ids, max_seqlen, seed, first, last) if nsp else \
-        iter_chunks(corpus, doc_ids, max_seqlen, first, last)
-    return np.array(list(draws), dtype=SPAN)
+    """The instances of documents doc_ids[first:last] (iter_instances) as a SPAN array."""
+    return np.array(list(iter_instances(corpus, doc_ids, max_seqlen, seed, first, last, nsp)), dtype=SPAN)
 
 
 def gather(corpus: TokenisedCorpus, spans: np.ndarray, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,7 @@ import torch
 from bertfuse.bert.common import seeds
 from bertfuse.bert.common.workers import ordered_map, worker_init
 from bertfuse.bert.data.corpus import TokenisedCorpus
-from bertfuse.bert.data.instances import SPAN, draw_spans, gather, iter_chunks, iter_spans, span_lengths
+from bertfuse.bert.data.instances import SPAN, draw_spans, gather, iter_instances, span_lengths
 from bertfuse.bert.data.masking import Masker
 from bertfuse.bert.data.packing import FlatInstances, PackedShapes, PackingCollator, bucket_rows, epoch_rows, one_per_row, pack
 
@@ -213,8 +213,7 @@ def held_out_batches(corpus: TokenisedCorpus, doc_ids: np.ndarray, max_seqlen: i
     (StepCollator), one per row in batches of `batch_size`, or packed into micro-batches of the run's fixed
     `shapes`. Each instance is masked by the "eval_masking" stream keyed by its index: the same at every
     evaluation, and the same either way."""
-    draws = iter_spans(corpus, doc_ids, max_seqlen, seeds.integer(seed, "eval_nsp")) if nsp else \
-        iter_chunks(corpus, doc_ids, max_seqlen)
+    draws = iter_instances(corpus, doc_ids, max_seqlen, seeds.integer(seed, "eval_nsp"), nsp=nsp)
     spans = np.array(list(itertools.islice(draws, batches * batch_size)), dtype=SPAN)
     layout = Layout(max_seqlen, 1, shapes, batch_size, nsp)
     collator = StepCollator(corpus, masker, layout, "eval_masking")

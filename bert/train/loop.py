@@ -46,6 +46,8 @@ from bertfuse.bert.train.rundir import (
     checkpoint_dir,
     checkpoint_path,
     latest_checkpoint,
+    resume_path,
+    run_settings_of,
     save_model,
     truncate_log,
 )
@@ -192,7 +194,7 @@ class Trainer:
     # -- checkpoints --
     def _resume(self) -> None:
         s = self.s
-        path = latest_checkpoint(s.output_dir) if s.resume == "latest" else s.resume
+        path = resume_path(s.output_dir, s.resume)
         if s.resume and not path:
             raise FileNotFoundError(f"--resume: no checkpoint in {checkpoint_dir(s.output_dir)}")
         if not path:
@@ -200,7 +202,7 @@ class Trainer:
         from bertfuse.bert.model.checkpoint import read_state_dict
 
         saved = torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=True)
-        check_resumed_settings(json.loads(saved.get("run_settings") or "null"), s.run_settings,
+        check_resumed_settings(run_settings_of(saved), s.run_settings,
                                s.allow_config_changes)
         self.model.load_hf_state_dict(read_state_dict(path))
         self.optimizer.load_state_dict(saved["optimizer"])

@@ -42,17 +42,26 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, names[-1]) if names else None
 
 
+def resume_path(output_dir: str, resume: str | None) -> str | None:
+    """The checkpoint --resume names: "latest" is OUTPUT_DIR's latest (None if it has none), else the path given."""
+    return latest_checkpoint(output_dir) if resume == "latest" else resume
+
+
+def run_settings_of(saved: dict) -> dict | None:
+    """The settings a checkpoint's training state was saved with (None for a state that has none)."""
+    return json.loads(saved.get("run_settings") or "null")
+
+
 def saved_run_settings(output_dir: str, resume: str) -> dict:
     """The settings a run's checkpoint was saved with ({} when there is none yet): what --resume ("latest", or a
     checkpoint's path) compares, read before any work (memory-mapped: the optimizer's state is not read)."""
-    path = latest_checkpoint(output_dir) if resume == "latest" else resume
+    path = resume_path(output_dir, resume)
     state = os.path.join(path, "training_state.pt") if path else ""
     if not os.path.isfile(state):
         return {}
     import torch
 
-    saved = torch.load(state, map_location="cpu", weights_only=True, mmap=True)
-    return json.loads(saved.get("run_settings") or "null") or {}
+    return run_settings_of(torch.load(state, map_location="cpu", weights_only=True, mmap=True)) or {}
 
 
 # Run settings that are digests of content: what a changed one means, in words.

@@ -4,9 +4,9 @@ PATH is a run directory (its final model or, before it has one, its latest check
 (OUTPUT_DIR/checkpoints/step-N), or a Hugging Face BERT directory (config.json and weights). Only the weights
 load: the optimizer, the schedule and the step count start fresh, which is what the second phase of a
 pre-training recipe and continued pre-training of a published checkpoint do. The architecture is the weights'
-(`StartingPoint.config`), so a --config given beside it must describe the same one, a tokenizer must have the
-weights' vocabulary, and the positions must cover --max-seq-len: each a clear error before any work
-(`check_start`). Every encoder tensor must load; a head the weights lack (the MLM and NSP heads of a checkpoint
+(`StartingPoint.config`), so a --config given beside it must describe the same one and the positions must cover
+--max-seq-len (`check_start`), and a tokenizer must have the weights' vocabulary (`check_tokenizer`): each a
+clear error before any work. Every encoder tensor must load; a head the weights lack (the MLM and NSP heads of a checkpoint
 that ships the encoder only, the pooler and NSP head of an MLM-only run) starts fresh, and `load_start` says so.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from bertfuse.bert.data.tokenizer import load_tokenizer, tokenizer_digest
 from bertfuse.bert.model.checkpoint import LoadingInfo, has_weights, read_state_dict
 from bertfuse.bert.model.config import BertConfig
 from bertfuse.bert.train.rundir import latest_checkpoint
@@ -48,23 +49,31 @@ def starting_point(path: str, backend: str = "auto") -> StartingPoint:
     return StartingPoint(weights, config, tokenizer)
 
 
-def check_start(start: StartingPoint, given: BertConfig | None, given_name: str | None, vocab_size: int | None,
-                max_seqlen: int) -> None:
+def check_start(start: StartingPoint, given: BertConfig | None, given_name: str | None, max_seqlen: int) -> None:
     """The run's settings against the weights': a --config (`given`, named `given_name`) of another architecture,
-    a tokenizer of another vocabulary size, or fewer positions than `max_seqlen` is one error naming both."""
+    or fewer positions than `max_seqlen`, is one error naming both."""
     if given is not None:
         differ = [f"{k} {getattr(given, k)!r} (--config {given_name}) but {getattr(start.config, k)!r}"
                   for k in ARCHITECTURE if getattr(given, k) != getattr(start.config, k)]
         if differ:
             raise ValueError(f"--init-from {start.path}: the weights are another architecture than --config: "
                              f"{'; '.join(differ)}. Leave --config out (the architecture comes from the weights)")
-    if vocab_size is not None and vocab_size != start.config.vocab_size:
-        raise ValueError(f"--init-from {start.path}: its vocabulary has {start.config.vocab_size} tokens, the "
-                         f"tokenizer {vocab_size}; use the tokenizer saved with the weights"
-                         + (f" ({start.tokenizer})" if start.tokenizer else ""))
     if max_seqlen > start.config.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seqlen} is longer than the {start.config.max_position_embeddings} "
                          f"positions of the weights at {start.path}")
+
+
+def check_tokenizer(start: StartingPoint, tokenizer, given: str | None) -> None:
+    """The run's tokenizer against the weights': one given (`given`, --tokenizer) that is not the tokenizer saved
+    with them (by content), or any of another vocabulary size than their embeddings, is one error naming both."""
+    if given and start.tokenizer and tokenizer_digest(load_tokenizer(start.tokenizer)) != tokenizer_digest(tokenizer):
+        raise ValueError(f"--tokenizer {given} is not the tokenizer saved with the --init-from weights "
+                         f"({start.tokenizer}): not the vocabulary they were trained with; leave --tokenizer out to "
+                         "use theirs")
+    if tokenizer.get_vocab_size() != start.config.vocab_size:
+        raise ValueError(f"--init-from {start.path}: its vocabulary has {start.config.vocab_size} tokens, the "
+                         f"tokenizer {tokenizer.get_vocab_size()}; use the tokenizer saved with the weights"
+                         + (f" ({start.tokenizer})" if start.tokenizer else ""))
 
 
 def load_start(model, start: StartingPoint) -> LoadingInfo:
