@@ -25,7 +25,7 @@ from . import e2e, encode, precompile, qa
 from . import kernel_suite
 from .lengths import sample_lengths
 from .peaks import measure_peaks
-from .report import add_speedups, e2e_table, markdown, plot, write_csv
+from .report import STEP_COLUMNS, add_speedups, by_measure, e2e_table, markdown, plot, write_csv
 
 
 def device_name(device: torch.device) -> str:
@@ -338,8 +338,13 @@ def run_kernels(args, peaks: dict, device, results: dict, save) -> None:
               f"need a GPU{rest}.\n")
         print(markdown(rows, ["kernel", "shape", "impl", "peak_extra_MB", "rel_err_fp64", "status"]))
         return
-    print(markdown(rows, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
-                          "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "rel_err_fp64", "status"]))
+    ops, steps = by_measure(rows)
+    print(markdown(ops, ["kernel", "shape", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_GBps",
+                         "copy_share", "fwd_TFLOPs", "bwd_TFLOPs", "peak_extra_MB", "rel_err_fp64", "status"]))
+    if steps:
+        print("\n## Optimizer steps\n\nOne step over the model's parameters; bandwidth from the bytes the step must "
+              "move; peak_extra_MB: the first step's, the optimizer's state included.\n")
+        print(markdown(steps, STEP_COLUMNS))
 
 
 def run_data(args, results: dict, save) -> None:

@@ -206,6 +206,14 @@ def spill_limit(variant: Variant) -> int:
     return 64 if variant.dtype == torch.float32 else 0
 
 
+def _tail_accesses(variant: Variant, t: Target) -> int:
+    """The element-by-element 16-bit accesses a kernel's masked tail block may make: its site's `tail` accesses,
+    each of the elements one thread holds of a BLOCK-wide block (none for a kernel without a tail)."""
+    if not variant.tail:
+        return 0
+    return variant.tail * max(1, variant.args["BLOCK"] // (variant.num_warps * t.warp_size))
+
+
 def verdict(variant: Variant, result: Compiled) -> str | None:
     """Why a compiled variant is not good enough, or None when it is: a register report that cannot be read
     (unknown is not clean), spills past `spill_limit`, or, in half precision, what a variant `needs`
@@ -213,9 +221,9 @@ def verdict(variant: Variant, result: Compiled) -> str | None:
     tcgen05 on sm_100, with none left on the slower per-warp mma.sync; mma.sync from sm_75 to sm_89 and on
     sm_120; MFMA on AMD), "warp_dots", every dot on tensor cores with the per-warp mma.sync accepted beside
     the family's own (tiles of 32 rows, narrower than sm_90's warpgroup instruction takes), or "vectors", every
-    global access of its tensors in 16-byte vectors, none element by
-    element (the memory-bound LayerNorm and bias-GeLU). SGPR spills on AMD go to vector-register lanes, not to
-    memory: reported, not failed."""
+    global access of its tensors in 16-byte vectors, none element by element (the memory-bound LayerNorm and
+    bias-GeLU), but for a kernel over tensors of any size those of its masked tail block (`_tail_accesses`).
+    SGPR spills on AMD go to vector-register lanes, not to memory: reported, not failed."""
     t = result.target
     if result.report.spilled is None:
         return f"the compiler's register report could not be read for {t.name} ({result})"
@@ -228,7 +236,7 @@ def verdict(variant: Variant, result: Compiled) -> str | None:
             return f"has dots off {DOT_INSTRUCTIONS[t.dot]} ({result})"
     if half and variant.needs == "warp_dots" and t.tensor_core_dots and not sum(result.dots.values()):
         return f"has no tensor-core dots ({result})"
-    if half and variant.needs == "vectors" and result.scalar16:
+    if half and variant.needs == "vectors" and result.scalar16 > _tail_accesses(variant, t):
         return f"moves half-precision elements one by one ({result})"
     return None
 
@@ -266,7 +274,8 @@ def recorded(rec, call: CompileCall, t: Target, force: tuple[str, dict] | None =
     for launch in got.launches:
         site = launches.site(launch.site)
         out.append(Variant(f"{site.op} {site.part} {call.dtype} size={call.size}{_flags(call.flags)}", launch.fn,
-                           launches.signature(launch), launch.num_warps, launch.num_stages, call.dtype, site.needs))
+                           launches.signature(launch), launch.num_warps, launch.num_stages, call.dtype, site.needs,
+                           tail=site.tail))
     return out
 
 

@@ -7,6 +7,10 @@ once, each output written once); TFLOP/s counts real tokens only, with the backw
 FLOPs (FlashAttention's convention: the recomputed QK^T included). Extra peak memory is that of one forward +
 backward from a clean allocator state (GPU), or the peak RSS growth of a fresh process doing one (CPU).
 
+An optimizer's problem (`Bench.step`) times one step over a model's parameters instead: `step_ms`, bandwidth
+from the bytes the step must move (`step_GBps`, `copy_share`), and on a GPU the peak memory of its first step, the
+optimizer's state included; its correctness is the smoke check's (bench.smoke).
+
 Where a problem has an exact reference, each row also says how right the implementation is: `rel_err_fp64`, the
 largest over its output and every input gradient of ||ours - exact|| / ||exact||, the exact values computed in
 float64 on the same inputs, so that nobody wins by being wrong. Implementations that draw dropout have none.
@@ -43,6 +47,14 @@ def _backward(out: torch.Tensor) -> None:
     out.backward(torch.ones_like(out))  # a gradient of the output's size, as training passes one
 
 
+def _run_once(case, fn, inputs) -> None:
+    """One forward + backward, or one step of an optimizer's case."""
+    if case.step:
+        fn(*inputs)
+    else:
+        _backward(fn(*inputs))
+
+
 def _gpu_peak(fn, inputs) -> float:
     """Bytes allocated beyond the inputs at the peak of one forward + backward."""
     torch.cuda.synchronize()
@@ -72,7 +84,25 @@ def exact_error(case, impl: str, fn, inputs) -> float | None:
     return max(rel_err(a, b) for a, b in zip(got, want) if a is not None and b is not None)
 
 
+def _measure_step(case, fn, device) -> dict:
+    """An optimizer step's row: the peak memory of its first step (on a GPU: the state it allocates, and its
+    temporaries), then its median time."""
+    inputs = case.inputs()
+    row = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn(*inputs)
+        torch.cuda.synchronize()
+        row["peak_extra_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    row["step_ms"] = timeit(lambda: fn(*inputs), device) * 1e3
+    return row
+
+
 def _measure(case, impl, fn, device) -> dict:
+    if case.step:
+        return _measure_step(case, fn, device)
     inputs = case.inputs()
     row = {}
     if device.type == "cuda":
@@ -96,12 +126,15 @@ def _cpu_child(name: str, shape, index: int, impl: str, full: bool):
     case = list(record(name).bench(shape, torch.device("cpu"), torch.float32, full))[index]
     fn, inputs = case.impls[impl], case.inputs()
     before = rss_mb()
-    _backward(fn(*inputs))
+    _run_once(case, fn, inputs)
     extra = (peak_rss_mb() - before) * 2**20
     return extra, exact_error(case, impl, fn, case.inputs())
 
 
 def _rates(row: dict, case, peaks: dict) -> dict:
+    if case.step:
+        gbps = case.bytes_fwd / (row["step_ms"] / 1e3) / 1e9
+        return dict(row, step_GBps=gbps, copy_share=gbps / peaks["copy_GBps"])
     if case.bytes_fwd:
         gbps = (case.bytes_fwd + case.bytes_bwd) / (row["fwd_bwd_ms"] / 1e3) / 1e9
         row.update(fwd_bwd_GBps=gbps, copy_share=gbps / peaks["copy_GBps"])
@@ -119,13 +152,14 @@ def _case_rows(record, shape, index, case, peaks, device, full, fresh):
         impls["torch-compile"] = torch.compile(impls["torch-eager"])
     for name, fn in impls.items():
         row = {"kernel": case.kernel, "shape": case.shape, "impl": name,
-               "dtype": str(_dtype(device)).replace("torch.", ""), **case.extra}
+               "dtype": str(_dtype(device)).replace("torch.", ""), **case.extra,
+               **({"measure": "step"} if case.step else {})}
         if isinstance(fn, str):
             yield dict(row, status=f"skipped: {fn}")
             continue
         if WARM_ONLY:
             if "ours" in name:
-                _backward(fn(*case.inputs()))
+                _run_once(case, fn, case.inputs())
             continue
         try:
             if fresh:

@@ -1,6 +1,7 @@
 """Pre-training runs read back into a report: each bert-pretrain run's summary.json as a table row (objective,
-starting weights, steps, sequences, tokens, training seconds, the last held-out MLM accuracy and, with a target,
-the time to it), and the held-out MLM accuracy of each run's log against the tokens it trained on, as a plot.
+optimizer and global batch where the summary records them, starting weights, steps, sequences, tokens, training
+seconds, the last held-out MLM accuracy and, with a target, the time to it), and the held-out MLM accuracy of each
+run's log against the tokens it trained on, as a plot.
 
 `bert-bench --suite pretrain --pretrain-runs RUN...` puts them into its report (pretrain.csv, pretrain.png);
 `python -m bertfuse.bench.pretrain_runs RUN... [--plot PNG]` prints the table alone. A run that starts from
@@ -15,7 +16,8 @@ import sys
 
 from .report import markdown
 
-COLUMNS = ("run", "objective", "init_from", "max_seq_len", "mlm_probability", "steps", "sequences", "tokens",
+COLUMNS = ("run", "objective", "optimizer", "batch_size", "init_from", "max_seq_len", "mlm_probability", "steps",
+           "sequences", "tokens",
            "train_seconds", "eval_mlm_acc", "target", "reached", "target_step", "target_seconds", "target_tokens")
 
 
@@ -33,7 +35,8 @@ def read_run(run_dir: str) -> dict:
     start = (s.get("init_from") or {}).get("path")
     target = s.get("target") or {}
     return {"run": os.path.basename(os.path.normpath(run_dir)), "path": os.path.abspath(run_dir),
-            "objective": s.get("objective"), "init_from": start and os.path.abspath(start),
+            "objective": s.get("objective"), "optimizer": s.get("optimizer"), "batch_size": s.get("batch_size"),
+            "init_from": start and os.path.abspath(start),
             "max_seq_len": s.get("max_seq_len"), "mlm_probability": s.get("mlm_probability"), "steps": s["steps"],
             "sequences": s["sequences"], "tokens": s["tokens"], "train_seconds": s["train_seconds"],
             "eval_mlm_acc": (s.get("last") or {}).get("eval_mlm_acc"), "target": target.get("value"),

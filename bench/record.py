@@ -79,9 +79,9 @@ class BenchShapes(NamedTuple):
 
 
 class Bench(NamedTuple):
-    """One benchmarked problem: each implementation runs forward + backward on fresh `inputs()`. An impl given as
-    a string is reported as skipped for that reason; names containing "ours" are this project's. With a
-    "torch-eager" impl, a GPU run adds "torch-compile" of it."""
+    """One benchmarked problem: each implementation runs forward + backward (or, `step`, one optimizer step) on
+    fresh `inputs()`. An impl given as a string is reported as skipped for that reason; names containing "ours"
+    are this project's. With a "torch-eager" impl, a GPU run adds "torch-compile" of it."""
     kernel: str                 # the row label, as the targets read it
     shape: str
     impls: dict
@@ -92,6 +92,9 @@ class Bench(NamedTuple):
     extra: dict = {}            # more row fields (what the targets select on)
     reference: Callable | None = None  # the exact function, run in float64 on the same inputs: each impl's
                                        # output and gradients get their relative error to it (rel_err_fp64)
+    step: bool = False          # the impls are optimizer steps, fn(*inputs) updating its inputs in place with no
+                                # autograd: timed as one call (step_ms; bandwidth from bytes_fwd, step_GBps), the
+                                # peak memory that of the first step (the optimizer's state included)
 
 
 # -- launch-config tuning and the compile check of every GPU family ------------------------------------------------
@@ -110,6 +113,7 @@ class Variant(NamedTuple):
     num_stages: int = 3
     dtype: torch.dtype = torch.float32
     needs: str | None = None
+    tail: int = 0               # its launch site's masked-tail accesses (kernels.launches.LaunchSite.tail)
     refused: str | None = None  # the launchers' error, for a call the family refuses (fn is then None): a
                                 # launch they make has passed their refusals (kernels.targets.check) already
     failed: str | None = None   # a launch-config table entry the launcher refuses (fn is then None): a failure

@@ -17,6 +17,15 @@ def markdown(rows, columns) -> str:
     return "\n".join(lines)
 
 
+STEP_COLUMNS = ["kernel", "shape", "params", "impl", "step_ms", "step_GBps", "copy_share", "peak_extra_MB", "status"]
+
+
+def by_measure(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Kernel-suite rows split: (the rows of forward + backward problems, those of optimizer steps), each kind a
+    table of its own."""
+    return [r for r in rows if r.get("measure") != "step"], [r for r in rows if r.get("measure") == "step"]
+
+
 def add_speedups(rows, keys=("family", "objective", "config", "seq_len", "batch", "padding", "dtype"),
                  metric="tokens_per_s"):
     """speedup_vs_<ref> on every ok row: its metric over the same-shaped row of each reference variant (the same

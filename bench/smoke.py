@@ -77,13 +77,17 @@ def _errors(ours, ref64, same, dtype) -> tuple[float, float]:
 
 
 def compare(name, dtype, inputs, ours_fn, ref_fn, names) -> Result:
-    """Run ours_fn and ref_fn (float64 and dtype) on the same rounded inputs; compare outputs and gradients."""
+    """Run ours_fn and ref_fn (float64 and dtype) on the same rounded inputs; compare outputs and gradients (none
+    where `names` names the output only: an op without autograd, such as an optimizer step)."""
     g = torch.Generator().manual_seed(1)
     rounded = [t.to(dtype) for t in inputs]
     runs = []
     for fn, cast in ((ours_fn, dtype), (ref_fn, torch.float64), (ref_fn, dtype)):
-        leaves = [t.to(cast).requires_grad_() for t in rounded]
+        leaves = [t.to(cast).requires_grad_(len(names) > 1) for t in rounded]
         out = fn(*leaves)
+        if len(names) == 1:
+            runs.append([out])
+            continue
         if not runs:
             dout = torch.randn(out.shape, generator=g).to(out.device)
         grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from .report import add_e2e_speedups, add_speedups, e2e_table, markdown
+from .report import STEP_COLUMNS, add_e2e_speedups, add_speedups, by_measure, e2e_table, markdown
 from .targets import evaluate
 
 
@@ -96,8 +96,10 @@ def render(raw: str) -> str:
     kernels = results.get("kernels", [])
     lines += ["", "## Kernels and their peers", "", "Each row's time, extra memory and error to the float64 "
               "reference (where there is one), so a fast row can be seen to be right.", "",
-              markdown(kernels, ["kernel", "shape", "impl", "fwd_bwd_ms", "peak_extra_MB", "rel_err_fp64", "status"])
-              if kernels else "not run"]
+              markdown(by_measure(kernels)[0], ["kernel", "shape", "impl", "fwd_bwd_ms", "peak_extra_MB",
+                                                 "rel_err_fp64", "status"]) if kernels else "not run"]
+    if by_measure(kernels)[1]:
+        lines += ["", "## Optimizer steps", "", markdown(by_measure(kernels)[1], STEP_COLUMNS)]
     smoke = _json(os.path.join(raw, "smoke.json"), None)
     lines += ["", "## Smoke", ""]
     if smoke is None:

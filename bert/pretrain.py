@@ -479,7 +479,8 @@ def build_model(args, cfg: BertConfig, start: StartingPoint | None, d: Dist) -> 
     then), and what summary.json says of it."""
     model = (BertForPreTraining if args.objective == "mlm+nsp" else BertForMaskedLM)(cfg)
     about = {"objective": args.objective, "max_seq_len": args.max_seq_len, "mlm_probability": args.mlm_probability,
-             "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE}, "init_from": None}
+             "batch_size": args.batch_size, "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE},
+             "init_from": None}
     if start is not None:
         about["init_from"] = {"path": start.path}
         if not args.resume:

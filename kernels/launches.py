@@ -36,6 +36,9 @@ class LaunchSite(NamedTuple):
                                 # has none), "warp_dots" (on tensor cores, the per-warp mma.sync
                                 # accepted on families that also have a wider instruction) or "vectors"
                                 # (16-byte global accesses)
+    tail: int = 0               # with "vectors", a kernel over tensors of any size (the optimizer's): the
+                                # half-precision accesses its masked tail block makes, which move one element at a
+                                # time; the compile check allows that many per element a thread holds, no more
 
     @property
     def op(self) -> str:

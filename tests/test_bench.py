@@ -11,7 +11,7 @@ from bertfuse import kernels  # noqa: F401  (triton imported now, interpreter on
 from bertfuse.bench import e2e
 from bertfuse.bench.batches import make_batch
 from bertfuse.bench.cli import main
-from bertfuse.bench.report import plot
+from bertfuse.bench.report import by_measure, plot
 from bertfuse.bench import kernel_suite
 from bertfuse.bench.lengths import WIKI_PERCENTILES, sample_lengths
 
@@ -85,11 +85,15 @@ def test_kernel_suites_at_tiny_sizes_on_this_device(device):
         if r.bench_shapes.cpu is None:  # timed in process; the memory ones below
             every += kernel_suite.rows(r, PEAKS, True, device, shapes=r.bench_shapes.tiny)
     _peer_rows_say_why(every)
+    every, steps = by_measure(every)
+    assert {(r["kernel"], r["impl"]) for r in steps} == {("lamb_step", "ours"), ("lamb_step", "torch-lamb"),
+                                                         ("adamw_step", "torch-fused")}
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 and r["step_GBps"] > 0 for r in steps), steps
     rows = [r for r in every if r["impl"] in ("torch-eager", "ours", "sdpa-masked")]
     assert rows and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
     assert {r["impl"] for r in rows} == {"torch-eager", "ours", "sdpa-masked"}
     timed_here = {b.kernel for r in records() if r.bench_shapes.cpu is None for shape in r.bench_shapes.tiny
-                  for b in r.bench(shape, device, torch.float32, True)}  # what each record benchmarks
+                  for b in r.bench(shape, device, torch.float32, True) if not b.step}  # what each record benchmarks
     assert {r["kernel"] for r in rows} == timed_here
     assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in rows)
     counted = ("attention", "disentangled")  # FLOP-counted; the other ops are counted in bytes

@@ -123,6 +123,11 @@ def rows():
                 dict(mlm, impl="(e) cut cross-entropy, no bias", peak_extra_MB=100.0, fwd_bwd_ms=1.8),
                 dict(mlm, impl="(c) ours", shape="131072 tok x H1024", hidden=1024, tokens=131072,
                      peak_extra_MB=800.0, fwd_bwd_ms=9.0)]
+    # The optimizer step: LAMB at 70% of copy (not met) and 5x faster than the plain PyTorch LAMB (met).
+    step = dict(kernel="lamb_step", shape="base", dtype="bfloat16", measure="step", status="ok")
+    kernels += [dict(step, impl="ours", step_ms=2.0, step_GBps=2800.0, copy_share=0.7),
+                dict(step, impl="torch-lamb", step_ms=10.0), dict(step, kernel="adamw_step", impl="torch-fused",
+                                                                   step_ms=1.5)]
     e2e = dict(family="bert", config="base", seq_len=128, padding="wiki", dtype="bfloat16", batch=256, status="ok")
     enc = dict(batch=256, dtype="bfloat16", seq_len=128, status="ok")
     return {"meta": {"device": "NVIDIA H200", "peaks": {"matmul_TFLOPs": 700.0, "copy_GBps": 4000.0}},
@@ -149,7 +154,7 @@ def test_targets_read_the_benchmark_rows():
                        "attention bwd, d64 s512 bf16", "MLM loss extra memory vs full logits, H768",
                        "MLM loss time vs Cut Cross-Entropy (no bias)",
                        "RoBERTa-base step s128 wiki bf16, fused HF vs HF eager",
-                       "BERT-large step s512 wiki bf16, packed"}
+                       "BERT-large step s512 wiki bf16, packed", "LAMB step bandwidth"}
     unmeasured = {name for name, v in verdicts.items() if v.met is None}
     assert unmeasured == {"encode RoBERTa-base, batch 256, wiki lengths, bf16: fused vs HF SDPA"}
     assert len(met) + len(not_met) + 1 == len(targets())
@@ -164,6 +169,9 @@ def test_targets_read_the_benchmark_rows():
     assert verdicts["MLM loss time vs Liger fused linear CE"].value.startswith("1.25x")
     assert verdicts["MLM loss extra memory, BERT-large 256 x 512"].value == "800 MB"
     assert verdicts["attention vs flash-attn varlen, every shape"].value.startswith("1.10x")
+    assert verdicts["LAMB step vs plain PyTorch LAMB"].met and verdicts["LAMB step vs plain PyTorch LAMB"].value \
+        .startswith("5.00x")
+    assert verdicts["LAMB step bandwidth"].value.startswith("70% of copy")
     assert all(v.met is None and v.status == "not measured" for v in evaluate({}))
 
 
@@ -188,6 +196,8 @@ def test_summary_of_a_partial_run(tmp_path):
     assert "| attention fwd, d64 s512 bf16 | >= 350 TFLOP/s (H200) | 400 TFLOP/s | met |" in text
     assert "| BERT-base step s128 wiki bf16 throughput | >= 0.8M real tokens/s (H200) |  | not measured |" in text
     assert "| mlm_loss | 32768 tok x H768 | (d) liger fused linear CE | 2.5 | 400 |  | ok |" in text
+    assert "## Optimizer steps" in text and "| lamb_step | base |  | ours | 2 | 2,800 | 0.7 |  | ok |" in text
+    assert "| lamb_step |" not in text.split("## Optimizer steps")[0]  # not in the forward + backward table
     assert "## Pre-training step: ours against what transformers users run\n\nnot run" in text
     (tmp_path / "e2e").mkdir()
     meta = dict(rows()["meta"], padding_free="Padding-free rows on transformers 5.25.0: hf-flat (sdpa)")

@@ -26,7 +26,8 @@ def test_two_phases_and_a_target_are_read_into_bert_benchs_report(tmp_path, caps
     assert two["steps"] == 3 and two["target_tokens"] == two["tokens"] > 0
     (t1, a1), (t2, a2) = pretrain_runs.curves(rows)
     assert len(t1) == 2 and len(t2) == 1 and t2[0] > t1[-1] == one["tokens"]  # phase 2 goes on from phase 1
-    assert "| phase2 | mlm+nsp | phase1 | 128 |" in pretrain_runs.table(rows)
+    assert (one["optimizer"], one["batch_size"]) == ("adamw", 8)
+    assert "| phase2 | mlm+nsp | adamw | 8 | phase1 | 128 |" in pretrain_runs.table(rows)
     out = tmp_path / "report"
     assert bench_main(["--suite", "pretrain", "--pretrain-runs", str(tmp_path / "phase1"), str(tmp_path / "phase2"),
                        "--output-dir", str(out), "--device", "cpu"]) == 0

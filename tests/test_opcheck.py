@@ -87,11 +87,21 @@ def _labelled_rows():
     return op(LABELS, -100)
 
 
+def _lamb():
+    """One optimizer step (no autograd: the weights it returns have no gradient to follow)."""
+    weights = [torch.nn.Parameter(w.detach()) for w in _leaves((5, 3), (7,), seed=8)]
+    for w in weights:
+        w.grad = torch.ones_like(w)
+    kernels.Lamb([{"params": weights[:1]}, {"params": weights[1:], "weight_decay": 0.0}], lr=0.1).step()
+    return weights[0].detach()
+
+
 CALLS = {"attention": _attention, "attention, bias, window, grouped heads": _attention_bias_window_gqa,
          "disentangled attention": _disentangled, "bias + GeLU": _bias_gelu, "GLU": _glu,
          "LayerNorm and RMSNorm": _layer_norm, "rotary": _rotary,
          "MLM loss, fused": functools.partial(_mlm_loss, "fused"),
-         "MLM loss, chunked": functools.partial(_mlm_loss, "chunked"), "labelled rows": _labelled_rows}
+         "MLM loss, chunked": functools.partial(_mlm_loss, "chunked"), "labelled rows": _labelled_rows,
+         "LAMB step": _lamb}
 
 
 class _Recorder(TorchDispatchMode):

@@ -7,7 +7,7 @@ import torch
 
 from bertfuse import bert
 from bertfuse.bert.data.masking import SpecialIds
-from bertfuse.bert.train.optim import adamw
+from bertfuse.bert.train.optim import adamw, lamb
 from bertfuse.bert.data.packing import PackedShapes
 from bertfuse.bert.train.static import GraphedStep
 from batch_utils import DictMasker, DictPacker
@@ -81,7 +81,14 @@ def test_packed_training_step_reads_nothing_from_the_device(backend):
         out = model(**batch)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()  # the CPU optimizer reads its step count with .item(); on CUDA the fused one does not (GPU test)
+    opt.step()  # the CPU's AdamW reads its step count with .item(); on CUDA the fused one does not (GPU test)
+    if backend == "torch":  # LAMB reads nothing, on any device: the whole step, optimizer included
+        steps = lamb(model.parameters(), 1e-3, torch.device("cpu"), capturable=True)
+        for _ in range(2):
+            with forbid_host_sync():
+                model(**batch).loss.backward()
+                steps.step()
+                steps.zero_grad(set_to_none=True)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # The check itself works: the padded call validates its inputs with one sync, and is refused.
     with pytest.raises(HostSyncError, match="inside forbid_host_sync"), forbid_host_sync():
@@ -144,15 +151,15 @@ def _gpu_step(model, opt):
     return _train_step(model, opt, torch.autocast("cuda", dtype=torch.bfloat16))
 
 
-def _capturable_adamw(model):
-    return adamw(model.parameters(), 1e-3, torch.device("cuda"), capturable=True)
+def _capturable(model, optimizer="adamw"):
+    return (adamw if optimizer == "adamw" else lamb)(model.parameters(), 1e-3, torch.device("cuda"), capturable=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_packed_step_has_no_sync_on_the_gpu(backend):
+@pytest.mark.parametrize("backend,optimizer", [("torch", "adamw"), ("triton", "adamw"), ("triton", "lamb")])
+def test_packed_step_has_no_sync_on_the_gpu(backend, optimizer):
     model = tiny(backend).cuda()
-    opt = _capturable_adamw(model)
+    opt = _capturable(model, optimizer)
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed_batch().items()}
     step = _gpu_step(model, opt)
     step([batch], {"n": torch.ones((), device="cuda")})  # first calls compile kernels and make the state
@@ -163,14 +170,14 @@ def test_packed_step_has_no_sync_on_the_gpu(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cuda_graph_replay_matches_eager(backend):
+@pytest.mark.parametrize("backend,optimizer", [("torch", "adamw"), ("triton", "adamw"), ("triton", "lamb")])
+def test_cuda_graph_replay_matches_eager(backend, optimizer):
     """Dropout off: the graphed step and the eager one train identically; warm-up trains nothing."""
     eager_model = tiny(backend, dropout=0.0).cuda()
     graph_model = twin_of(eager_model).cuda()
     batches = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed_batch(seed=s).items()}
                for s in range(4)]
-    eager_opt, graph_opt = _capturable_adamw(eager_model), _capturable_adamw(graph_model)
+    eager_opt, graph_opt = _capturable(eager_model, optimizer), _capturable(graph_model, optimizer)
     eager = _gpu_step(eager_model, eager_opt)
     graphed = GraphedStep(_gpu_step(graph_model, graph_opt), graph_model, graph_opt)
     for b in batches:

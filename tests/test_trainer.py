@@ -259,8 +259,8 @@ def test_both_commands_take_the_trainer_options_from_one_group():
     assert (pre.lr, pre.save_every, fine.lr, fine.save_every, fine.resume) == (2e-4, 500, 3e-5, 0, "latest")
     s = Settings.from_arguments(pre, 7, {"a": 1}, adam_eps=1e-6)
     assert (s.steps, s.lr, s.progress, s.adam_eps, s.output_dir) == (7, 2e-4, False, 1e-6, "runs/pretrain")
-    assert s.run_settings == {"lr": 2e-4, "warmup": 0.01, "lr_decay_power": 1.0, "weight_decay": 0.01,
-                              "grad_accum": 1, "max_grad_norm": 1.0, "precision": "auto", "seed": 0, "a": 1}
+    assert s.run_settings == {"lr": 2e-4, "warmup": 0.01, "lr_decay_power": 1.0, "optimizer": "adamw",
+                              "weight_decay": 0.01, "grad_accum": 1, "max_grad_norm": 1.0, "precision": "auto", "seed": 0, "a": 1}
     for flag, value, message in (("lr", 0.0, "--lr must be positive"), ("warmup", -1.0, "--warmup must be 0 or more"),
                                  ("keep_checkpoints", 0, "--keep-checkpoints must be positive")):
         bad = parsers["finetune"].parse_args(["classify", "--model", "m"])
@@ -430,3 +430,85 @@ def test_auto_precision_is_bf16_where_the_gpu_has_it_and_fp16_where_not(monkeypa
     assert amp_precision("fp32", t4) == "fp32"
     with pytest.raises(ExpectedError, match=r"--precision bf16: the Tesla T4 \(sm_75\) has no bfloat16.*fp16"):
         amp_precision("bf16", t4)
+
+
+# ---- --optimizer lamb ---------------------------------------------------------------------------------------
+def test_lamb_trains_resumes_exactly_and_saves_its_state(tmp_path):
+    """Four steps straight, and a resume from the step-2 checkpoint of the same run: the same log rows and bits;
+    the checkpoint holds LAMB's float32 moments and step counts, and a resume under AdamW is refused."""
+    lamb = dict(optimizer="lamb", steps=4, save_every=2, lr=5e-3, warmup=2, run_settings={"optimizer": "lamb"})
+    trainer, _ = fit(TinyJob(), settings(tmp_path / "full", **lamb))
+    assert type(trainer.optimizer).__name__ == "Lamb"
+    full = rows(tmp_path / "full")
+    assert all(r["grad_norm"] > 0 and r["nonfinite_steps"] == 0 for r in full)
+    saved = torch.load(tmp_path / "full" / "checkpoints" / "step-00000002" / "training_state.pt", weights_only=True)
+    state = next(iter(saved["optimizer"]["state"].values()))
+    assert state["step"].item() == 2 and state["exp_avg"].dtype == torch.float32
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["optimizer"] == "lamb"
+
+    fit(TinyJob(), settings(tmp_path / "cut", **lamb))
+    ckpt = str(tmp_path / "cut" / "checkpoints" / "step-00000002")  # resumed from: steps 3 and 4 again
+    with pytest.raises(ValueError, match="--optimizer was 'lamb', now 'adamw'"):
+        Trainer(TinyJob(), settings(tmp_path / "cut", **dict(lamb, optimizer="adamw", run_settings={
+                "optimizer": "adamw"}), resume=ckpt), torch.device("cpu"), bert.train.distributed.Dist())
+    resumed, _ = fit(TinyJob(), settings(tmp_path / "cut", **lamb, resume=ckpt))
+    assert [(r["task_loss"], r["lr"], r["grad_norm"]) for r in rows(tmp_path / "cut")] == \
+        [(r["task_loss"], r["lr"], r["grad_norm"]) for r in full]
+    for (name, a), b in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_lamb_pre_normalises_instead_of_clipping_and_skips_a_non_finite_step_on_the_device(tmp_path):
+    """--max-grad-norm under LAMB is its pre-normalisation: the log shows the gradients' norm before it, and one
+    step equals a Lamb step of the unclipped gradients; a poisoned step changes nothing and the run goes on."""
+    trainer, _ = fit(TinyJob(), settings(tmp_path / "one", optimizer="lamb", steps=1, max_grad_norm=0.01))
+    logged = rows(tmp_path / "one")[0]["grad_norm"]
+    twin = TinyJob()
+    batch = twin.epoch_steps(0, 0, None, 1)[0][0]
+    (twin.loss_terms(twin.model(**batch), batch)["task"] / 4).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in twin.model.parameters()]))
+    assert logged == pytest.approx(norm.item(), rel=1e-5) and logged > 0.01
+    from bertfuse.kernels import Lamb
+
+    groups = bert.train.optim.param_groups(twin.model, 0.01)
+    opt = Lamb(groups, lr=torch.tensor(0.0), max_grad_norm=0.01)  # step 1 of a schedule without warm-up: lr 1e-3
+    opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    for (name, a), b in zip(trainer.model.named_parameters(), twin.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+    skipped, last = fit(TinyJob(poisoned={3}), settings(tmp_path / "skip", optimizer="lamb", steps=4,
+                                                        max_nonfinite_steps=1))
+    assert [r["nonfinite_steps"] for r in rows(tmp_path / "skip")] == [0, 0, 1, 0]
+    assert all(s["step"].item() == 3 for s in skipped.optimizer.state.values())  # step 3 counted for none
+
+
+@pytest.mark.slow
+def test_lamb_runs_in_the_captured_static_step(tmp_path, monkeypatch):
+    """The trainer's step as a CUDA graph would run it (GraphedStep, with the CPU stand-in of a capture):
+    learning rates on the device, LAMB's step inside, nothing read back; the same weights as without."""
+    from bertfuse.bert.train import loop
+    from test_static import _cpu_record
+
+    eager, _ = fit(TinyJob(), settings(tmp_path / "eager", optimizer="lamb", steps=4, warmup=2))
+    monkeypatch.setattr(loop.Trainer, "_graphs_possible", lambda self: True)
+    monkeypatch.setattr(TinyJob, "static_shapes", True, raising=False)
+    trainer = Trainer(TinyJob(), settings(tmp_path / "graphed", optimizer="lamb", steps=4, warmup=2,
+                                          cuda_graphs=True), torch.device("cpu"), bert.train.distributed.Dist())
+    assert isinstance(trainer.optimizer.param_groups[0]["lr"], torch.Tensor)
+    trainer.graphed.record = _cpu_record
+    trainer.fit()
+    assert trainer.graphed.replay is not None
+    assert [r["task_loss"] for r in rows(tmp_path / "graphed")] == [r["task_loss"] for r in rows(tmp_path / "eager")]
+    for (name, a), b in zip(eager.model.named_parameters(), trainer.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.compile
+def test_lamb_beside_a_compiled_model(tmp_path):
+    """--compile with --optimizer lamb: the compiled forward and backward (aot_eager), LAMB's kernels after them;
+    the same training as eager."""
+    eager, _ = fit(TinyJob(), settings(tmp_path / "eager", optimizer="lamb", steps=3))
+    compiled, _ = fit(TinyJob(), settings(tmp_path / "compiled", optimizer="lamb", steps=3, compile="aot_eager"))
+    for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -42,9 +42,10 @@ def resolve_backend(name: str) -> str:
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
 
 
-# The Triton path of each op: the public entry point of `kernels` it calls, by the op's module there.
+# The Triton path of each op: the public entry point of `kernels` it calls, by the op's module there (the
+# trainer's optimizer included: --optimizer lamb).
 TRITON = {"attention": "varlen_attention", "bias_gelu": "bias_gelu", "disentangled": "disentangled_attention",
-          "glu": "glu", "layer_norm": "layer_norm", "mlm_loss": "masked_lm_loss", "rotary": "rotary"}
+          "glu": "glu", "lamb": "Lamb", "layer_norm": "layer_norm", "mlm_loss": "masked_lm_loss", "rotary": "rotary"}
 
 
 def _triton(op: str):

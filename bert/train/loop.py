@@ -2,8 +2,9 @@
 each supplies.
 
 The trainer owns everything the two have in common: the device and torchrun/DDP set-up, mixed precision
-(bf16 autocast, or fp16 with a gradient scaler), gradient accumulation and clipping, AdamW (fused on CUDA; no
-decay on biases and LayerNorm) with linear warm-up and polynomial (by default linear) decay, evaluation cadence and
+(bf16 autocast, or fp16 with a gradient scaler), gradient accumulation and clipping, the optimizer (AdamW, fused
+on CUDA, or LAMB, whose kernels pre-normalise the gradients by their norm instead of a clip; no decay on biases
+and LayerNorm) with linear warm-up and polynomial (by default linear) decay, evaluation cadence and
 a target score that ends the run (time to target, as MLPerf scores training), atomic checkpoints with exact
 resume (model, optimizer, scheduler, scaler, RNG states, data position; a changed setting is refused unless
 allowed; log rows after the checkpoint are dropped), SIGTERM/SIGINT (checkpoint, then stop), and logging
@@ -11,11 +12,11 @@ allowed; log rows after the checkpoint are dropped), SIGTERM/SIGINT (checkpoint,
 tokens, sequences and seconds of training so far (carried over a resume); OUTPUT_DIR/summary.json at the end.
 
 Nothing non-finite is trained on or saved: a step whose loss or gradient norm is not finite never changes the
-weights (the fused optimizer skips it on the device, as a gradient scaler's step does; the CPU one reads the flag,
-which costs no device sync there), the flags are read with the log window, and more than `max_nonfinite_steps`
-such steps in a row stop the run with `NonFiniteError` naming the step. Every window is read before a checkpoint
-(log windows restart at checkpoints, so a resumed run logs what an uninterrupted one does), and no weights that
-are not finite are ever written. `output_dir_lock` keeps a second job out of a run's directory.
+weights (the fused AdamW on CUDA and LAMB skip it on the device, as a gradient scaler's step does; the CPU's AdamW
+reads the flag, which costs no device sync there), the flags are read with the log window, and more than
+`max_nonfinite_steps` such steps in a row stop the run with `NonFiniteError` naming the step. Every window is read
+before a checkpoint (log windows restart at checkpoints, so a resumed run logs what an uninterrupted one does), and
+no weights that are not finite are ever written. `output_dir_lock` keeps a second job out of a run's directory.
 
 A job supplies the rest (see `Job`): its model, its data as global steps of rank-local micro-batches, the loss
 terms of a micro-batch, its log fields and its evaluation. Losses are normalised over the whole global batch
@@ -40,7 +41,7 @@ from bertfuse.bert.common.errors import ExpectedError, StopRun, StopSignals, fir
 from bertfuse.bert.common.files import atomic_write_text
 from bertfuse.bert.train.distributed import Dist
 from bertfuse.bert.train.health import HEALTH, NonFiniteError, Window, grad_norm, say, worker_deaths
-from bertfuse.bert.train.optim import adamw, param_groups, set_lr_types, warmup_decay_schedule
+from bertfuse.bert.train.optim import adamw, lamb, param_groups, set_lr_types, warmup_decay_schedule
 from bertfuse.bert.train.rundir import (
     check_resumed_settings,
     checkpoint_dir,
@@ -150,9 +151,14 @@ class Trainer:
         precision = amp_precision(settings.precision, device)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        graphs = settings.cuda_graphs and self._graphs_possible()
-        self.optimizer = adamw(param_groups(self.model, settings.weight_decay), settings.lr, device,
-                               capturable=graphs, betas=(0.9, 0.999), eps=settings.adam_eps)
+        self.capturable = settings.cuda_graphs and self._graphs_possible()
+        groups = param_groups(self.model, settings.weight_decay)
+        if settings.optimizer == "lamb":  # its step pre-normalises the gradients by their norm (max_grad_norm)
+            self.optimizer = lamb(groups, settings.lr, device, self.capturable, betas=(0.9, 0.999),
+                                  eps=settings.adam_eps, max_grad_norm=settings.max_grad_norm)
+        else:
+            self.optimizer = adamw(groups, settings.lr, device, capturable=self.capturable, betas=(0.9, 0.999),
+                                   eps=settings.adam_eps)
         warmup = warmup_steps(settings.warmup, settings.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_decay_schedule(warmup, settings.steps, settings.lr_decay_power))
@@ -169,7 +175,7 @@ class Trainer:
         self.forward = torch.compile(self.ddp, backend=settings.compile, dynamic=False if job.static_shapes else None) \
             if settings.compile else self.ddp
         self.graphed = None
-        if graphs:
+        if self.capturable:
             from bertfuse.bert.train.static import GraphedStep
 
             self.graphed = GraphedStep(self._train_step, self.model, self.optimizer)
@@ -206,7 +212,7 @@ class Trainer:
                                s.allow_config_changes)
         self.model.load_hf_state_dict(read_state_dict(path))
         self.optimizer.load_state_dict(saved["optimizer"])
-        set_lr_types(self.optimizer, self.device)
+        set_lr_types(self.optimizer, self.device, self.capturable)
         self.scheduler.load_state_dict(saved["scheduler"])
         if self.scaler is not None and saved.get("scaler"):
             self.scaler.load_state_dict(saved["scaler"])
@@ -290,7 +296,8 @@ class Trainer:
         sequences and tokens it took."""
         st = self.state
         out = {"steps": st["step"], "train_seconds": st["train_seconds"], "sequences": st["sequences_seen"],
-               "tokens": st["tokens_seen"], "stopped": bool(last.get("stopped")), **self.job.summary()}
+               "tokens": st["tokens_seen"], "stopped": bool(last.get("stopped")), "optimizer": self.s.optimizer,
+               **self.job.summary()}
         if self.s.target:
             metric, value = self.s.target
             hit = self.reached
@@ -391,11 +398,17 @@ class Trainer:
             window.add(values)
         for n, v in local.items():
             window.counts[n] = window.counts.get(n, 0.0) + v
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self._lr()
         self.scheduler.step()
         self.state["step"] += 1
         self.state["batch_in_epoch"] += 1
         return lr
+
+    def _lr(self) -> float:
+        """The first group's learning rate at this step, from the schedule: a float even where the optimizer reads
+        a device tensor (a captured step's), which would cost a sync to read."""
+        s = self.scheduler
+        return s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch)
 
     def _train_step(self, batches: list[dict], denominators: dict) -> list[dict[str, torch.Tensor]]:
         """Forward and backward of every micro-batch (device tensors), then the optimizer step; returns each
@@ -422,7 +435,9 @@ class Trainer:
         non-finite gradients are its business (it skips the step and lowers the scale); only the loss counts."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = grad_norm(self.model.parameters(), self.s.max_grad_norm)
+        if self.s.optimizer == "lamb" and not self.scaler:
+            return self._lamb_step(loss)
+        norm = grad_norm(self.model.parameters(), 0.0 if self.s.optimizer == "lamb" else self.s.max_grad_norm)
         bad = ~torch.isfinite(loss) if self.scaler else ~(torch.isfinite(loss) & torch.isfinite(norm))
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -434,6 +449,17 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([bad.float(), loss.float(), norm.float()])
+
+    def _lamb_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """LAMB takes the gradients as they are: its kernels compute their global norm (logged, and its
+        pre-normalisation by max_grad_norm), skip a step where it is not finite, and skip one whose loss is not
+        (found_inf), all on the device."""
+        bad_loss = ~torch.isfinite(loss)
+        self.optimizer.found_inf = bad_loss.float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        norm = self.optimizer.grad_norm
+        return torch.stack([(bad_loss | ~torch.isfinite(norm)).float(), loss.float(), norm.float()])
 
     def _stopping(self) -> bool:
         if self.d.world == 1:

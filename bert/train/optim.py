@@ -14,12 +14,24 @@ def adamw(params, lr: float, device: torch.device, capturable: bool = False, **k
     return opt
 
 
-def set_lr_types(opt: torch.optim.Optimizer, device) -> None:
-    """Each group's learning rate as the step reads it: a device tensor for a capturable optimizer (the captured
-    graph reads it; a scheduler fills it in place), a float otherwise; its base rate (`initial_lr`, which a
-    scheduler scales) always a float, so that setting the rate never reads the device. Called on a new
-    optimizer and again after load_state_dict, which brings back the saved types."""
-    capturable = opt.defaults.get("capturable", False)
+def lamb(params, lr: float, device: torch.device, capturable: bool = False, **kwargs):
+    """LAMB as fused Triton kernels (bertfuse.kernels.Lamb; PyTorch where they cannot run), its learning rates
+    device tensors for a step captured as a CUDA graph (`capturable`: its step never reads the device anyway)."""
+    from bertfuse.bert.model.ops import TRITON, kernels_package  # imports triton: only for a run that asks for LAMB
+
+    opt = getattr(kernels_package(), TRITON["lamb"])(params, lr=lr, **kwargs)
+    set_lr_types(opt, device, capturable)
+    return opt
+
+
+def set_lr_types(opt: torch.optim.Optimizer, device, capturable: bool | None = None) -> None:
+    """Each group's learning rate as the step reads it: a device tensor for a capturable optimizer (`capturable`,
+    by default the optimizer's own flag: the captured graph reads it; a scheduler fills it in place), a float
+    otherwise; its base rate (`initial_lr`, which a scheduler scales) always a float, so that setting the rate
+    never reads the device. Called on a new optimizer and again after load_state_dict, which brings back the
+    saved types."""
+    if capturable is None:
+        capturable = opt.defaults.get("capturable", False)
     for group in opt.param_groups:
         lr = float(group["lr"])
         group["initial_lr"] = float(group.get("initial_lr", lr))
@@ -27,7 +39,7 @@ def set_lr_types(opt: torch.optim.Optimizer, device) -> None:
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on weights, none on biases and LayerNorm parameters (as BERT)."""
+    """The optimizer's groups: weight decay on weights, none on biases and LayerNorm parameters (as BERT)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

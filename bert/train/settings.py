@@ -33,11 +33,15 @@ class Settings:
                                         "step) / (steps - warm-up)) ** P: 1 is linear decay, NVIDIA's BERT recipe "
                                         "uses 0.5 (default %(default)s)", check="positive", resumed=True,
                                    metavar="P")
-    weight_decay: float = option(0.01, "AdamW weight decay, not on biases and LayerNorm (default %(default)s)",
-                                 check="non_negative", resumed=True)
+    optimizer: str = option("adamw", "adamw (torch's, fused on CUDA) or lamb (LAMB as fused Triton kernels, "
+                                     "bertfuse.kernels.Lamb: the optimizer of BERT's large-batch recipes) (default "
+                                     "%(default)s)", resumed=True, choices=["adamw", "lamb"])
+    weight_decay: float = option(0.01, "decoupled weight decay (AdamW's or LAMB's), not on biases and LayerNorm "
+                                       "(default %(default)s)", check="non_negative", resumed=True)
     grad_accum: int = option(1, "gradient accumulation steps (default 1)", check="positive", resumed=True)
-    max_grad_norm: float = option(1.0, "gradient clipping; 0 turns it off (default 1)", check="non_negative",
-                                  resumed=True)
+    max_grad_norm: float = option(1.0, "gradient clipping at this global norm (AdamW); with --optimizer lamb, LAMB's "
+                                       "pre-normalisation of the gradients by their global norm, not a second clip; "
+                                       "0 turns it off (default 1)", check="non_negative", resumed=True)
     max_nonfinite_steps: int = option(
         0, "a step whose loss or gradient norm is not finite never changes the weights; allow up to N such steps in "
            "a row (skipped, like a loss scaler's) before the run stops with an error (default 0: stop at the first)",

@@ -1,7 +1,7 @@
 """Training steps at static shapes, captured in a CUDA graph.
 
 A packed pre-training step (bert.data.packing, BertForPreTraining's packed call) has fixed shapes and asks the host
-nothing, so the whole iteration - forward, backward, gradient clipping and the fused AdamW step - can be
+nothing, so the whole iteration - forward, backward, gradient clipping and the fused AdamW (or LAMB) step - can be
 recorded once as a CUDA graph and replayed: one launch per step instead of thousands, and no Python between
 kernels. NVIDIA's MLPerf BERT does the same (its `full_iteration` graph). `GraphedStep` does the recording:
 
@@ -41,7 +41,8 @@ class GraphedStep:
 
     Every call must bring micro-batches of the same count, keys, shapes and dtypes (a packed batch's) and the
     same non-tensor values; `denominators` maps names to floats (or device scalars), which are copied into the
-    graph's inputs. The optimizer must be capturable, its learning rate a device tensor (bert.train.optim.adamw).
+    graph's inputs. The optimizer must be capturable, its learning rate a device tensor (bert.train.optim.adamw,
+    bert.train.optim.lamb).
     `record` does the warm-up and capture (`record_cuda_graph`; tests pass a stand-in that runs on a CPU)."""
 
     def __init__(self, step_fn, model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 3,
