@@ -69,6 +69,16 @@ check("disentangled_attention", lambda *t: deberta(*(x.float() for x in t), ours
 labels = torch.tensor([3, -100, 0, 9, 5])
 check("masked_lm_loss", lambda h, w, b: kernels.masked_lm_loss(h.float(), w.float(), b.float(), labels),
       lambda h, w, b: kernels.masked_lm_loss_ref(h, w, b, labels), leaves((5, 16), (11, 16), (11,)))
+def lamb(step, dtype):  # three LAMB steps, no autograd: the weights after them
+    weights = [t.to(dtype).clone() for t in lamb_start]
+    state = [[torch.zeros_like(t) for t in weights] for _ in range(2)] + [[torch.zeros(()) for _ in weights]]
+    for g in lamb_grads:
+        step(weights, [t.to(dtype) for t in g], *state, [kernels.LambGroup(2, 0.02, 0.9, 0.999, 1e-6, 0.01)], 1.0)
+    return weights
+lamb_start, lamb_grads = [torch.randn(37, 5), torch.randn(300)], [[torch.randn(37, 5), torch.randn(300)] for _ in range(3)]
+for a, b in zip(lamb(kernels.lamb_step, torch.float32), lamb(kernels.lamb_ref, torch.float64)):
+    assert torch.allclose(a.double(), b, atol=1e-6, rtol=1e-5), "Lamb"
+print("ok Lamb", kernels.Lamb.__module__)
 ln, lin = kernels.LayerNorm(24), kernels.LinearGeLU(16, 24)
 x = torch.randn(3, 16)
 assert torch.allclose(ln(lin(x)), torch.nn.functional.layer_norm(
