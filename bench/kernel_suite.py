@@ -55,15 +55,17 @@ def _run_once(case, fn, inputs) -> None:
         _backward(fn(*inputs))
 
 
-def _gpu_peak(fn, inputs) -> float:
-    """Bytes allocated beyond the inputs at the peak of one forward + backward."""
+def _gpu_peak(case, fn, inputs) -> float:
+    """Bytes allocated beyond the inputs at the peak of one forward + backward (`_run_once`: of an optimizer's
+    case, its first step, the state it allocates included)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    _backward(fn(*inputs))
+    _run_once(case, fn, inputs)
     torch.cuda.synchronize()
-    for t in inputs:
-        t.grad = None
+    if not case.step:  # a step's inputs are the optimizer's parameters, whose gradients it reads again
+        for t in inputs:
+            t.grad = None
     return torch.cuda.max_memory_allocated() - base
 
 
@@ -90,12 +92,7 @@ def _measure_step(case, fn, device) -> dict:
     inputs = case.inputs()
     row = {}
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn(*inputs)
-        torch.cuda.synchronize()
-        row["peak_extra_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row["peak_extra_MB"] = _gpu_peak(case, fn, inputs) / 2**20
     row["step_ms"] = timeit(lambda: fn(*inputs), device) * 1e3
     return row
 
@@ -106,7 +103,7 @@ def _measure(case, impl, fn, device) -> dict:
     inputs = case.inputs()
     row = {}
     if device.type == "cuda":
-        row["peak_extra_MB"] = _gpu_peak(fn, inputs) / 2**20
+        row["peak_extra_MB"] = _gpu_peak(case, fn, inputs) / 2**20
     t_fwd, t_bwd, t_all = _fwd_bwd_times(fn, inputs, device)
     row.update(fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3, fwd_bwd_ms=t_all * 1e3)
     error = exact_error(case, impl, fn, inputs)

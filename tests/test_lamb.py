@@ -11,6 +11,7 @@ from sync_utils import forbid_host_sync
 
 kernels = pytest.importorskip("bertfuse.kernels")
 from bertfuse.kernels import _multi_tensor, tuned  # noqa: E402
+from bertfuse.bench.ops.lamb import PlainLamb  # noqa: E402
 from bertfuse.kernels.lamb import Lamb, LambGroup, lamb_ref, lamb_step  # noqa: E402
 
 # Odd sizes, one element, an empty tensor, a 0-d one, a zero tensor (trust ratio 1), several chunks of 16,384
@@ -131,12 +132,10 @@ def test_half_precision_parameters_keep_float32_state(device, dtype):
     exact_params = exact_copy(params)
     opt, _ = run(params)
     run(exact_params)
-    plain = Lamb(groups_of(same), lr=0.02)
-    for p in same:
-        plain.state[p].update(Lamb._new_state(p))
+    plain = PlainLamb(groups_of(same), lr=0.02)  # the same groups, stepped by lamb_ref
     for step in range(3):
         set_grads(same, step)
-        _plain_step(plain)
+        plain.step()
     for p, s, q in zip(params, same, exact_params):
         assert p.dtype == dtype and opt.state[p]["exp_avg"].dtype == torch.float32
         check_against_reference("weights", p.detach().cpu(), q.detach(), s.detach().cpu(), dtype)
@@ -165,19 +164,6 @@ def test_float32_gradients_of_half_precision_weights(device, dtype):
             assert torch.allclose(w.double().cpu(), e, rtol=1e-5, atol=1e-7)
         else:
             check_against_reference("weights", w.cpu(), e, s.cpu(), dtype)
-
-
-def _plain_step(opt):
-    """opt's step by lamb_ref (PyTorch), whatever the device."""
-    lists, groups = [[], [], [], [], []], []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state[p]
-            for out, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
-                out.append(t)
-        groups.append(LambGroup(len(group["params"]), group["lr"], *group["betas"], group["eps"],
-                                group["weight_decay"]))
-    lamb_ref(*lists, groups, opt.defaults["max_grad_norm"])
 
 
 def test_deterministic_and_strided_gradients(device):

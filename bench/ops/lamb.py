@@ -81,9 +81,10 @@ class PlainLamb(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
-                if not state:  # Lamb's state: float32 moments and step count
-                    state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
+                if not state:  # Lamb's state: float32 moments (float64 for float64 weights) and step count
+                    moments = torch.promote_types(p.dtype, torch.float32)
+                    state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p, dtype=moments),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=moments))
                 for out, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
                     out.append(t)
             groups.append(LambGroup(len(group["params"]), group["lr"], *group["betas"], group["eps"],
