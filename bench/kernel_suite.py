@@ -86,24 +86,16 @@ def exact_error(case, impl: str, fn, inputs) -> float | None:
     return max(rel_err(a, b) for a, b in zip(got, want) if a is not None and b is not None)
 
 
-def _measure_step(case, fn, device) -> dict:
-    """An optimizer step's row: the peak memory of its first step (on a GPU: the state it allocates, and its
-    temporaries), then its median time."""
-    inputs = case.inputs()
-    row = {}
-    if device.type == "cuda":
-        row["peak_extra_MB"] = _gpu_peak(case, fn, inputs) / 2**20
-    row["step_ms"] = timeit(lambda: fn(*inputs), device) * 1e3
-    return row
-
-
 def _measure(case, impl, fn, device) -> dict:
-    if case.step:
-        return _measure_step(case, fn, device)
+    """A row's peak memory (on a GPU; an optimizer's, that of its first step, the state it allocates included) and
+    times: forward, backward and both with their error to the exact reference, or an optimizer's step."""
     inputs = case.inputs()
     row = {}
     if device.type == "cuda":
         row["peak_extra_MB"] = _gpu_peak(case, fn, inputs) / 2**20
+    if case.step:
+        row["step_ms"] = timeit(lambda: fn(*inputs), device) * 1e3
+        return row
     t_fwd, t_bwd, t_all = _fwd_bwd_times(fn, inputs, device)
     row.update(fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3, fwd_bwd_ms=t_all * 1e3)
     error = exact_error(case, impl, fn, inputs)

@@ -74,18 +74,21 @@ def _to_device(values: list[int], device: torch.device) -> tuple[torch.Tensor, t
     return host, host.to(device, non_blocking=True)
 
 
-def _offsets(tensors: list[torch.Tensor], name: str, index: list, vec: int | None = None) -> tuple[list[int], int]:
-    """Each tensor's offset from the first, in units of `vec` elements, and vec: by default the elements in 16 bytes
-    where every tensor is 16-byte aligned (torch allocates so), else 1."""
+def _vec(tensors: list[torch.Tensor]) -> int:
+    """Elements per offset unit: those in 16 bytes where every tensor is 16-byte aligned (torch allocates so),
+    else 1."""
+    return 16 // tensors[0].element_size() if all(t.data_ptr() % 16 == 0 for t in tensors) else 1
+
+
+def _offsets(tensors: list[torch.Tensor], name: str, index: list, vec: int) -> list[int]:
+    """Each tensor's offset from the first, in units of `vec` elements."""
     size = tensors[0].element_size()
     addresses = [t.data_ptr() for t in tensors]
     for t, a in zip(index, addresses):
         if a % size:
             raise ValueError(f"multi-tensor step: {name} {t} is not aligned to its {size}-byte elements "
                              f"(address {a:#x})")
-    if vec is None:
-        vec = 16 // size if all(a % 16 == 0 for a in addresses) else 1
-    return [(a - addresses[0]) // (size * vec) for a in addresses], vec
+    return [(a - addresses[0]) // (size * vec) for a in addresses]
 
 
 def _build(lists: tuple, launch_groups: list, chunk: int, device: torch.device) -> Plan:
@@ -96,17 +99,15 @@ def _build(lists: tuple, launch_groups: list, chunk: int, device: torch.device) 
         first = [0]
         for count in counts:
             first.append(first[-1] + count)
-        p_offsets, p_vec = _offsets([lists[0][i] for i in index], "param", index)
-        g_offsets, g_vec = _offsets([lists[1][i] for i in index], "grad", index)
-        s_vec = min(_offsets([lists[r][i] for i in index], "state", index)[1] for r in (2, 3))  # one unit for both
+        rows = [[lists[r][i] for i in index] for r in range(4)]
+        vec = (_vec(rows[0]), _vec(rows[1]), _vec(rows[2] + rows[3]))  # m and v: one unit for both
         start = len(values)
-        values += p_offsets + g_offsets
-        for r in (2, 3):
-            values += _offsets([lists[r][i] for i in index], "state", index, s_vec)[0]
+        for row, name, row_vec in zip(rows, ("param", "grad", "state", "state"), vec + vec[2:]):
+            values += _offsets(row, name, index, row_vec)
         values += [lists[4][i].data_ptr() for i in index]
         values += [t for t, count in enumerate(counts) for _ in range(count)] + first
         values += [lists[0][i].numel() for i in index]
-        layout.append((group, index, first[-1], chunks_total, start, (p_vec, g_vec, s_vec)))
+        layout.append((group, index, first[-1], chunks_total, start, vec))
         chunks_total += first[-1]
     step_start = len(values)
     values += [s.data_ptr() for s in lists[4]]

@@ -577,12 +577,18 @@ class Lamb(torch.optim.Optimizer):
         device = params[0].device
         if self._stats is None or self._stats.device != device:
             self._stats = torch.zeros(3, dtype=torch.float32, device=device)
-        why = _kernels_refusal(params, grads)
-        if why is not None:
-            warn_once(f"Lamb steps in PyTorch (lamb_ref), not in the kernels: {why}")
-        (lamb_ref if why else lamb_step)(params, grads, exp_avgs, exp_avg_sqs, steps, groups, self._max_grad_norm(),
-                                         self.found_inf, self._stats)
+        self._stepper(params, grads)(params, grads, exp_avgs, exp_avg_sqs, steps, groups, self._max_grad_norm(),
+                                     self.found_inf, self._stats)
         return loss
+
+    def _stepper(self, params: list[torch.Tensor], grads: list[torch.Tensor]):
+        """The step function for these tensors: `lamb_step`, or `lamb_ref` (after one warning) where the kernels
+        cannot run."""
+        why = _kernels_refusal(params, grads)
+        if why is None:
+            return lamb_step
+        warn_once(f"Lamb steps in PyTorch (lamb_ref), not in the kernels: {why}")
+        return lamb_ref
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, then the state as this optimizer keeps it (torch casts it to each parameter's dtype:

@@ -69,27 +69,12 @@ class Stepper:
         self.optimizer.step()
 
 
-class PlainLamb(torch.optim.Optimizer):
-    """The same LAMB in plain PyTorch (`lamb_ref`, one tensor at a time): what a user without our kernels runs."""
+class PlainLamb(Lamb):
+    """The same LAMB, its state and step, stepping in plain PyTorch (`lamb_ref`, one tensor at a time): what a user
+    without our kernels runs."""
 
-    def __init__(self, params, lr, weight_decay=0.01):
-        super().__init__(params, dict(lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        lists, groups = [[], [], [], [], []], []
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:  # Lamb's state: float32 moments (float64 for float64 weights) and step count
-                    moments = torch.promote_types(p.dtype, torch.float32)
-                    state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p, dtype=moments),
-                                 exp_avg_sq=torch.zeros_like(p, dtype=moments))
-                for out, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
-                    out.append(t)
-            groups.append(LambGroup(len(group["params"]), group["lr"], *group["betas"], group["eps"],
-                                    group["weight_decay"]))
-        lamb_ref(*lists, groups, 1.0)
+    def _stepper(self, params, grads):
+        return lamb_ref
 
 
 def _bench(shape, device, dtype, full):
