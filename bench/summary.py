@@ -94,12 +94,13 @@ def render(raw: str) -> str:
               markdown(qa, ["variant", "model", "batch", "seq_len", "dtype", "padding", "step_ms", "tokens_per_s",
                             "speedup_vs_hf-eager", "status"]) if qa else "not run"]
     kernels = results.get("kernels", [])
+    ops, steps = by_measure(kernels)
     lines += ["", "## Kernels and their peers", "", "Each row's time, extra memory and error to the float64 "
               "reference (where there is one), so a fast row can be seen to be right.", "",
-              markdown(by_measure(kernels)[0], ["kernel", "shape", "impl", "fwd_bwd_ms", "peak_extra_MB",
-                                                 "rel_err_fp64", "status"]) if kernels else "not run"]
-    if by_measure(kernels)[1]:
-        lines += ["", "## Optimizer steps", "", markdown(by_measure(kernels)[1], STEP_COLUMNS)]
+              markdown(ops, ["kernel", "shape", "impl", "fwd_bwd_ms", "peak_extra_MB", "rel_err_fp64", "status"])
+              if kernels else "not run"]
+    if steps:
+        lines += ["", "## Optimizer steps", "", markdown(steps, STEP_COLUMNS)]
     smoke = _json(os.path.join(raw, "smoke.json"), None)
     lines += ["", "## Smoke", ""]
     if smoke is None:
