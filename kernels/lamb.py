@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from . import _multi_tensor as multi_tensor, launches, targets, tuned
-from ._common import FLOAT_DTYPES, _refusal, check_device, check_float, warn_once
+from ._common import FLOAT_DTYPES, _refusal, check_device, warn_once
 
 __all__ = ["Lamb", "LambGroup", "lamb_step", "lamb_ref"]
 
@@ -382,7 +382,6 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, groups, max_grad_norm, f
     if not max_grad_norm >= 0:
         raise ValueError(f"lamb_step: max_grad_norm must be >= 0 (0: no pre-normalisation), got {max_grad_norm}")
     device = params[0].device
-    state_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     for i, (p, g, m, v, s) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         for name, t in (("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v), ("step", s)):
             if not isinstance(t, torch.Tensor):
@@ -391,14 +390,14 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, groups, max_grad_norm, f
                 raise ValueError(f"lamb_step: {name} {i} is on {t.device}, param 0 on {device}")
             if t.layout != torch.strided:
                 raise TypeError(f"lamb_step: {name} {i} is {t.layout}: LAMB takes dense gradients")
-        if p.dtype not in FLOAT_DTYPES + (torch.float64,) or g.dtype not in FLOAT_DTYPES + (torch.float64,):
-            raise TypeError(f"lamb_step: param {i} is {p.dtype} with a {g.dtype} gradient; LAMB takes float32, "
-                            "float16, bfloat16 (and float64, in PyTorch)")
+        if p.dtype not in FLOAT_DTYPES or g.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"lamb_step: param {i} is {p.dtype} with a {g.dtype} gradient; the kernels take float32, "
+                            "float16 and bfloat16 (Lamb steps float64 in PyTorch: lamb_ref)")
         if g.shape != p.shape or m.shape != p.shape or v.shape != p.shape:
             raise ValueError(f"lamb_step: param {i} has shape {tuple(p.shape)}, its grad {tuple(g.shape)}, "
                              f"exp_avg {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
-        if m.dtype != state_dtype or v.dtype != state_dtype or s.dtype != torch.float32 or s.numel() != 1:
-            raise TypeError(f"lamb_step: param {i}'s state must be {state_dtype} moments and a one-element float32 "
+        if m.dtype != torch.float32 or v.dtype != torch.float32 or s.dtype != torch.float32 or s.numel() != 1:
+            raise TypeError(f"lamb_step: param {i}'s state must be torch.float32 moments and a one-element float32 "
                             f"step count, got {m.dtype}, {v.dtype} and {s.dtype} {tuple(s.shape)}")
         if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
             raise ValueError(f"lamb_step: param {i} and its moments must be contiguous (strides {p.stride()}, "
@@ -429,8 +428,6 @@ def lamb_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: l
     if not params:
         raise ValueError("lamb_step: no parameters")
     _check(params, grads, exp_avgs, exp_avg_sqs, steps, groups, max_grad_norm, found_inf, stats)
-    for t in params + grads:
-        check_float("lamb_step", "every parameter and gradient", t)
     device = check_device("lamb_step", param=params[0])
     if any(t.dtype == torch.bfloat16 for t in params + grads):
         targets.check("lamb_step", torch.bfloat16, device)

@@ -306,6 +306,9 @@ def test_bad_arguments_are_refused_with_their_names():
         lamb_step([w], [g, g], *state, group)
     with pytest.raises(ValueError, match="param 0 has shape"):
         lamb_step([w], [torch.ones(5)], *state, group)
+    with pytest.raises(TypeError, match="param 0 is torch.float64 .* the kernels take float32"):
+        lamb_step([w.double()], [g.double()], [torch.zeros(4, dtype=torch.float64)],
+                  [torch.zeros(4, dtype=torch.float64)], state[2], group)
     with pytest.raises(TypeError, match="state must be torch.float32 moments"):
         lamb_step([w], [g], [torch.zeros(4, dtype=torch.float16)], *state[1:], group)
     with pytest.raises(ValueError, match="must be contiguous"):
