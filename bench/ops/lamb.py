@@ -27,12 +27,10 @@ def _steps(step_fn, pairs: list, max_grad_norm: float = 1.0):
     the gradients scaled by 0.1, 1 and 10 (pre-normalised in the last two); the new weights, flattened."""
     weights = [w.detach().clone() for w in pairs[0::2]]
     grads = [g.detach() for g in pairs[1::2]]
-    state = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
-    m = [torch.zeros_like(w, dtype=state) for w in weights]
-    v = [torch.zeros_like(w, dtype=state) for w in weights]
-    steps = [torch.zeros((), dtype=torch.float32, device=w.device) for w in weights]
+    fresh = [Lamb._new_state(w) for w in weights]  # the optimizer's state, as it keeps it
+    state = [[s[k] for s in fresh] for k in ("exp_avg", "exp_avg_sq", "step")]
     for scale in (0.1, 1.0, 10.0):
-        step_fn(weights, [g * scale for g in grads], m, v, steps, _groups(weights), max_grad_norm)
+        step_fn(weights, [g * scale for g in grads], *state, _groups(weights), max_grad_norm)
     return torch.cat([w.flatten() for w in weights])
 
 
